@@ -1,0 +1,57 @@
+//! The SD tree: a lock-free content index over page bytes that examines each key bit at most once.
+//!
+//! # Design
+//!
+//! Keys are byte strings of one fixed length up to 4 KiB (pages). The tree never copies a key: it
+//! stores the caller's [`KeyId`] in a leaf and reads key bytes through a [`KeySource`] (stored keys)
+//! or a [`Key`] (queries), one big-endian 64-bit word at a time, so watched memory can be read with
+//! volatile loads.
+//!
+//! **Upper level (static).** Each key is routed by the position of its first set bit, found with
+//! find-first-set while the cursor skips the zero run a word at a time, to one of `8 * key_len + 1`
+//! cluster roots. Pages often begin with runs of zeros of varying length; in a plain crit-bit trie
+//! those keys hang off one long spine of zero bits (one node per distinct run length). Routing removes
+//! that spine: a key with a 128-byte zero prefix reaches its cluster after reading 17 words.
+//!
+//! **Lower level (dynamic).** Each cluster is a crit-bit (PATRICIA) trie. An internal node holds the
+//! critical bit `crit` where its two subtrees first differ, a representative leaf, and two child edges.
+//! A walk keeps a cursor into the query that only moves forward: at a node it compares the query's
+//! bits from the cursor up to `crit` against the representative (XOR of words, leading-zero count),
+//! then takes the side given by the query's bit at `crit`. A query that differs from every stored key
+//! is rejected at the first differing bit, after reading only its distinguishing prefix; a hit reads
+//! the query exactly once. Compare a KSM-style tree ordered by `memcmp`, which re-reads the common
+//! prefix at every level.
+//!
+//! **Words, ids, CAS.** A node is four 64-bit words in an [`arena`](crate::arena) addressed by 32-bit
+//! ids. An edge word packs a node id, the node's 30-bit generation, and two flags. Every change to the
+//! shared structure is a single CAS on one edge:
+//! - *insert*: build a leaf and an internal node privately, then swing the edge where the query left
+//!   the tree to the new internal node (Release publishes the private writes);
+//! - *remove by handle*: the handle names the leaf and its generation, never the key's current
+//!   content; the remover CASes the DEL flag onto the leaf's edge (the linearisation point), then the
+//!   parent is spliced out by freezing the sibling edge (FROZEN) and swinging the grandparent edge to
+//!   the sibling. Any mutating walk that meets a flagged node helps finish the splice before going on,
+//!   so no thread waits for another: every retry follows another thread's successful CAS (lock-free).
+//!
+//! **Reclamation.** Unlinked nodes are freed, and leaf keys released to the caller, only after an epoch
+//! grace period (crossbeam-epoch). Generations in edges make a recycled node unmistakable even to a
+//! stale CAS (no ABA). Representatives are hints validated by generation (seqlock) and repaired on use.
+//!
+//! **Shared memory.** Nodes hold ids, never pointers, and every id read goes through a bounds-checked
+//! arena lookup, so the same layout can be placed in a memfd mapped by several processes; that version
+//! (for the cross-process engine) replaces the epoch by per-client quiescent-state counters in the shared
+//! header. Thread count is never fixed.
+//!
+//! Counters for tests and benchmarks come back per operation in [`OpStats`].
+
+mod arena;
+mod key;
+mod primitive;
+mod reclaim;
+mod tree;
+
+pub use key::{Key, KeyId, KeySource, WordKey, MAX_KEY_BYTES};
+pub use tree::{Entry, IndexError, Insert, OpStats, SdTree};
+
+#[cfg(all(test, not(loom)))]
+mod tests;

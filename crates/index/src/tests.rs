@@ -1,0 +1,188 @@
+//! Unit and property tests of the SD tree against a `BTreeMap` model.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use crate::{Insert, Key, KeyId, KeySource, SdTree};
+
+/// Keys held in plain vectors, never mutated while in a tree.
+struct VecSource(Vec<Vec<u8>>);
+
+impl KeySource for VecSource {
+    fn word(&self, id: KeyId, i: usize) -> u64 {
+        self.0[id as usize].as_slice().word(i)
+    }
+}
+
+/// Small alphabet and zero prefixes of varying length, so keys share long prefixes and collide often.
+fn key_strategy(len: usize) -> impl Strategy<Value = Vec<u8>> {
+    (
+        0..=len,
+        proptest::collection::vec(
+            prop_oneof![Just(0u8), Just(1), Just(0x80), Just(0xff), any::<u8>()],
+            len,
+        ),
+    )
+        .prop_map(move |(zeros, mut bytes)| {
+            bytes[..zeros].iter_mut().for_each(|b| *b = 0);
+            bytes
+        })
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert(usize),
+    Lookup(usize),
+    Remove(usize),
+}
+
+fn op_strategy(pool: usize) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0..pool).prop_map(Op::Insert),
+        2 => (0..pool).prop_map(Op::Lookup),
+        2 => (0..pool).prop_map(Op::Remove),
+    ]
+}
+
+fn run_model(key_len: usize, pool: Vec<Vec<u8>>, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let tree = SdTree::new(VecSource(pool.clone()), key_len).unwrap();
+    let mut model: BTreeMap<Vec<u8>, crate::Entry> = BTreeMap::new();
+    for op in ops {
+        match op {
+            Op::Insert(i) => {
+                let got = tree.insert_or_get(i as KeyId).unwrap();
+                match model.get(&pool[i]) {
+                    Some(&e) => prop_assert_eq!(got, Insert::Found(e)),
+                    None => {
+                        prop_assert!(got.inserted());
+                        prop_assert_eq!(got.entry().key(), i as KeyId);
+                        model.insert(pool[i].clone(), got.entry());
+                    }
+                }
+            }
+            Op::Lookup(i) => {
+                prop_assert_eq!(
+                    tree.lookup(pool[i].as_slice()),
+                    model.get(&pool[i]).copied()
+                );
+            }
+            Op::Remove(i) => match model.remove(&pool[i]) {
+                Some(e) => {
+                    prop_assert!(tree.remove(e));
+                    prop_assert!(!tree.remove(e), "a second removal of one handle must fail");
+                }
+                None => prop_assert_eq!(tree.lookup(pool[i].as_slice()), None),
+            },
+        }
+        prop_assert_eq!(tree.len(), model.len());
+    }
+    tree.check_invariants().map_err(TestCaseError::fail)?;
+    let mut keys: Vec<Vec<u8>> = tree
+        .entries()
+        .iter()
+        .map(|e| pool[e.key() as usize].clone())
+        .collect();
+    keys.sort();
+    prop_assert_eq!(keys, model.keys().cloned().collect::<Vec<_>>());
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn matches_btreemap_model(
+        (key_len, pool, ops) in prop_oneof![Just(1usize), Just(8), Just(13), Just(24)]
+            .prop_flat_map(|len| (Just(len), proptest::collection::vec(key_strategy(len), 1..40)))
+            .prop_flat_map(|(len, pool)| {
+                let n = pool.len();
+                (Just(len), Just(pool), proptest::collection::vec(op_strategy(n), 0..200))
+            })
+    ) {
+        run_model(key_len, pool, ops)?;
+    }
+}
+
+#[test]
+fn rejects_bad_key_lengths() {
+    assert!(SdTree::new(VecSource(vec![]), 0).is_err());
+    assert!(SdTree::new(VecSource(vec![]), 4097).is_err());
+}
+
+#[test]
+fn stale_handle_is_refused_after_reuse() {
+    let pool = vec![vec![1u8; 8], vec![2u8; 8], vec![3u8; 8]];
+    let tree = SdTree::new(VecSource(pool), 8).unwrap();
+    let a = tree.insert_or_get(0).unwrap().entry();
+    tree.insert_or_get(1).unwrap();
+    assert!(tree.remove(a));
+    // Force the grace period so the node can be recycled, then insert again.
+    for _ in 0..128 {
+        crossbeam_epoch::pin().flush();
+    }
+    tree.insert_or_get(2).unwrap();
+    tree.insert_or_get(0).unwrap();
+    assert!(
+        !tree.remove(a),
+        "an old handle must never remove a recycled node's entry"
+    );
+    assert_eq!(tree.len(), 3);
+    tree.check_invariants().unwrap();
+}
+
+/// Seed "hard" pages: a distinct random 8-byte value at a random offset 0..252, zeros elsewhere.
+pub(crate) fn hard_pages(n: usize, seed: u64) -> (Vec<Vec<u8>>, Vec<usize>) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut seen = std::collections::HashSet::new();
+    let mut pages = Vec::with_capacity(n);
+    let mut offsets = Vec::with_capacity(n);
+    while pages.len() < n {
+        let off = rng.gen_range(0..=252usize);
+        let v: u64 = rng.gen::<u64>() | (1 << 63); // a set top bit makes the offset the first set byte
+        if !seen.insert((off, v)) {
+            continue;
+        }
+        let mut p = vec![0u8; 4096];
+        p[off..off + 8].copy_from_slice(&v.to_be_bytes());
+        pages.push(p);
+        offsets.push(off);
+    }
+    (pages, offsets)
+}
+
+#[test]
+fn hard_keys_read_each_word_once_and_misses_stop_at_the_distinguishing_prefix() {
+    let (pages, _) = hard_pages(20_000, 7);
+    let (probes, offsets) = hard_pages(2_000, 8);
+    let tree = SdTree::new(VecSource(pages.clone()), 4096).unwrap();
+    for i in 0..pages.len() {
+        assert!(tree.insert_or_get(i as KeyId).unwrap().inserted());
+    }
+    for p in pages.iter().take(2000) {
+        let (hit, stats) = tree.lookup_with_stats(p.as_slice());
+        assert!(hit.is_some());
+        // A hit must confirm every byte, and reads each query word exactly once.
+        assert_eq!(
+            stats.query_bytes, 4096,
+            "hit read {} bytes",
+            stats.query_bytes
+        );
+    }
+    let mut misses = 0;
+    for (p, off) in probes.iter().zip(offsets) {
+        let (hit, stats) = tree.lookup_with_stats(p.as_slice());
+        if hit.is_none() {
+            misses += 1;
+            // Zero run (skipped a word at a time) + the 8-byte value + at most one word of slack.
+            let bound = (off + 8).div_ceil(8) * 8 + 8;
+            assert!(
+                stats.query_bytes as usize <= bound,
+                "miss read {} bytes, bound {bound}",
+                stats.query_bytes
+            );
+        }
+    }
+    assert!(misses > 1900);
+}

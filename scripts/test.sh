@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The whole pageone test suite. Installs what it needs, then runs formatting, lints,
+# unit/property/integration tests (debug and release), and the loom models.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Toolchain: rust-toolchain.toml pins the version and components; make sure rustup has them.
+if ! command -v cargo >/dev/null 2>&1; then
+    if [ -x "$HOME/.cargo/bin/cargo" ]; then
+        export PATH="$HOME/.cargo/bin:$PATH"
+    else
+        curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+        export PATH="$HOME/.cargo/bin:$PATH"
+    fi
+fi
+if command -v rustup >/dev/null 2>&1; then
+    rustup show active-toolchain >/dev/null 2>&1 || rustup toolchain install
+    rustup component add rustfmt clippy >/dev/null
+fi
+
+# System packages the kernel-path tests and tools need.
+need_pkgs=()
+command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
+command -v python3 >/dev/null 2>&1 || need_pkgs+=(python3)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}"
+fi
+
+step() { printf '\n=== %s\n' "$*"; }
+
+step "format"
+cargo fmt --all -- --check
+
+step "clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "tests (debug)"
+cargo test --workspace --locked
+
+step "tests (release: stress and kernel paths)"
+cargo test --workspace --release --locked
+
+step "loom models of the SD tree's lock-free races"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target-loom LOOM_MAX_PREEMPTIONS=3 \
+    cargo test -p pageone-index --test loom --release --locked
+
+step "all tests passed"
