@@ -1,1 +1,620 @@
-//! placeholder
+//! Every Linux system call pageone makes, each with its contract stated once.
+//!
+//! Nothing else in the workspace calls `libc` for a system call: the engine, recycler and tools go
+//! through this crate, so the kernel interfaces pageone depends on (and the uapi constants newer than
+//! Debian's 6.1 headers) are all visible in one place. Each function returns `io::Result`; the raw
+//! errno is kept so callers can tell "feature missing" (`EINVAL`, `ENOSYS`, `ENOTTY`) from "busy"
+//! (`EBUSY`, `EEXIST`, `EAGAIN`) from "out of resources" (`ENOMEM`).
+//!
+//! Features are detected at run time (`Uffd::open`, [`pagemap_scan_supported`]); nothing here assumes
+//! a kernel version.
+
+use std::ffi::CStr;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+pub mod uapi;
+
+use uapi::*;
+
+/// Converts a `-1`-on-error return into `io::Result`.
+fn cvt(ret: libc::c_long) -> io::Result<libc::c_long> {
+    if ret == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// The base page size, 4096 on every platform pageone supports (checked in [`page_size`]).
+pub const PAGE_SIZE: usize = 4096;
+
+/// Returns the kernel's base page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if v <= 0 {
+        PAGE_SIZE
+    } else {
+        v as usize
+    }
+}
+
+/// Maps `len` bytes of fresh private anonymous memory (read/write) anywhere.
+pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
+    // SAFETY: a non-fixed anonymous mapping cannot alias existing memory.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
+/// Maps `len` bytes of `fd` at `offset` shared and read/write anywhere (the engine's view of its
+/// stable store).
+pub fn mmap_shared(fd: RawFd, len: usize, offset: u64) -> io::Result<*mut u8> {
+    // SAFETY: a non-fixed mapping cannot alias existing memory.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
+/// Replaces `[addr, addr+len)` by a private (copy-on-write) read/write mapping of `fd` at `offset`.
+///
+/// # Safety
+/// The range must belong to the caller (no live Rust references into it), and its previous contents
+/// are discarded: the caller must have moved out anything it still needs.
+pub unsafe fn mmap_private_fixed(
+    addr: *mut u8,
+    len: usize,
+    fd: RawFd,
+    offset: u64,
+) -> io::Result<()> {
+    // SAFETY: the caller owns the range (see the function's contract).
+    let p = unsafe {
+        libc::mmap(
+            addr.cast(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_FIXED,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Unmaps `[addr, addr+len)`.
+///
+/// # Safety
+/// No reference into the range may outlive the call.
+pub unsafe fn munmap(addr: *mut u8, len: usize) -> io::Result<()> {
+    // SAFETY: the caller guarantees nothing refers to the range any more.
+    cvt(unsafe { libc::munmap(addr.cast(), len) } as libc::c_long).map(drop)
+}
+
+/// `madvise(addr, len, advice)`.
+///
+/// # Safety
+/// Advice that discards contents (`MADV_DONTNEED`, `MADV_REMOVE`, ...) must only be given for memory
+/// whose contents the caller owns and no longer needs.
+pub unsafe fn madvise(addr: *mut u8, len: usize, advice: libc::c_int) -> io::Result<()> {
+    // SAFETY: forwarded to the caller's contract.
+    cvt(unsafe { libc::madvise(addr.cast(), len, advice) } as libc::c_long).map(drop)
+}
+
+/// Creates a memfd (close-on-exec) named `name` for diagnostics in `/proc/PID/maps`.
+pub fn memfd_create(name: &CStr) -> io::Result<OwnedFd> {
+    // SAFETY: name is a valid NUL-terminated string.
+    let fd = cvt(unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) } as libc::c_long)?;
+    // SAFETY: fd was just returned by the kernel and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Sets the size of the file behind `fd`.
+pub fn ftruncate(fd: RawFd, len: u64) -> io::Result<()> {
+    // SAFETY: no memory is passed to the kernel.
+    cvt(unsafe { libc::ftruncate(fd, len as libc::off_t) } as libc::c_long).map(drop)
+}
+
+/// Frees `[offset, offset+len)` of a file without changing its size (reads return zeros).
+pub fn punch_hole(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: no memory is passed to the kernel.
+    cvt(unsafe {
+        libc::fallocate(
+            fd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    } as libc::c_long)
+    .map(drop)
+}
+
+/// Creates an eventfd used to interrupt a blocking poll (non-blocking, close-on-exec).
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: no memory is passed to the kernel.
+    let fd =
+        cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) } as libc::c_long)?;
+    // SAFETY: fd was just returned by the kernel and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Adds one to an eventfd's counter, waking its pollers.
+pub fn eventfd_signal(fd: RawFd) -> io::Result<()> {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live local.
+    cvt(unsafe { libc::write(fd, (&one as *const u64).cast(), 8) } as libc::c_long).map(drop)
+}
+
+/// Waits until one of `fds` is readable; returns which ones are.
+pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<Vec<bool>> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        // SAFETY: pfds is a live array of pfds.len() pollfd structures.
+        let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+        if r == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        return Ok(pfds
+            .iter()
+            .map(|p| p.revents & (libc::POLLIN | libc::POLLERR) != 0)
+            .collect());
+    }
+}
+
+/// Puts the calling thread in the `SCHED_IDLE` class, so it only runs on otherwise idle CPUs.
+pub fn set_thread_idle_priority() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: param is a live sched_param; pid 0 means the calling thread.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } as libc::c_long).map(drop)
+}
+
+/// CPU time consumed by the calling thread, in nanoseconds.
+pub fn thread_cpu_time_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a live timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The kernel's VMA limit per process (`vm.max_map_count`).
+pub fn max_map_count() -> io::Result<usize> {
+    let s = std::fs::read_to_string("/proc/sys/vm/max_map_count")?;
+    s.trim()
+        .parse()
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad max_map_count"))
+}
+
+/// Sets `vm.max_map_count` (root only; used by tests of the VMA-limit path).
+pub fn set_max_map_count(n: usize) -> io::Result<()> {
+    std::fs::write("/proc/sys/vm/max_map_count", format!("{n}\n"))
+}
+
+/// The number of VMAs of the calling process (lines of `/proc/self/maps`).
+pub fn map_count() -> io::Result<usize> {
+    let s = std::fs::read("/proc/self/maps")?;
+    Ok(s.iter().filter(|&&b| b == b'\n').count())
+}
+
+/// One line of `/proc/self/maps`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: usize,
+    pub end: usize,
+    pub perms: String,
+    pub offset: u64,
+    pub inode: u64,
+    pub path: String,
+}
+
+impl Mapping {
+    /// A private, read/write, anonymous mapping (including `[heap]` and `[stack]`): what the engine
+    /// may register.
+    pub fn is_private_anonymous_rw(&self) -> bool {
+        self.perms.starts_with("rw") && self.perms.ends_with('p') && self.inode == 0 && {
+            self.path.is_empty() || self.path == "[heap]" || self.path.starts_with("[anon:")
+        }
+    }
+}
+
+/// Parses `/proc/self/maps`.
+pub fn self_mappings() -> io::Result<Vec<Mapping>> {
+    let s = std::fs::read_to_string("/proc/self/maps")?;
+    let mut out = Vec::new();
+    for line in s.lines() {
+        let mut it = line.split_ascii_whitespace();
+        let (Some(range), Some(perms), Some(off), Some(_dev), Some(inode)) =
+            (it.next(), it.next(), it.next(), it.next(), it.next())
+        else {
+            continue;
+        };
+        let path = it.collect::<Vec<_>>().join(" ");
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+        else {
+            continue;
+        };
+        out.push(Mapping {
+            start,
+            end,
+            perms: perms.to_string(),
+            offset: u64::from_str_radix(off, 16).unwrap_or(0),
+            inode: inode.parse().unwrap_or(0),
+            path,
+        });
+    }
+    Ok(out)
+}
+
+/// A userfaultfd context.
+///
+/// Contract: the engine registers its watched ranges with `MISSING | WP` (async write-protection),
+/// answers missing faults itself, and uses `UFFDIO_MOVE` to freeze a page: while a page is moved out,
+/// any access to its address blocks in the kernel until the engine wakes it.
+#[derive(Debug)]
+pub struct Uffd {
+    fd: OwnedFd,
+    features: u64,
+}
+
+impl Uffd {
+    /// Opens a userfaultfd (non-blocking, close-on-exec) and negotiates the `wanted` features,
+    /// dropping those this kernel lacks. Returns the context and the features granted.
+    ///
+    /// Unprivileged processes on hosts with `vm.unprivileged_userfaultfd = 0` get a user-mode-only
+    /// context, which is enough: pageone only handles faults from user space.
+    pub fn open(wanted: u64) -> io::Result<Self> {
+        let base = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        let fd = Self::raw_open(base).or_else(|_| Self::raw_open(base | UFFD_USER_MODE_ONLY))?;
+        // First ask what exists (features = 0 returns the supported set), then request the
+        // intersection on a fresh context: the API handshake can only be done once per context.
+        let mut probe = UffdioApi {
+            api: UFFD_API,
+            features: 0,
+            ioctls: 0,
+        };
+        // SAFETY: probe is a live uffdio_api the kernel fills in.
+        cvt(unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut probe) } as libc::c_long)?;
+        let grant = wanted & probe.features;
+        drop(fd);
+        let fd = Self::raw_open(base).or_else(|_| Self::raw_open(base | UFFD_USER_MODE_ONLY))?;
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: grant,
+            ioctls: 0,
+        };
+        // SAFETY: as above.
+        cvt(unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } as libc::c_long)?;
+        Ok(Self {
+            fd,
+            features: grant,
+        })
+    }
+
+    fn raw_open(flags: libc::c_int) -> io::Result<OwnedFd> {
+        // SAFETY: the userfaultfd syscall takes only flags.
+        let fd = cvt(unsafe { libc::syscall(libc::SYS_userfaultfd, flags) })?;
+        // SAFETY: fd was just returned by the kernel and is owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    }
+
+    /// The features this context was granted.
+    pub fn features(&self) -> u64 {
+        self.features
+    }
+
+    /// The raw descriptor (for polling).
+    pub fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Registers `[start, start+len)` with `mode` (`UFFDIO_REGISTER_MODE_*`).
+    pub fn register(&self, start: usize, len: usize, mode: u64) -> io::Result<()> {
+        let mut r = UffdioRegister {
+            range: UffdioRange {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode,
+            ioctls: 0,
+        };
+        // SAFETY: r is a live uffdio_register.
+        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_REGISTER, &mut r) } as libc::c_long)
+            .map(drop)
+    }
+
+    /// Unregisters `[start, start+len)`; blocked faulters in it are woken.
+    pub fn unregister(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut r = UffdioRange {
+            start: start as u64,
+            len: len as u64,
+        };
+        // SAFETY: r is a live uffdio_range.
+        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_UNREGISTER, &mut r) } as libc::c_long)
+            .map(drop)
+    }
+
+    /// Wakes threads blocked on faults in `[start, start+len)`.
+    pub fn wake(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut r = UffdioRange {
+            start: start as u64,
+            len: len as u64,
+        };
+        // SAFETY: r is a live uffdio_range.
+        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_WAKE, &mut r) } as libc::c_long).map(drop)
+    }
+
+    /// Resolves a missing fault by mapping the shared zero page over `[start, start+len)` and
+    /// waking the faulters. `EEXIST` means the page is present already.
+    pub fn zeropage(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut z = UffdioZeropage {
+            range: UffdioRange {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode: 0,
+            zeropage: 0,
+        };
+        // SAFETY: z is a live uffdio_zeropage.
+        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) } as libc::c_long)
+            .map(drop)
+    }
+
+    /// Write-protects (`protect`) or un-protects `[start, start+len)`; un-protecting also clears
+    /// the write-protect markers of unpopulated pages and wakes faulters.
+    pub fn writeprotect(&self, start: usize, len: usize, protect: bool) -> io::Result<()> {
+        let mut w = UffdioWriteprotect {
+            range: UffdioRange {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode: if protect {
+                UFFDIO_WRITEPROTECT_MODE_WP
+            } else {
+                0
+            },
+        };
+        // SAFETY: w is a live uffdio_writeprotect.
+        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) } as libc::c_long)
+            .map(drop)
+    }
+
+    /// Resolves a missing fault by copying `len` bytes from `src` into new pages at `dst` and waking
+    /// the faulters. Unlike [`Uffd::zeropage`] this also fills a page whose entry holds only a
+    /// write-protect marker (left by async write-protection of an unpopulated page).
+    ///
+    /// # Safety
+    /// `src` must be readable for `len` bytes.
+    pub unsafe fn copy(&self, dst: usize, src: *const u8, len: usize) -> io::Result<()> {
+        let mut c = UffdioCopy {
+            dst: dst as u64,
+            src: src as u64,
+            len: len as u64,
+            mode: 0,
+            copy: 0,
+        };
+        // SAFETY: c is a live uffdio_copy; the caller vouches for src.
+        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_COPY, &mut c) } as libc::c_long).map(drop)
+    }
+
+    /// Moves the pages of `[src, src+len)` to `[dst, dst+len)` without copying (`UFFDIO_MOVE`).
+    /// `dst` must lie in a range registered with this context and be unpopulated; `src` must be
+    /// private anonymous memory of this process. Returns the number of bytes moved, which may be
+    /// less than `len` on error (the error is returned only when nothing moved).
+    ///
+    /// # Safety
+    /// Both ranges' contents change place: no reference into either may be live.
+    pub unsafe fn move_pages(
+        &self,
+        dst: usize,
+        src: usize,
+        len: usize,
+        mode: u64,
+    ) -> io::Result<usize> {
+        let mut m = UffdioMove {
+            dst: dst as u64,
+            src: src as u64,
+            len: len as u64,
+            mode,
+            moved: 0,
+        };
+        // SAFETY: m is a live uffdio_move; the caller vouches for the ranges.
+        let r = unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_MOVE, &mut m) };
+        if r == -1 {
+            let e = io::Error::last_os_error();
+            if m.moved > 0 {
+                return Ok(m.moved as usize);
+            }
+            return Err(e);
+        }
+        Ok(m.moved as usize)
+    }
+
+    /// Reads one pending fault event without blocking; `Ok(None)` when none is pending.
+    pub fn read_event(&self) -> io::Result<Option<UffdMsg>> {
+        let mut msg = UffdMsg::default();
+        let n = std::mem::size_of::<UffdMsg>();
+        // SAFETY: reads at most n bytes into a live UffdMsg of n bytes.
+        let r = unsafe { libc::read(self.as_raw_fd(), (&mut msg as *mut UffdMsg).cast(), n) };
+        if r == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::WouldBlock {
+                return Ok(None);
+            }
+            return Err(e);
+        }
+        if r as usize != n {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "short userfaultfd read",
+            ));
+        }
+        Ok(Some(msg))
+    }
+}
+
+/// The process's `/proc/self/pagemap`, for the `PAGEMAP_SCAN` ioctl and classic entry reads.
+#[derive(Debug)]
+pub struct Pagemap {
+    file: File,
+}
+
+impl Pagemap {
+    /// Opens `/proc/self/pagemap`.
+    pub fn open() -> io::Result<Self> {
+        Ok(Self {
+            file: File::open("/proc/self/pagemap")?,
+        })
+    }
+
+    /// Runs `PAGEMAP_SCAN` over `[start, end)`, appending matching page ranges to `out` (the
+    /// kernel merges adjacent pages with equal categories). With `PM_SCAN_WP_MATCHING`, pages
+    /// reported are also write-protected again (async uffd-wp): "written since last scan" becomes
+    /// "written since now". VMAs without async uffd-wp are skipped silently in that mode.
+    pub fn scan(
+        &self,
+        start: usize,
+        end: usize,
+        flags: u64,
+        category_mask: u64,
+        category_inverted: u64,
+        category_anyof_mask: u64,
+        return_mask: u64,
+        out: &mut Vec<PageRegion>,
+    ) -> io::Result<()> {
+        let mut buf = vec![PageRegion::default(); 1024];
+        let mut cur = start as u64;
+        while cur < end as u64 {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags,
+                start: cur,
+                end: end as u64,
+                walk_end: 0,
+                vec: buf.as_mut_ptr() as u64,
+                vec_len: buf.len() as u64,
+                max_pages: 0,
+                category_inverted,
+                category_mask,
+                category_anyof_mask,
+                return_mask,
+            };
+            // SAFETY: arg is a live pm_scan_arg whose vec points to buf.len() live regions.
+            let n = cvt(
+                unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) }
+                    as libc::c_long,
+            )? as usize;
+            out.extend_from_slice(&buf[..n]);
+            if arg.walk_end <= cur {
+                break;
+            }
+            cur = arg.walk_end;
+        }
+        Ok(())
+    }
+
+    /// Reads classic pagemap entries for the pages of `[start, start + n*4096)`.
+    pub fn entries(&self, start: usize, n: usize, out: &mut Vec<u64>) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut bytes = vec![0u8; n * 8];
+        self.file
+            .read_exact_at(&mut bytes, (start / PAGE_SIZE * 8) as u64)?;
+        out.extend(
+            bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().unwrap())),
+        );
+        Ok(())
+    }
+}
+
+/// Whether this kernel has the `PAGEMAP_SCAN` ioctl (6.7+).
+pub fn pagemap_scan_supported() -> bool {
+    let Ok(pm) = Pagemap::open() else {
+        return false;
+    };
+    let mut v = Vec::new();
+    // An empty-but-valid query: ENOTTY/EINVAL on kernels without the ioctl.
+    let probe = [0u8; PAGE_SIZE];
+    let a = probe.as_ptr() as usize & !(PAGE_SIZE - 1);
+    pm.scan(
+        a,
+        a + PAGE_SIZE,
+        0,
+        0,
+        0,
+        PAGE_IS_PRESENT,
+        PAGE_IS_PRESENT,
+        &mut v,
+    )
+    .is_ok()
+}
+
+/// Process-wide memory figures from `/proc/meminfo` and `/proc/self/smaps_rollup`, in KiB.
+pub fn meminfo_kib(field: &str) -> io::Result<u64> {
+    read_kib("/proc/meminfo", field)
+}
+
+/// A field (e.g. `Pss`, `Rss`, `Pss_Anon`) of `/proc/self/smaps_rollup`, in KiB.
+pub fn self_smaps_rollup_kib(field: &str) -> io::Result<u64> {
+    read_kib("/proc/self/smaps_rollup", field)
+}
+
+fn read_kib(path: &str, field: &str) -> io::Result<u64> {
+    let s = std::fs::read_to_string(path)?;
+    for line in s.lines() {
+        if let Some(rest) = line.strip_prefix(field) {
+            if let Some(v) = rest.strip_prefix(':') {
+                let num = v.trim().trim_end_matches("kB").trim();
+                return num
+                    .parse()
+                    .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad number"));
+            }
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("no field {field} in {path}"),
+    ))
+}

@@ -1,0 +1,1142 @@
+//! The engine thread (watcher + committer), its workers, and the fault thread.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use pageone_index::{KeyId, WordKey};
+use pageone_sys::{self as sys, uapi::*};
+
+use crate::store::Store;
+use crate::{Config, EngineError, Stats, WatchMode};
+
+const PAGE: usize = sys::PAGE_SIZE;
+const WORDS: usize = PAGE / 8;
+/// Longest run frozen at once: bounds how long a writer can be blocked and the scratch size.
+const MAX_RUN: usize = 512;
+
+/// Page kinds (per registered page, owned by the engine thread).
+const ANON: u8 = 0;
+const MERGED: u8 = 1;
+const ZERO: u8 = 2;
+/// A merged page that was written: private again, inside a file-backed VMA the engine cannot
+/// freeze, so it is not merged again (it becomes mergeable after unregister + register).
+const BROKEN: u8 = 3;
+
+#[derive(Clone, Copy, Default)]
+struct Page {
+    sid: KeyId,
+    kind: u8,
+    unchanged: u8,
+    writes: u8,
+}
+
+struct RegionState {
+    start: usize,
+    pages: Vec<Page>,
+    /// Checksums of the last period (checksum mode only).
+    sums: Vec<u64>,
+}
+
+impl RegionState {
+    fn len(&self) -> usize {
+        self.pages.len() * PAGE
+    }
+}
+
+/// State owned by whoever holds the lock: the engine thread during a period, an API call otherwise.
+struct State {
+    regions: BTreeMap<usize, RegionState>,
+    store: Store,
+    scratch: usize,
+    pagemap: sys::Pagemap,
+    unshared: u64,
+    volatile: u64,
+    zero: u64,
+    /// Copies made this period; those that merged nothing are freed after the commit.
+    new_copies: Vec<KeyId>,
+    /// Worker CPU time not yet added to the counters.
+    cpu_ns_pending: u64,
+}
+
+struct Shared {
+    uffd: sys::Uffd,
+    mode: WatchMode,
+    reg_mode: u64,
+    state: Mutex<State>,
+    config: Mutex<Config>,
+    /// The run currently frozen, packed by [`pack_run`] into one word so the fault thread never
+    /// sees half of an update: it leaves faults there to the committer, which wakes them after the
+    /// replacement.
+    frozen: AtomicU64,
+    stop: AtomicBool,
+    stop_fd: std::os::fd::OwnedFd,
+    /// Periods completed, with a condvar for `wait_periods`.
+    periods: Mutex<u64>,
+    period_cv: Condvar,
+    kick: (Mutex<bool>, Condvar),
+    counters: Counters,
+}
+
+#[derive(Default)]
+struct Counters {
+    scanned: AtomicU64,
+    merges: AtomicU64,
+    cow_breaks: AtomicU64,
+    mismatches: AtomicU64,
+    vma_limited: AtomicU64,
+    vmas: AtomicU64,
+    vma_limit: AtomicU64,
+    cpu_ns: AtomicU64,
+}
+
+/// A running deduplication engine. Dropping it shuts it down cleanly (see [`Engine::shutdown`]).
+pub struct Engine {
+    shared: Arc<Shared>,
+    engine_thread: Option<JoinHandle<()>>,
+    fault_thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("mode", &self.shared.mode)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panicking engine thread must not take the host's memory API down with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn validate(config: &Config) -> Result<(), EngineError> {
+    if config.workers == 0 {
+        return Err(EngineError::Config("workers must be at least 1"));
+    }
+    if config.merge_periods == 0 {
+        return Err(EngineError::Config("merge_periods must be at least 1"));
+    }
+    if config.max_sharing < 2 {
+        return Err(EngineError::Config("max_sharing must be at least 2"));
+    }
+    if config.merge_period.is_zero() {
+        return Err(EngineError::Config("merge_period must be positive"));
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// A builder with the defaults of [`Config`].
+    pub fn builder() -> crate::Builder {
+        crate::Builder::default()
+    }
+
+    pub(crate) fn start(config: Config) -> Result<Self, EngineError> {
+        validate(&config)?;
+        let want_wp = config.watch != WatchMode::Checksum;
+        let wanted = UFFD_FEATURE_MOVE
+            | if want_wp {
+                UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED
+            } else {
+                0
+            };
+        let uffd = sys::Uffd::open(wanted).map_err(EngineError::Uffd)?;
+        if uffd.features() & UFFD_FEATURE_MOVE == 0 {
+            return Err(EngineError::Unsupported(
+                "UFFDIO_MOVE (Linux 6.8) to freeze pages",
+            ));
+        }
+        let wp_ok = uffd.features() & (UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED)
+            == (UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED)
+            && sys::pagemap_scan_supported();
+        let mode = match config.watch {
+            WatchMode::UffdWp if !wp_ok => {
+                return Err(EngineError::Unsupported(
+                    "userfaultfd WP_ASYNC with PAGEMAP_SCAN",
+                ))
+            }
+            WatchMode::Checksum => WatchMode::Checksum,
+            _ if wp_ok => WatchMode::UffdWp,
+            _ => WatchMode::Checksum,
+        };
+        let reg_mode = UFFDIO_REGISTER_MODE_MISSING
+            | if mode == WatchMode::UffdWp {
+                UFFDIO_REGISTER_MODE_WP
+            } else {
+                0
+            };
+        // Capacity of the store: every page of RAM (virtual; only used copies cost memory).
+        let ram = sys::meminfo_kib("MemTotal").unwrap_or(16 << 20) * 1024;
+        let store = Store::new((ram / PAGE as u64).min(u32::MAX as u64 - 1) as u32)?;
+        // The scratch area receives frozen pages; UFFDIO_MOVE needs its destination registered
+        // with the same context and the same protections as the source.
+        let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).map_err(EngineError::Map)? as usize;
+        uffd.register(scratch, MAX_RUN * PAGE, reg_mode)
+            .map_err(EngineError::Uffd)?;
+        let shared = Arc::new(Shared {
+            uffd,
+            mode,
+            reg_mode,
+            state: Mutex::new(State {
+                regions: BTreeMap::new(),
+                store,
+                scratch,
+                pagemap: sys::Pagemap::open().map_err(EngineError::Uffd)?,
+                unshared: 0,
+                volatile: 0,
+                zero: 0,
+                new_copies: Vec::new(),
+                cpu_ns_pending: 0,
+            }),
+            config: Mutex::new(config),
+            frozen: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
+            periods: Mutex::new(0),
+            period_cv: Condvar::new(),
+            kick: (Mutex::new(false), Condvar::new()),
+            counters: Counters::default(),
+        });
+        tracing::info!(mode = %mode, "pageone engine started");
+        let s = shared.clone();
+        let fault_thread = std::thread::Builder::new()
+            .name("pageone-faults".into())
+            .spawn(move || fault_loop(&s))
+            .map_err(EngineError::Thread)?;
+        let s = shared.clone();
+        let engine_thread = std::thread::Builder::new()
+            .name("pageone-engine".into())
+            .spawn(move || engine_loop(&s))
+            .map_err(EngineError::Thread)?;
+        Ok(Self {
+            shared,
+            engine_thread: Some(engine_thread),
+            fault_thread: Some(fault_thread),
+        })
+    }
+
+    /// How this engine detects writes.
+    pub fn watch_mode(&self) -> WatchMode {
+        self.shared.mode
+    }
+
+    /// Registers `[addr, addr+len)` for merging, the equivalent of `madvise(MADV_MERGEABLE)`. The
+    /// range must be page-aligned private anonymous read/write memory. Its contents are never
+    /// changed by the engine; registering does not populate it.
+    pub fn register(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
+        let a = addr as usize;
+        if a % PAGE != 0 || len % PAGE != 0 || len == 0 {
+            return Err(EngineError::Unaligned { addr: a, len });
+        }
+        let end = a
+            .checked_add(len)
+            .ok_or(EngineError::Unaligned { addr: a, len })?;
+        let maps = sys::self_mappings().map_err(EngineError::Map)?;
+        let mut cur = a;
+        for m in maps.iter().filter(|m| m.end > a && m.start < end) {
+            if m.start > cur || !m.is_private_anonymous_rw() {
+                return Err(EngineError::NotAnonymous { addr: a, len });
+            }
+            cur = m.end;
+        }
+        if cur < end {
+            return Err(EngineError::NotAnonymous { addr: a, len });
+        }
+        let mut st = lock(&self.shared.state);
+        if st
+            .regions
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, r)| r.start + r.len() > a)
+        {
+            return Err(EngineError::Overlap { addr: a, len });
+        }
+        self.shared
+            .uffd
+            .register(a, len, self.shared.reg_mode)
+            .map_err(EngineError::Uffd)?;
+        let n = len / PAGE;
+        let sums = if self.shared.mode == WatchMode::Checksum {
+            vec![0; n]
+        } else {
+            Vec::new()
+        };
+        st.regions.insert(
+            a,
+            RegionState {
+                start: a,
+                pages: vec![Page::default(); n],
+                sums,
+            },
+        );
+        Ok(())
+    }
+
+    /// Unregisters the registered regions inside `[addr, addr+len)`, the equivalent of
+    /// `madvise(MADV_UNMERGEABLE)`: every page becomes private again with its contents intact.
+    pub fn unregister(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
+        let a = addr as usize;
+        let end = a.saturating_add(len);
+        let mut st = lock(&self.shared.state);
+        let keys: Vec<usize> = st.regions.range(a..end).map(|(&k, _)| k).collect();
+        if keys.is_empty() {
+            return Err(EngineError::NotRegistered { addr: a, len });
+        }
+        for k in &keys {
+            let r = &st.regions[k];
+            if r.start + r.len() > end {
+                return Err(EngineError::Overlap { addr: a, len });
+            }
+        }
+        for k in keys {
+            let r = st.regions.remove(&k).expect("listed above");
+            unregister_region(&self.shared, &mut st, r);
+        }
+        Ok(())
+    }
+
+    /// Maps a fresh private anonymous region of `len` bytes (rounded up to pages) and registers it.
+    pub fn alloc_region(&self, len: usize) -> Result<Region<'_>, EngineError> {
+        let len = len.div_ceil(PAGE).max(1) * PAGE;
+        let p = sys::mmap_anonymous(len).map_err(EngineError::Map)?;
+        if let Err(e) = self.register(p, len) {
+            // SAFETY: p..p+len was mapped above and nothing refers to it.
+            let _ = unsafe { sys::munmap(p, len) };
+            return Err(e);
+        }
+        Ok(Region {
+            engine: self,
+            ptr: p,
+            len,
+        })
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        let c = &self.shared.counters;
+        let st = lock(&self.shared.state);
+        let registered: usize = st.regions.values().map(|r| r.len()).sum();
+        let shared = st.store.shared;
+        let sharing = st.store.sharing_refs.saturating_sub(shared);
+        let vmas = c.vmas.load(Ordering::Relaxed);
+        // Our costs: per-page state, the store's index, and each VMA (~200 bytes in the kernel).
+        let meta = (registered / PAGE) as u64 * 8 + st.store.metadata_bytes() + vmas * 200;
+        Stats {
+            pages_shared: shared,
+            pages_sharing: sharing,
+            pages_unshared: st.unshared,
+            pages_volatile: st.volatile,
+            pages_scanned: c.scanned.load(Ordering::Relaxed),
+            full_scans: *lock(&self.shared.periods),
+            zero_pages: st.zero,
+            general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
+            merges: c.merges.load(Ordering::Relaxed),
+            cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
+            compare_mismatches: c.mismatches.load(Ordering::Relaxed),
+            vmas_used: vmas,
+            vma_limit: c.vma_limit.load(Ordering::Relaxed),
+            vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
+            watch_mode: self.shared.mode.to_string(),
+            worker_cpu_ns: c.cpu_ns.load(Ordering::Relaxed),
+            registered_bytes: registered as u64,
+        }
+    }
+
+    /// The current configuration.
+    pub fn config(&self) -> Config {
+        lock(&self.shared.config).clone()
+    }
+
+    /// Changes the configuration; takes effect at the next period. The watch mode cannot change.
+    pub fn reconfigure(&self, f: impl FnOnce(&mut Config)) -> Result<(), EngineError> {
+        let mut c = lock(&self.shared.config);
+        let mut next = c.clone();
+        f(&mut next);
+        validate(&next)?;
+        next.watch = c.watch;
+        *c = next;
+        Ok(())
+    }
+
+    /// Starts the next period now instead of at the end of the current merge period.
+    pub fn kick(&self) {
+        let (m, cv) = &self.shared.kick;
+        *lock(m) = true;
+        cv.notify_all();
+    }
+
+    /// Blocks until `n` more periods have completed (kicking each one), or `timeout` passes.
+    /// Returns whether they did.
+    pub fn wait_periods(&self, n: u64, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let target = *lock(&self.shared.periods) + n;
+        loop {
+            self.kick();
+            let g = lock(&self.shared.periods);
+            if *g >= target {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            let (g, _) = self
+                .shared
+                .period_cv
+                .wait_timeout(g, (deadline - now).min(Duration::from_millis(50)))
+                .unwrap_or_else(|e| e.into_inner());
+            if *g >= target {
+                return true;
+            }
+        }
+    }
+
+    /// Stops the engine: every registered page becomes private again with its contents intact,
+    /// and the stable store is emptied.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.kick();
+        let _ = sys::eventfd_signal(std::os::fd::AsRawFd::as_raw_fd(&self.shared.stop_fd));
+        if let Some(t) = self.engine_thread.take() {
+            let _ = t.join();
+        }
+        {
+            let mut st = lock(&self.shared.state);
+            let regions = std::mem::take(&mut st.regions);
+            for (_, r) in regions {
+                unregister_region(&self.shared, &mut st, r);
+            }
+        }
+        if let Some(t) = self.fault_thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Pages currently held in the stable store (for tests: 0 after unregistering everything).
+    pub fn stable_pages(&self) -> usize {
+        let st = lock(&self.shared.state);
+        st.store.shared as usize
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.engine_thread.is_some() {
+            self.stop();
+        }
+    }
+}
+
+/// A registered region allocated by [`Engine::alloc_region`]; unregistered and unmapped on drop.
+pub struct Region<'e> {
+    engine: &'e Engine,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the region is plain memory owned by this handle; the engine only reads it with volatile
+// loads and remaps pages with identical contents.
+unsafe impl Send for Region<'_> {}
+// SAFETY: see Send; shared access gives only raw pointers.
+unsafe impl Sync for Region<'_> {}
+
+impl Region<'_> {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The region as a mutable slice for its single owner. The engine never forms references to
+    /// it and preserves its contents, so exclusive access through `&mut self` is sound.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: ptr..ptr+len is a live mapping owned by this handle, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: as above; shared borrow, and only &mut self can write through this handle.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Region<'_> {
+    fn drop(&mut self) {
+        let _ = self.engine.unregister(self.ptr, self.len);
+        // SAFETY: the mapping is owned by this handle and no reference outlives it.
+        let _ = unsafe { sys::munmap(self.ptr, self.len) };
+    }
+}
+
+/// Makes every page of `r` private again and releases its copies.
+fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
+    if sh.uffd.unregister(r.start, r.len()).is_err() {
+        // Pieces of the range may have been unmapped by the owner; unregister what is left.
+        if let Ok(maps) = sys::self_mappings() {
+            for m in maps
+                .iter()
+                .filter(|m| m.end > r.start && m.start < r.start + r.len())
+            {
+                let s = m.start.max(r.start);
+                let e = m.end.min(r.start + r.len());
+                let _ = sh.uffd.unregister(s, e - s);
+            }
+        }
+    }
+    for (i, p) in r.pages.iter().enumerate() {
+        if p.kind == MERGED {
+            let addr = r.start + i * PAGE;
+            // Break copy-on-write without changing a byte: an atomic add of zero is a write the
+            // kernel must give a private page for, and it cannot lose a concurrent store.
+            // SAFETY: addr is mapped (a private file mapping the engine made) and 8-aligned; the
+            // owner may write it concurrently, which a locked read-modify-write tolerates.
+            unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) }
+                .fetch_add(0, Ordering::SeqCst);
+            st.store.drop_ref(p.sid);
+        } else if p.kind == ZERO {
+            st.zero -= 1;
+        }
+    }
+}
+
+/// Answers missing faults that are not frozen pages with the zero page.
+fn fault_loop(sh: &Shared) {
+    let fds = [
+        sh.uffd.as_raw_fd(),
+        std::os::fd::AsRawFd::as_raw_fd(&sh.stop_fd),
+    ];
+    loop {
+        if sh.stop.load(Ordering::SeqCst) && lock(&sh.state).regions.is_empty() {
+            return;
+        }
+        if sys::poll_readable(&fds, 100).is_err() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        while let Ok(Some(msg)) = sh.uffd.read_event() {
+            if msg.event != UFFD_EVENT_PAGEFAULT {
+                continue;
+            }
+            let addr = msg.pf_address as usize & !(PAGE - 1);
+            // Pairs with the committer's SeqCst stores around a freeze: a fault on a page moved
+            // out is reported after the move, which follows the store of the frozen range.
+            let (fs, fe) = unpack_run(sh.frozen.load(Ordering::SeqCst));
+            if addr >= fs && addr < fe {
+                continue; // The committer wakes it after replacing the page.
+            }
+            // A first touch or a released zero page: map the shared zero page. A write-protect
+            // marker (async watching of an unpopulated page) makes that fail with EEXIST: clear
+            // it and retry, or as a last resort install a zeroed page. Other errors (EEXIST
+            // because the page came back, ENOENT because the address is now a merged mapping)
+            // only need the wake.
+            static ZEROS: [u64; WORDS] = [0; WORDS];
+            let r = match sh.uffd.zeropage(addr, PAGE) {
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    let _ = sh.uffd.writeprotect(addr, PAGE, false);
+                    sh.uffd.zeropage(addr, PAGE).or_else(|_| {
+                        // SAFETY: ZEROS is a static page of zeros.
+                        unsafe { sh.uffd.copy(addr, ZEROS.as_ptr().cast(), PAGE) }
+                    })
+                }
+                r => r,
+            };
+            if r.is_err() {
+                let _ = sh.uffd.wake(addr, PAGE);
+            }
+        }
+    }
+}
+
+fn engine_loop(sh: &Shared) {
+    let _ = sys::set_thread_idle_priority();
+    let cpu0 = sys::thread_cpu_time_ns();
+    let mut last_cpu = cpu0;
+    while !sh.stop.load(Ordering::SeqCst) {
+        let period = lock(&sh.config).merge_period;
+        let t0 = Instant::now();
+        let config = lock(&sh.config).clone();
+        {
+            let mut st = lock(&sh.state);
+            if let Err(e) = run_period(sh, &mut st, &config) {
+                tracing::warn!(error = %e, "merge period failed; memory is unchanged");
+            }
+        }
+        let cpu = sys::thread_cpu_time_ns();
+        sh.counters
+            .cpu_ns
+            .fetch_add(cpu - last_cpu, Ordering::Relaxed);
+        last_cpu = cpu;
+        {
+            *lock(&sh.periods) += 1;
+            sh.period_cv.notify_all();
+        }
+        // Sleep out the period unless kicked or stopped.
+        let (m, cv) = &sh.kick;
+        let mut k = lock(m);
+        let deadline = t0 + period;
+        while !*k && !sh.stop.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            k = cv
+                .wait_timeout(k, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *k = false;
+    }
+}
+
+/// What the committer should do with one candidate page.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Action {
+    Zero,
+    Merge(KeyId),
+}
+
+struct Candidate {
+    region: usize,
+    index: usize,
+    addr: usize,
+}
+
+/// Reads word `i` of the page at `addr`, big-endian, with a volatile load (the owner may write it).
+fn page_word(addr: usize, i: usize) -> u64 {
+    // SAFETY: addr is a registered, mapped page and i < WORDS; volatile because another thread
+    // may write it concurrently. A torn view only affects which index entry is proposed: every
+    // merge is verified on frozen bytes.
+    u64::from_be(unsafe { std::ptr::read_volatile((addr as *const u64).add(i)) })
+}
+
+fn copy_page(addr: usize, buf: &mut [u64; WORDS]) {
+    for (i, w) in buf.iter_mut().enumerate() {
+        // SAFETY: as in page_word.
+        *w = unsafe { std::ptr::read_volatile((addr as *const u64).add(i)) };
+    }
+}
+
+fn as_bytes(buf: &[u64; WORDS]) -> &[u8] {
+    // SAFETY: a [u64; 512] is 4096 initialised bytes; u8 has no alignment requirement.
+    unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), PAGE) }
+}
+
+fn run_period(sh: &Shared, st: &mut State, config: &Config) -> io::Result<()> {
+    let candidates = watch(sh, st, config)?;
+    let limit = sys::max_map_count().unwrap_or(65530);
+    sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
+    if candidates.is_empty() {
+        sh.counters
+            .vmas
+            .store(sys::map_count().unwrap_or(0) as u64, Ordering::Relaxed);
+        st.unshared = 0;
+        return Ok(());
+    }
+    let actions = classify(st, config, &candidates);
+    let r = commit(sh, st, config, &candidates, &actions, limit);
+    for id in std::mem::take(&mut st.new_copies) {
+        st.store.free_unmapped(id);
+    }
+    sh.counters
+        .cpu_ns
+        .fetch_add(std::mem::take(&mut st.cpu_ns_pending), Ordering::Relaxed);
+    r?;
+    sh.counters
+        .vmas
+        .store(sys::map_count().unwrap_or(0) as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
+fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candidate>> {
+    let mut out = Vec::new();
+    let mut regions_buf = Vec::new();
+    let mut cats: Vec<u8> = Vec::new();
+    let mut entries = Vec::new();
+    let mut volatile = 0u64;
+    let State {
+        regions,
+        pagemap,
+        store,
+        zero,
+        ..
+    } = st;
+    for (ri, r) in regions.values_mut().enumerate() {
+        let n = r.pages.len();
+        let end = r.start + r.len();
+        // Categories per page: bit 0 present, bit 1 file-backed, bit 2 zero pfn, bit 3 written.
+        cats.clear();
+        cats.resize(n, 0);
+        if sh.mode == WatchMode::UffdWp {
+            regions_buf.clear();
+            pagemap.scan(
+                r.start,
+                end,
+                PM_SCAN_WP_MATCHING,
+                PAGE_IS_WRITTEN,
+                0,
+                0,
+                PAGE_IS_WRITTEN,
+                &mut regions_buf,
+            )?;
+            for pr in &regions_buf {
+                for c in &mut cats
+                    [(pr.start as usize - r.start) / PAGE..(pr.end as usize - r.start) / PAGE]
+                {
+                    *c |= 8;
+                }
+            }
+            regions_buf.clear();
+            pagemap.scan(
+                r.start,
+                end,
+                0,
+                0,
+                0,
+                PAGE_IS_PRESENT,
+                PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                &mut regions_buf,
+            )?;
+            for pr in &regions_buf {
+                let mut bits = 1;
+                if pr.categories & PAGE_IS_FILE != 0 {
+                    bits |= 2;
+                }
+                if pr.categories & PAGE_IS_PFNZERO != 0 {
+                    bits |= 4;
+                }
+                for c in &mut cats
+                    [(pr.start as usize - r.start) / PAGE..(pr.end as usize - r.start) / PAGE]
+                {
+                    *c |= bits;
+                }
+            }
+        } else {
+            entries.clear();
+            pagemap.entries(r.start, n, &mut entries)?;
+            for (c, e) in cats.iter_mut().zip(&entries) {
+                if e & PM_PRESENT != 0 {
+                    *c |= 1;
+                    if e & PM_FILE != 0 {
+                        *c |= 2;
+                    }
+                }
+            }
+        }
+        sh.counters.scanned.fetch_add(n as u64, Ordering::Relaxed);
+        for i in 0..n {
+            let c = cats[i];
+            let p = &mut r.pages[i];
+            let present = c & 1 != 0;
+            match p.kind {
+                MERGED => {
+                    if present && c & 2 == 0 {
+                        // Written since the merge: the kernel gave it a private copy.
+                        store.drop_ref(p.sid);
+                        p.kind = BROKEN;
+                        sh.counters.cow_breaks.fetch_add(1, Ordering::Relaxed);
+                    }
+                    continue;
+                }
+                BROKEN => continue,
+                ZERO => {
+                    if present && c & 4 == 0 {
+                        p.kind = ANON;
+                        *zero -= 1;
+                    } else {
+                        continue;
+                    }
+                }
+                _ => {}
+            }
+            if !present || c & 4 != 0 {
+                p.unchanged = 0;
+                continue;
+            }
+            let addr = r.start + i * PAGE;
+            let written = if sh.mode == WatchMode::UffdWp {
+                c & 8 != 0
+            } else {
+                let mut buf = [0u64; WORDS];
+                copy_page(addr, &mut buf);
+                let sum = xxhash_rust::xxh3::xxh3_64(as_bytes(&buf));
+                let changed = r.sums[i] != sum;
+                r.sums[i] = sum;
+                changed
+            };
+            if written {
+                p.unchanged = 0;
+                p.writes = p.writes.saturating_add(1).min(config.max_backoff);
+                volatile += 1;
+                continue;
+            }
+            p.unchanged = p.unchanged.saturating_add(1);
+            let needed = config.merge_periods.max(p.writes);
+            if p.unchanged >= needed {
+                out.push(Candidate {
+                    region: ri,
+                    index: i,
+                    addr,
+                });
+            } else {
+                volatile += 1;
+            }
+        }
+    }
+    st.volatile = volatile;
+    Ok(out)
+}
+
+/// Decides, on worker threads, what to do with each candidate.
+fn classify(st: &mut State, config: &Config, cands: &[Candidate]) -> Vec<Option<Action>> {
+    let workers = config.workers.max(1);
+    let chunk = cands.len().div_ceil(workers).max(1);
+    let store = &st.store;
+    // Phase 1: zero check, stable index, hash of first sightings.
+    let mut actions: Vec<Option<Action>> = vec![None; cands.len()];
+    let mut hashes: Vec<(u128, u32)> = Vec::new();
+    let cpu = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        for (ci, (part, acts)) in cands
+            .chunks(chunk)
+            .zip(actions.chunks_mut(chunk))
+            .enumerate()
+        {
+            let cpu = &cpu;
+            handles.push(s.spawn(move || {
+                let _ = sys::set_thread_idle_priority();
+                let t = sys::thread_cpu_time_ns();
+                let mut hs = Vec::new();
+                let mut buf = Box::new([0u64; WORDS]);
+                for (k, (c, a)) in part.iter().zip(acts.iter_mut()).enumerate() {
+                    let addr = c.addr;
+                    if (0..WORDS).all(|i| page_word(addr, i) == 0) {
+                        *a = Some(Action::Zero);
+                        continue;
+                    }
+                    let key = WordKey(|i| page_word(addr, i));
+                    if let Some(e) = store.tree.lookup(&key) {
+                        *a = Some(Action::Merge(e.key()));
+                        continue;
+                    }
+                    copy_page(addr, &mut buf);
+                    let h = xxhash_rust::xxh3::xxh3_128(as_bytes(&buf));
+                    hs.push((h, (ci * chunk + k) as u32));
+                }
+                cpu.fetch_add(sys::thread_cpu_time_ns() - t, Ordering::Relaxed);
+                hs
+            }));
+        }
+        for h in handles {
+            if let Ok(mut v) = h.join() {
+                hashes.append(&mut v);
+            }
+        }
+    });
+    // Phase 2: group first sightings by hash; each group of two or more gets a stable copy, in
+    // address order so that runs of pages get runs of ids.
+    hashes.sort_unstable_by_key(|&(_, i)| i);
+    let mut first: HashMap<u128, (u32, bool)> = HashMap::with_capacity(hashes.len());
+    let mut groups: Vec<u32> = Vec::new(); // first candidate of each group, in address order
+    let mut member_of: Vec<(u32, u32)> = Vec::new(); // (candidate, first)
+    for &(h, i) in &hashes {
+        match first.get_mut(&h) {
+            Some((f, grouped)) => {
+                if !*grouped {
+                    *grouped = true;
+                    groups.push(*f);
+                }
+                member_of.push((i, *f));
+            }
+            None => {
+                first.insert(h, (i, false));
+            }
+        }
+    }
+    let unshared = hashes.len() - member_of.len() - groups.len();
+    st.unshared = unshared as u64;
+    if groups.is_empty() {
+        st.store_cpu(cpu.into_inner());
+        return actions;
+    }
+    groups.sort_unstable();
+    let Some(ids) = st.store.alloc(groups.len()) else {
+        tracing::warn!("stable store is full; first sightings are not merged this period");
+        return actions;
+    };
+    // Write the new copies (parallel), then publish them.
+    let store = &st.store;
+    std::thread::scope(|s| {
+        let chunk = groups.len().div_ceil(workers).max(1);
+        for (gs, is) in groups.chunks(chunk).zip(ids.chunks(chunk)) {
+            let cpu = &cpu;
+            s.spawn(move || {
+                let _ = sys::set_thread_idle_priority();
+                let t = sys::thread_cpu_time_ns();
+                for (&g, &id) in gs.iter().zip(is) {
+                    let dst = store.addr(id) as *mut u64;
+                    for i in 0..WORDS {
+                        // SAFETY: dst is copy `id`, allocated to this period and not yet
+                        // published, so no other thread reads or writes it; the source read is
+                        // volatile as in page_word.
+                        unsafe {
+                            let w = std::ptr::read_volatile(
+                                (cands[g as usize].addr as *const u64).add(i),
+                            );
+                            std::ptr::write_volatile(dst.add(i), w);
+                        }
+                    }
+                }
+                cpu.fetch_add(sys::thread_cpu_time_ns() - t, Ordering::Relaxed);
+            });
+        }
+    });
+    let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(groups.len());
+    for (&g, &id) in groups.iter().zip(&ids) {
+        match st.store.publish(id) {
+            Ok(used) => {
+                id_of_first.insert(g, used);
+                actions[g as usize] = Some(Action::Merge(used));
+            }
+            Err(e) => tracing::warn!(error = %e, "stable copy not published"),
+        }
+    }
+    for (i, f) in member_of {
+        if let Some(&id) = id_of_first.get(&f) {
+            actions[i as usize] = Some(Action::Merge(id));
+        }
+    }
+    st.new_copies = ids;
+    st.store_cpu(cpu.into_inner());
+    actions
+}
+
+impl State {
+    fn store_cpu(&mut self, ns: u64) {
+        self.cpu_ns_pending += ns;
+    }
+}
+
+/// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
+fn pack_run(start: usize, pages: usize) -> u64 {
+    ((start as u64 / PAGE as u64) << 16) | pages as u64
+}
+
+fn unpack_run(w: u64) -> (usize, usize) {
+    let start = (w >> 16) as usize * PAGE;
+    (start, start + (w & 0xffff) as usize * PAGE)
+}
+
+/// Freezes, verifies and replaces runs of candidates, in address order.
+fn commit(
+    sh: &Shared,
+    st: &mut State,
+    config: &Config,
+    cands: &[Candidate],
+    actions: &[Option<Action>],
+    limit: usize,
+) -> io::Result<()> {
+    let budget = limit.saturating_sub(config.vma_margin);
+    let mut vmas = sys::map_count()?;
+    let scratch = st.scratch;
+    let State {
+        regions,
+        store,
+        zero,
+        ..
+    } = st;
+    let mut regions: Vec<&mut RegionState> = regions.values_mut().collect();
+    let todo: Vec<usize> = (0..cands.len()).filter(|&i| actions[i].is_some()).collect();
+    let mut i = 0;
+    let mut moved = [false; MAX_RUN];
+    let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
+    while i < todo.len() {
+        // A run: candidates at consecutive addresses of one region.
+        let first = &cands[todo[i]];
+        let mut j = i + 1;
+        while j < todo.len()
+            && j - i < MAX_RUN
+            && cands[todo[j]].region == first.region
+            && cands[todo[j]].index == first.index + (j - i)
+        {
+            j += 1;
+        }
+        let n = j - i;
+        let start = first.addr;
+        let region = &mut *regions[first.region];
+
+        // Freeze: from here until the wake, any access to the run blocks in the kernel.
+        // SeqCst pairs with the fault thread's load: the range is visible before any page moves.
+        sh.frozen.store(pack_run(start, n), Ordering::SeqCst);
+        moved[..n].fill(false);
+        let mut off = 0;
+        while off < n {
+            // SAFETY: the run is registered memory the engine froze (no reference to it exists in
+            // the engine) and the scratch slots [off, n) are empty (discarded after every run).
+            let r = unsafe {
+                sh.uffd.move_pages(
+                    scratch + off * PAGE,
+                    start + off * PAGE,
+                    (n - off) * PAGE,
+                    UFFDIO_MOVE_MODE_DONTWAKE,
+                )
+            };
+            match r {
+                Ok(bytes) if bytes >= PAGE => {
+                    let k = bytes / PAGE;
+                    moved[off..off + k].fill(true);
+                    off += k;
+                }
+                // A hole, a page shared with a child, or a page busy in the kernel: skip it.
+                _ => off += 1,
+            }
+        }
+
+        // Verify on frozen bytes.
+        for k in 0..n {
+            verdict[k] = None;
+            if !moved[k] {
+                continue;
+            }
+            // SAFETY: scratch slot k holds a page moved in above; only this thread knows the
+            // scratch area, so nobody writes it while this shared borrow lives.
+            let frozen =
+                unsafe { std::slice::from_raw_parts((scratch + k * PAGE) as *const u8, PAGE) };
+            verdict[k] = match actions[todo[i + k]] {
+                Some(Action::Zero) if frozen.iter().all(|&b| b == 0) => Some(Action::Zero),
+                Some(Action::Merge(sid)) => {
+                    // SAFETY: copy `sid` is published and mapped by nobody who may write it (the
+                    // store is written only before publication), so it is immutable here.
+                    let copy =
+                        unsafe { std::slice::from_raw_parts(store.addr(sid) as *const u8, PAGE) };
+                    if store.refs(sid) >= config.max_sharing {
+                        store.retire(sid);
+                        None
+                    } else if frozen == copy {
+                        Some(Action::Merge(sid))
+                    } else {
+                        sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
+                }
+                _ => {
+                    sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+            };
+            // Count references now so the sharing limit holds within one run.
+            if let Some(Action::Merge(sid)) = verdict[k] {
+                store.add_ref(sid);
+            }
+        }
+
+        // Replace: one mapping per subrun of consecutive copies.
+        let mut k = 0;
+        while k < n {
+            let Some(Action::Merge(sid)) = verdict[k] else {
+                k += 1;
+                continue;
+            };
+            let mut m = 1;
+            while k + m < n && verdict[k + m] == Some(Action::Merge(sid + m as u32)) {
+                m += 1;
+            }
+            let idx = first.index + k;
+            let coalesces = idx > 0 && {
+                let left = region.pages[idx - 1];
+                left.kind == MERGED && left.sid.wrapping_add(1) == sid
+            };
+            let cost = if coalesces { 1 } else { 2 };
+            let addr = start + k * PAGE;
+            let ok = if vmas + cost > budget {
+                sh.counters
+                    .vma_limited
+                    .fetch_add(m as u64, Ordering::Relaxed);
+                false
+            } else {
+                // SAFETY: the subrun is frozen (its pages are in scratch), so nothing is discarded.
+                match unsafe {
+                    sys::mmap_private_fixed(
+                        addr as *mut u8,
+                        m * PAGE,
+                        store.fd(),
+                        sid as u64 * PAGE as u64,
+                    )
+                } {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "merge mapping failed; pages are put back");
+                        false
+                    }
+                }
+            };
+            for q in k..k + m {
+                if ok {
+                    let p = &mut region.pages[first.index + q];
+                    *p = Page {
+                        sid: sid + (q - k) as u32,
+                        kind: MERGED,
+                        unchanged: 0,
+                        writes: 0,
+                    };
+                } else {
+                    store.drop_ref(sid + (q - k) as u32);
+                    verdict[q] = None;
+                }
+            }
+            if ok {
+                vmas += cost;
+                sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
+            }
+            k += m;
+        }
+
+        // Put back every moved page that is not merged or released.
+        for k in 0..n {
+            let p = &mut region.pages[first.index + k];
+            match verdict[k] {
+                Some(Action::Zero) => {
+                    p.kind = ZERO;
+                    p.unchanged = 0;
+                    *zero += 1;
+                }
+                Some(Action::Merge(_)) => {}
+                None => {
+                    p.unchanged = 0;
+                    if moved[k] {
+                        // SAFETY: scratch slot k holds the page moved out of this frozen address,
+                        // which is still empty (the fault thread does not fill frozen pages).
+                        let r = unsafe {
+                            sh.uffd.move_pages(
+                                start + k * PAGE,
+                                scratch + k * PAGE,
+                                PAGE,
+                                UFFDIO_MOVE_MODE_DONTWAKE,
+                            )
+                        };
+                        if let Err(e) = r {
+                            tracing::error!(error = %e, addr = start + k * PAGE, "a frozen page could not be put back");
+                        }
+                    }
+                }
+            }
+        }
+        // Free the originals of merged and zero pages, then let writers in.
+        // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
+        let _ = unsafe { sys::madvise(scratch as *mut u8, n * PAGE, libc::MADV_DONTNEED) };
+        sh.frozen.store(0, Ordering::SeqCst);
+        let _ = sh.uffd.wake(start, n * PAGE);
+        i = j;
+    }
+    Ok(())
+}

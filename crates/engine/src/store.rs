@@ -1,0 +1,241 @@
+//! The stable store: one memfd page per shared content, and the SD tree that indexes them.
+//!
+//! A stable copy is written once, before its id is published in the tree, and never changes while
+//! the id is published or mapped; it is freed (hole punched) when no page maps it any more, and its
+//! id is reused only after the tree's grace period (`KeySource::release`). Reference counts are
+//! kept by the committer thread alone, so they need no atomics.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+
+use pageone_index::{Insert, KeyId, KeySource, SdTree};
+use pageone_sys as sys;
+
+use crate::EngineError;
+
+const PAGE: usize = sys::PAGE_SIZE;
+
+/// The memfd and this process's shared view of it.
+pub(crate) struct StoreFile {
+    fd: OwnedFd,
+    base: usize,
+    capacity: u32,
+    /// Ids whose grace period has passed, ready for reuse.
+    released: Mutex<Vec<KeyId>>,
+}
+
+impl StoreFile {
+    /// Reads word `i` (big-endian) of copy `id`.
+    fn word(&self, id: KeyId, i: usize) -> u64 {
+        debug_assert!(id < self.capacity && i < PAGE / 8);
+        let p = (self.base + id as usize * PAGE + i * 8) as *const u64;
+        // SAFETY: `id < capacity` keeps p inside the live shared mapping, 8-aligned. Volatile because
+        // the mapping is shared memory: a copy is immutable while published, but the compiler must
+        // not assume anything about memory another process may map.
+        u64::from_be(unsafe { std::ptr::read_volatile(p) })
+    }
+}
+
+/// The SD tree's view of the store.
+pub(crate) struct StoreKeys(pub(crate) Arc<StoreFile>);
+
+impl KeySource for StoreKeys {
+    fn word(&self, id: KeyId, i: usize) -> u64 {
+        self.0.word(id, i)
+    }
+    fn release(&self, id: KeyId) {
+        self.0
+            .released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(id);
+    }
+}
+
+/// The stable store and its index. Mutated only by the committer; `tree` and `file` are read
+/// concurrently by workers.
+pub(crate) struct Store {
+    pub(crate) file: Arc<StoreFile>,
+    pub(crate) tree: SdTree<StoreKeys>,
+    /// Mappings per copy (index = id).
+    refs: Vec<u32>,
+    /// Whether the copy's id is published in the tree.
+    indexed: Vec<bool>,
+    /// Whether the tree may still read the id (published, or removed but not yet released).
+    in_tree: Vec<bool>,
+    /// Whether the id holds a live copy (allocated and not yet freed).
+    allocated: Vec<bool>,
+    /// Entries of published copies, to remove them by handle.
+    entries: Vec<Option<pageone_index::Entry>>,
+    /// Next never-used id (ids below it are in use or released).
+    bump: u32,
+    /// Ids free for reuse (released by the tree, or never published).
+    free: Vec<KeyId>,
+    /// Copies with refs > 0.
+    pub(crate) shared: u64,
+    /// Sum of refs.
+    pub(crate) sharing_refs: u64,
+}
+
+impl Store {
+    pub(crate) fn new(capacity_pages: u32) -> Result<Self, EngineError> {
+        let fd = sys::memfd_create(c"pageone-stable").map_err(EngineError::Store)?;
+        let bytes = capacity_pages as u64 * PAGE as u64;
+        sys::ftruncate(fd.as_raw_fd(), bytes).map_err(EngineError::Store)?;
+        let base = sys::mmap_shared(fd.as_raw_fd(), bytes as usize, 0)
+            .map_err(EngineError::Store)? as usize;
+        let file = Arc::new(StoreFile {
+            fd,
+            base,
+            capacity: capacity_pages,
+            released: Mutex::new(Vec::new()),
+        });
+        let tree = SdTree::new(StoreKeys(file.clone()), PAGE).map_err(EngineError::Index)?;
+        Ok(Self {
+            file,
+            tree,
+            refs: Vec::new(),
+            indexed: Vec::new(),
+            in_tree: Vec::new(),
+            allocated: Vec::new(),
+            entries: Vec::new(),
+            bump: 0,
+            free: Vec::new(),
+            shared: 0,
+            sharing_refs: 0,
+        })
+    }
+
+    pub(crate) fn fd(&self) -> i32 {
+        self.file.fd.as_raw_fd()
+    }
+
+    /// Address of copy `id` in this process's shared view.
+    pub(crate) fn addr(&self, id: KeyId) -> usize {
+        self.file.base + id as usize * PAGE
+    }
+
+    /// Allocates `n` ids, consecutive when possible so that runs of merged pages map with one call.
+    pub(crate) fn alloc(&mut self, n: usize) -> Option<Vec<KeyId>> {
+        self.collect_released();
+        let mut out = Vec::with_capacity(n);
+        let fresh = (self.file.capacity - self.bump) as usize;
+        let from_bump = n.min(fresh);
+        out.extend(self.bump..self.bump + from_bump as u32);
+        self.bump += from_bump as u32;
+        while out.len() < n {
+            match self.free.pop() {
+                Some(id) => out.push(id),
+                None => {
+                    // Not enough: give the ids back and report the store full.
+                    self.free
+                        .extend(out.iter().filter(|&&id| (id as usize) < self.refs.len()));
+                    return None;
+                }
+            }
+        }
+        let need = self.bump as usize;
+        if self.refs.len() < need {
+            self.refs.resize(need, 0);
+            self.indexed.resize(need, false);
+            self.in_tree.resize(need, false);
+            self.allocated.resize(need, false);
+            self.entries.resize(need, None);
+        }
+        for &id in &out {
+            self.allocated[id as usize] = true;
+        }
+        Some(out)
+    }
+
+    /// Takes the ids whose grace period ended; those already freed become reusable.
+    fn collect_released(&mut self) {
+        let released =
+            std::mem::take(&mut *self.file.released.lock().unwrap_or_else(|e| e.into_inner()));
+        for id in released {
+            self.in_tree[id as usize] = false;
+            if !self.allocated[id as usize] {
+                self.free.push(id);
+            }
+        }
+    }
+
+    /// Publishes copy `id` (already written). Returns the id to use: `id`, or the id of an identical
+    /// copy already published (then `id` is freed).
+    pub(crate) fn publish(&mut self, id: KeyId) -> Result<KeyId, EngineError> {
+        match self.tree.insert_or_get(id).map_err(EngineError::Index)? {
+            Insert::Inserted(e) => {
+                self.indexed[id as usize] = true;
+                self.in_tree[id as usize] = true;
+                self.entries[id as usize] = Some(e);
+                Ok(id)
+            }
+            Insert::Found(e) => {
+                self.discard(id);
+                Ok(e.key())
+            }
+        }
+    }
+
+    /// Frees an unpublished, unmapped copy.
+    fn discard(&mut self, id: KeyId) {
+        let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
+        self.allocated[id as usize] = false;
+        self.free.push(id);
+    }
+
+    pub(crate) fn refs(&self, id: KeyId) -> u32 {
+        self.refs[id as usize]
+    }
+
+    /// One more page maps copy `id`.
+    pub(crate) fn add_ref(&mut self, id: KeyId) {
+        let r = &mut self.refs[id as usize];
+        if *r == 0 {
+            self.shared += 1;
+        }
+        *r += 1;
+        self.sharing_refs += 1;
+    }
+
+    /// Takes copy `id` out of the index (it stays mapped by its pages) so that a new copy is made
+    /// for further duplicates: how the per-copy sharing limit is enforced.
+    pub(crate) fn retire(&mut self, id: KeyId) {
+        if let Some(e) = self.entries[id as usize].take() {
+            self.tree.remove(e);
+        }
+        self.indexed[id as usize] = false;
+    }
+
+    /// One page fewer maps copy `id`; frees the copy when none does.
+    pub(crate) fn drop_ref(&mut self, id: KeyId) {
+        let r = &mut self.refs[id as usize];
+        debug_assert!(*r > 0);
+        *r -= 1;
+        self.sharing_refs -= 1;
+        if *r == 0 {
+            self.shared -= 1;
+            self.free_unmapped(id);
+        }
+    }
+
+    /// Frees copy `id` if no page maps it (used for copies made this period that merged nothing).
+    pub(crate) fn free_unmapped(&mut self, id: KeyId) {
+        if self.refs[id as usize] != 0 || !self.allocated[id as usize] {
+            return;
+        }
+        let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
+        self.allocated[id as usize] = false;
+        self.retire(id);
+        // An id the tree may still read is reused only after its grace period
+        // (StoreKeys::release, then collect_released).
+        if !self.in_tree[id as usize] {
+            self.free.push(id);
+        }
+    }
+
+    /// Bytes of engine metadata attributable to the store (tree nodes and per-copy arrays).
+    pub(crate) fn metadata_bytes(&self) -> u64 {
+        (self.tree.nodes_allocated() * 32 + self.refs.len() * 14) as u64
+    }
+}
