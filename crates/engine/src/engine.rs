@@ -236,17 +236,25 @@ impl Engine {
             .checked_add(len)
             .ok_or(EngineError::Unaligned { addr: a, len })?;
         let maps = sys::self_mappings().map_err(EngineError::Map)?;
+        let mut st = lock(&self.shared.state);
+        // Private anonymous memory, or pages this engine merged and later unmerged (private copies
+        // in mappings of its own store, which stay private: they cannot be frozen again).
+        let store_inode = st.store.inode();
         let mut cur = a;
+        let mut unmergeable = Vec::new();
         for m in maps.iter().filter(|m| m.end > a && m.start < end) {
-            if m.start > cur || !m.is_private_anonymous_rw() {
+            let ours = m.inode == store_inode && m.perms == "rw-p";
+            if m.start > cur || !(m.is_private_anonymous_rw() || ours) {
                 return Err(EngineError::NotAnonymous { addr: a, len });
+            }
+            if ours {
+                unmergeable.push((m.start.max(a), m.end.min(end)));
             }
             cur = m.end;
         }
         if cur < end {
             return Err(EngineError::NotAnonymous { addr: a, len });
         }
-        let mut st = lock(&self.shared.state);
         if st
             .regions
             .range(..end)
@@ -265,11 +273,17 @@ impl Engine {
         } else {
             Vec::new()
         };
+        let mut pages = vec![Page::default(); n];
+        for (s, e) in unmergeable {
+            for p in &mut pages[(s - a) / PAGE..(e - a) / PAGE] {
+                p.kind = BROKEN;
+            }
+        }
         st.regions.insert(
             a,
             RegionState {
                 start: a,
-                pages: vec![Page::default(); n],
+                pages,
                 sums,
             },
         );
@@ -496,16 +510,31 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     for (i, p) in r.pages.iter().enumerate() {
         if p.kind == MERGED {
             let addr = r.start + i * PAGE;
-            // Break copy-on-write without changing a byte: an atomic add of zero is a write the
-            // kernel must give a private page for, and it cannot lose a concurrent store.
-            // SAFETY: addr is mapped (a private file mapping the engine made) and 8-aligned; the
-            // owner may write it concurrently, which a locked read-modify-write tolerates.
-            unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) }
-                .fetch_add(0, Ordering::SeqCst);
+            break_cow(addr);
             st.store.drop_ref(p.sid);
         } else if p.kind == ZERO {
             st.zero -= 1;
         }
+    }
+}
+
+/// Gives the merged page at `addr` a private copy without changing a byte, as a write would
+/// (KSM's unmerge does the same with a write fault).
+fn break_cow(addr: usize) {
+    // SAFETY: addr is a page of a private mapping the engine made; populating it writable copies
+    // the page in the kernel, atomically with respect to concurrent writers.
+    if unsafe { sys::madvise(addr as *mut u8, PAGE, libc::MADV_POPULATE_WRITE) }.is_ok() {
+        return;
+    }
+    // Before Linux 5.14: a compare-and-swap of a word with itself is a write (an atomic add of
+    // zero is not: compilers may turn it into a load), and it cannot lose a concurrent store.
+    // SAFETY: addr is mapped and 8-aligned; the owner may write it concurrently, which an atomic
+    // read-modify-write tolerates.
+    let w = unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) };
+    let mut v = w.load(Ordering::Relaxed);
+    // Relaxed: only the write itself matters, not ordering with other memory.
+    while let Err(cur) = w.compare_exchange_weak(v, v, Ordering::Relaxed, Ordering::Relaxed) {
+        v = cur;
     }
 }
 
@@ -678,16 +707,13 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
         cats.resize(n, 0);
         if sh.mode == WatchMode::UffdWp {
             regions_buf.clear();
-            pagemap.scan(
-                r.start,
-                end,
-                PM_SCAN_WP_MATCHING,
-                PAGE_IS_WRITTEN,
-                0,
-                0,
-                PAGE_IS_WRITTEN,
-                &mut regions_buf,
-            )?;
+            let written = sys::ScanQuery {
+                flags: PM_SCAN_WP_MATCHING,
+                category_mask: PAGE_IS_WRITTEN,
+                return_mask: PAGE_IS_WRITTEN,
+                ..Default::default()
+            };
+            pagemap.scan(r.start, end, &written, &mut regions_buf)?;
             for pr in &regions_buf {
                 for c in &mut cats
                     [(pr.start as usize - r.start) / PAGE..(pr.end as usize - r.start) / PAGE]
@@ -696,16 +722,12 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
                 }
             }
             regions_buf.clear();
-            pagemap.scan(
-                r.start,
-                end,
-                0,
-                0,
-                0,
-                PAGE_IS_PRESENT,
-                PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
-                &mut regions_buf,
-            )?;
+            let present = sys::ScanQuery {
+                category_anyof_mask: PAGE_IS_PRESENT,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                ..Default::default()
+            };
+            pagemap.scan(r.start, end, &present, &mut regions_buf)?;
             for pr in &regions_buf {
                 let mut bits = 1;
                 if pr.categories & PAGE_IS_FILE != 0 {
@@ -733,9 +755,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
             }
         }
         sh.counters.scanned.fetch_add(n as u64, Ordering::Relaxed);
-        for i in 0..n {
-            let c = cats[i];
-            let p = &mut r.pages[i];
+        for (i, (p, &c)) in r.pages.iter_mut().zip(cats.iter()).enumerate() {
             let present = c & 1 != 0;
             match p.kind {
                 MERGED => {
@@ -1080,18 +1100,18 @@ fn commit(
                     }
                 }
             };
-            for q in k..k + m {
+            for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
+                let copy = sid + (q - k) as u32;
                 if ok {
-                    let p = &mut region.pages[first.index + q];
-                    *p = Page {
-                        sid: sid + (q - k) as u32,
+                    region.pages[first.index + q] = Page {
+                        sid: copy,
                         kind: MERGED,
                         unchanged: 0,
                         writes: 0,
                     };
                 } else {
-                    store.drop_ref(sid + (q - k) as u32);
-                    verdict[q] = None;
+                    store.drop_ref(copy);
+                    *v = None;
                 }
             }
             if ok {
@@ -1125,6 +1145,10 @@ fn commit(
                             )
                         };
                         if let Err(e) = r {
+                            eprintln!(
+                                "pageone: a frozen page could not be put back at {:#x}: {e}",
+                                start + k * PAGE
+                            );
                             tracing::error!(error = %e, addr = start + k * PAGE, "a frozen page could not be put back");
                         }
                     }

@@ -106,6 +106,17 @@ impl Store {
         })
     }
 
+    /// The memfd's inode number, to recognise this store's mappings in `/proc/self/maps`.
+    pub(crate) fn inode(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let f = std::mem::ManuallyDrop::new(
+            // SAFETY: the descriptor stays owned by `self.file`; ManuallyDrop keeps this File from
+            // closing it.
+            unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(self.fd()) },
+        );
+        f.metadata().map(|m| m.ino()).unwrap_or(0)
+    }
+
     pub(crate) fn fd(&self) -> i32 {
         self.file.fd.as_raw_fd()
     }

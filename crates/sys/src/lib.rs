@@ -494,6 +494,18 @@ impl Uffd {
     }
 }
 
+/// What a `PAGEMAP_SCAN` matches and reports (fields of `struct pm_scan_arg`): a page matches
+/// when `(categories ^ category_inverted) & category_mask == category_mask` and, if
+/// `category_anyof_mask` is set, `categories & category_anyof_mask != 0`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScanQuery {
+    pub flags: u64,
+    pub category_mask: u64,
+    pub category_inverted: u64,
+    pub category_anyof_mask: u64,
+    pub return_mask: u64,
+}
+
 /// The process's `/proc/self/pagemap`, for the `PAGEMAP_SCAN` ioctl and classic entry reads.
 #[derive(Debug)]
 pub struct Pagemap {
@@ -516,11 +528,7 @@ impl Pagemap {
         &self,
         start: usize,
         end: usize,
-        flags: u64,
-        category_mask: u64,
-        category_inverted: u64,
-        category_anyof_mask: u64,
-        return_mask: u64,
+        q: &ScanQuery,
         out: &mut Vec<PageRegion>,
     ) -> io::Result<()> {
         let mut buf = vec![PageRegion::default(); 1024];
@@ -528,17 +536,17 @@ impl Pagemap {
         while cur < end as u64 {
             let mut arg = PmScanArg {
                 size: std::mem::size_of::<PmScanArg>() as u64,
-                flags,
+                flags: q.flags,
                 start: cur,
                 end: end as u64,
                 walk_end: 0,
                 vec: buf.as_mut_ptr() as u64,
                 vec_len: buf.len() as u64,
                 max_pages: 0,
-                category_inverted,
-                category_mask,
-                category_anyof_mask,
-                return_mask,
+                category_inverted: q.category_inverted,
+                category_mask: q.category_mask,
+                category_anyof_mask: q.category_anyof_mask,
+                return_mask: q.return_mask,
             };
             // SAFETY: arg is a live pm_scan_arg whose vec points to buf.len() live regions.
             let n = cvt(
@@ -578,17 +586,12 @@ pub fn pagemap_scan_supported() -> bool {
     // An empty-but-valid query: ENOTTY/EINVAL on kernels without the ioctl.
     let probe = [0u8; PAGE_SIZE];
     let a = probe.as_ptr() as usize & !(PAGE_SIZE - 1);
-    pm.scan(
-        a,
-        a + PAGE_SIZE,
-        0,
-        0,
-        0,
-        PAGE_IS_PRESENT,
-        PAGE_IS_PRESENT,
-        &mut v,
-    )
-    .is_ok()
+    let q = ScanQuery {
+        category_anyof_mask: PAGE_IS_PRESENT,
+        return_mask: PAGE_IS_PRESENT,
+        ..ScanQuery::default()
+    };
+    pm.scan(a, a + PAGE_SIZE, &q, &mut v).is_ok()
 }
 
 /// Process-wide memory figures from `/proc/meminfo` and `/proc/self/smaps_rollup`, in KiB.

@@ -1,0 +1,365 @@
+//! Integration tests of the engine on the real kernel mechanisms (userfaultfd, PAGEMAP_SCAN,
+//! memfd): our equivalents of the kernel's KSM selftests, the VMA-limit path, and the
+//! no-lost-write stress test.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pageone_engine::{Engine, EngineError, WatchMode};
+use pageone_sys as sys;
+
+const PAGE: usize = 4096;
+
+/// Tests that change process-wide state (max_map_count) or measure Pss run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn engine(mode: WatchMode) -> Engine {
+    Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .watch(mode)
+        .build()
+        .expect("the engine starts on this kernel")
+}
+
+/// Fills page `i` with content number `c` (0 = zero page): an 8-byte value at a content-dependent
+/// offset, so contents differ early or late in the page.
+fn fill(page: &mut [u8], c: u64) {
+    page.fill(0);
+    if c != 0 {
+        let off = (c as usize * 56) % (PAGE - 8);
+        page[off..off + 8].copy_from_slice(&c.to_le_bytes());
+    }
+}
+
+fn check(page: &[u8], c: u64) -> bool {
+    let mut want = [0u8; PAGE];
+    fill(&mut want, c);
+    page == want
+}
+
+/// Whether the page at `addr` is mapped from the stable store (present and file-backed).
+fn file_backed(addr: usize) -> bool {
+    let pm = sys::Pagemap::open().unwrap();
+    let mut e = Vec::new();
+    pm.entries(addr, 1, &mut e).unwrap();
+    e[0] & sys::uapi::PM_PRESENT != 0 && e[0] & sys::uapi::PM_FILE != 0
+}
+
+fn wait_for(e: &Engine, what: impl Fn(&pageone_engine::Stats) -> bool) -> pageone_engine::Stats {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        e.wait_periods(1, Duration::from_secs(10));
+        let s = e.stats();
+        if what(&s) || Instant::now() > deadline {
+            return s;
+        }
+    }
+}
+
+fn merge_cow_and_zero(mode: WatchMode) {
+    let e = engine(mode);
+    let n = 1024;
+    let mut r = e.alloc_region(4 * n * PAGE).unwrap();
+    // Four identical quarters of n distinct pages, a quarter of them zero.
+    let content = |i: usize| {
+        if i % n % 4 == 3 {
+            0
+        } else {
+            (i % n) as u64 + 1
+        }
+    };
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    let distinct = (n - n / 4) as u64;
+    let s = wait_for(&e, |s| {
+        s.pages_sharing >= 3 * distinct && s.zero_pages >= n as u64
+    });
+    assert_eq!(s.watch_mode, mode.to_string());
+    assert_eq!(
+        s.pages_shared, distinct,
+        "one stable copy per distinct content: {s:?}"
+    );
+    assert_eq!(s.pages_sharing, 3 * distinct, "{s:?}");
+    assert_eq!(s.zero_pages, n as u64, "{s:?}");
+    assert_eq!(s.compare_mismatches, 0);
+    let base = r.as_ptr() as usize;
+    // Contents are intact.
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed by merging");
+    }
+    assert!(file_backed(base), "a merged page maps the stable store");
+    // Copy-on-write: a write changes that page only.
+    let s = r.as_mut_slice();
+    s[5 * PAGE + 100] = 0xAB;
+    assert_eq!(s[5 * PAGE + 100], 0xAB);
+    for q in [5 + n, 5 + 2 * n, 5 + 3 * n] {
+        assert!(
+            check(&s[q * PAGE..(q + 1) * PAGE], content(q)),
+            "COW leaked into page {q}"
+        );
+    }
+    assert!(!file_backed(base + 5 * PAGE), "the written page is private");
+    // Zero pages read as zeros and take writes.
+    let z = 3 * PAGE;
+    assert!(s[z..z + PAGE].iter().all(|&b| b == 0));
+    s[z + 7] = 9;
+    assert_eq!(s[z + 7], 9);
+    let st = wait_for(&e, |s| s.cow_breaks >= 1);
+    assert_eq!(st.cow_breaks, 1, "{st:?}");
+    assert_eq!(st.pages_sharing, 3 * distinct - 1, "{st:?}");
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        if i != 5 && i != 3 {
+            assert!(check(p, content(i)), "page {i} changed after the COW test");
+        }
+    }
+    // Unmerge: every page private, contents intact, store empty.
+    let ptr = r.as_ptr();
+    e.unregister(ptr, r.len()).unwrap();
+    assert_eq!(e.stable_pages(), 0);
+    let s = r.as_slice();
+    for i in 0..4 * n {
+        assert!(
+            !file_backed(base + i * PAGE),
+            "page {i} still maps the store"
+        );
+        let want = match i {
+            5 => None,
+            3 => None,
+            _ => Some(content(i)),
+        };
+        if let Some(c) = want {
+            let pg = &s[i * PAGE..(i + 1) * PAGE];
+            assert!(
+                check(pg, c),
+                "page {i} changed by unmerging: nonzero at {:?}",
+                pg.iter().position(|&b| b != 0)
+            );
+        }
+    }
+    assert_eq!(s[5 * PAGE + 100], 0xAB);
+    assert_eq!(s[z + 7], 9);
+    // Registering again is accepted. Pages that were merged stay private (they live in mappings
+    // of the store now, which cannot be frozen); the released zero pages merge again.
+    e.register(ptr, 4 * n * PAGE).unwrap();
+    let s = wait_for(&e, |s| s.full_scans >= 3);
+    assert_eq!(s.pages_sharing, 0, "{s:?}");
+    assert!(r
+        .as_slice()
+        .chunks(PAGE)
+        .enumerate()
+        .all(|(i, p)| i == 3 || i == 5 || check(p, content(i))));
+    drop(r);
+    assert_eq!(e.stable_pages(), 0);
+}
+
+#[test]
+fn merge_cow_zero_unmerge_uffd_wp() {
+    merge_cow_and_zero(WatchMode::UffdWp);
+}
+
+#[test]
+fn merge_cow_zero_unmerge_checksum_fallback() {
+    merge_cow_and_zero(WatchMode::Checksum);
+}
+
+#[test]
+fn max_sharing_limits_pages_per_copy() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .max_sharing(4)
+        .build()
+        .unwrap();
+    let mut r = e.alloc_region(64 * PAGE).unwrap();
+    for p in r.as_mut_slice().chunks_mut(PAGE) {
+        fill(p, 42);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing + s.pages_shared >= 64);
+    assert_eq!(
+        s.pages_shared, 16,
+        "64 identical pages at most 4 per copy: {s:?}"
+    );
+    assert_eq!(s.pages_sharing, 48, "{s:?}");
+    assert!(r.as_slice().chunks(PAGE).all(|p| check(p, 42)));
+}
+
+#[test]
+fn memory_is_really_saved_by_pss() {
+    let _g = serial();
+    // Periods run only when kicked, so nothing merges before the first measurement.
+    let e = Engine::builder()
+        .merge_period(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    e.wait_periods(1, Duration::from_secs(10));
+    let n = 8192; // 32 MiB of distinct pages, four copies
+    let mut r = e.alloc_region(4 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let before = sys::self_smaps_rollup_kib("Pss").unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= 3 * n as u64);
+    let after = sys::self_smaps_rollup_kib("Pss").unwrap();
+    let theoretical = (3 * n * PAGE / 1024) as u64;
+    let saved = before.saturating_sub(after);
+    eprintln!(
+        "Pss before {before} KiB, after {after} KiB, saved {saved} of {theoretical} KiB; {s:?}"
+    );
+    assert!(
+        saved * 100 >= theoretical * 95,
+        "saved {saved} KiB, less than 95% of {theoretical} KiB"
+    );
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        assert!(check(p, (i % n) as u64 + 1));
+    }
+}
+
+#[test]
+fn bad_input_is_rejected_and_changes_nothing() {
+    let e = engine(WatchMode::Auto);
+    let r = e.alloc_region(4 * PAGE).unwrap();
+    let p = r.as_ptr();
+    // Unaligned, empty, overlapping, not registered.
+    // SAFETY: pointer arithmetic inside the region for error cases; nothing is dereferenced.
+    let inside = unsafe { p.add(1) };
+    assert!(matches!(
+        e.register(inside, PAGE),
+        Err(EngineError::Unaligned { .. })
+    ));
+    assert!(matches!(
+        e.register(p, 0),
+        Err(EngineError::Unaligned { .. })
+    ));
+    assert!(matches!(
+        e.register(p, PAGE),
+        Err(EngineError::Overlap { .. })
+    ));
+    let other = sys::mmap_anonymous(PAGE).unwrap();
+    assert!(matches!(
+        e.unregister(other, PAGE),
+        Err(EngineError::NotRegistered { .. })
+    ));
+    // A file mapping is not anonymous memory.
+    let fd = sys::memfd_create(c"t").unwrap();
+    sys::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&fd), PAGE as u64).unwrap();
+    let f = sys::mmap_shared(std::os::fd::AsRawFd::as_raw_fd(&fd), PAGE, 0).unwrap();
+    assert!(matches!(
+        e.register(f, PAGE),
+        Err(EngineError::NotAnonymous { .. })
+    ));
+    // Unmapped memory is not either.
+    // SAFETY: `other` was mapped above and is not referenced.
+    unsafe { sys::munmap(other, PAGE).unwrap() };
+    assert!(matches!(
+        e.register(other, PAGE),
+        Err(EngineError::NotAnonymous { .. })
+    ));
+    // Bad configuration.
+    assert!(matches!(
+        Engine::builder().workers(0).build(),
+        Err(EngineError::Config(_))
+    ));
+    assert!(e.reconfigure(|c| c.merge_periods = 0).is_err());
+    assert_eq!(e.config().merge_periods, 2);
+    assert_eq!(e.stats().registered_bytes, 4 * PAGE as u64);
+}
+
+/// Several writer threads keep writing pages (each owns a disjoint set and keeps a shadow of what
+/// it wrote) while the engine merges continuously; no write may be lost and merges must happen.
+#[test]
+#[cfg_attr(debug_assertions, ignore = "stress test: run with --release")]
+fn no_lost_write_under_concurrent_writers() {
+    let secs: u64 = std::env::var("PAGEONE_STRESS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(10))
+        .merge_periods(1)
+        .build()
+        .unwrap();
+    let writers = 4;
+    let n = 16384;
+    let r = e.alloc_region(n * PAGE).unwrap();
+    let base = r.as_ptr() as usize;
+    // A few contents only, so that pages keep becoming duplicates (and zero) as they are written.
+    let write = |page: usize, c: u64| {
+        let p = (base + page * PAGE) as *mut u64;
+        for w in 0..PAGE / 8 {
+            let v = if c == 0 {
+                0
+            } else {
+                c.wrapping_mul(w as u64 + 1)
+            };
+            // SAFETY: the page is inside the region and owned by this writer thread.
+            unsafe { std::ptr::write_volatile(p.add(w), v) };
+        }
+    };
+    let read_ok = |page: usize, c: u64| {
+        let p = (base + page * PAGE) as *const u64;
+        (0..PAGE / 8).all(|w| {
+            let v = if c == 0 {
+                0
+            } else {
+                c.wrapping_mul(w as u64 + 1)
+            };
+            // SAFETY: as above.
+            unsafe { std::ptr::read_volatile(p.add(w)) == v }
+        })
+    };
+    for page in 0..n {
+        write(page, (page % 8) as u64);
+    }
+    let stop = AtomicBool::new(false);
+    let lost = std::sync::atomic::AtomicU64::new(0);
+    let writes = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..writers {
+            let (stop, lost, writes) = (&stop, &lost, &writes);
+            s.spawn(move || {
+                let mut shadow: Vec<u64> = (0..n).map(|p| (p % 8) as u64).collect();
+                let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ t as u64;
+                let mut next = || {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x
+                };
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..32 {
+                        let page = (next() as usize % (n / writers)) * writers + t;
+                        if !read_ok(page, shadow[page]) {
+                            lost.fetch_add(1, Ordering::Relaxed);
+                        }
+                        let c = next() % 8;
+                        write(page, c);
+                        shadow[page] = c;
+                        // Single-word writes too: the smallest write must survive as well.
+                        writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+                for (page, &c) in shadow.iter().enumerate() {
+                    if page % writers == t && !read_ok(page, c) {
+                        lost.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_secs(secs));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let s = e.stats();
+    eprintln!("{} writes; {s:?}", writes.load(Ordering::Relaxed));
+    assert_eq!(lost.load(Ordering::Relaxed), 0, "writes were lost");
+    assert!(s.merges >= 1000, "too few merges to prove anything: {s:?}");
+    assert!(s.cow_breaks >= 100, "merged pages were not written: {s:?}");
+    assert!(s.zero_pages > 0 || s.merges > 0);
+    drop(r);
+    assert_eq!(e.stable_pages(), 0);
+}

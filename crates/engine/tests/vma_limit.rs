@@ -1,0 +1,110 @@
+//! The VMA-limit path, in its own test binary because it lowers `vm.max_map_count`, which
+//! applies to every thread of the process.
+
+use std::time::{Duration, Instant};
+
+use pageone_engine::Engine;
+use pageone_sys as sys;
+
+const PAGE: usize = 4096;
+
+fn fill(page: &mut [u8], c: u64) {
+    page.fill(0);
+    let off = (c as usize * 56) % (PAGE - 8);
+    page[off..off + 8].copy_from_slice(&c.to_le_bytes());
+}
+
+fn check(page: &[u8], c: u64) -> bool {
+    let mut want = [0u8; PAGE];
+    fill(&mut want, c);
+    page == want
+}
+
+fn wait_for(e: &Engine, what: impl Fn(&pageone_engine::Stats) -> bool) -> pageone_engine::Stats {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        e.wait_periods(1, Duration::from_secs(10));
+        let s = e.stats();
+        if what(&s) || Instant::now() > deadline {
+            return s;
+        }
+    }
+}
+
+/// Restores `vm.max_map_count` when dropped, even if the test fails.
+struct MapCountGuard(usize);
+impl Drop for MapCountGuard {
+    fn drop(&mut self) {
+        let _ = sys::set_max_map_count(self.0);
+    }
+}
+
+/// The parent runs the test body in a child process and restores `vm.max_map_count` after it
+/// exits, however it exits.
+#[test]
+fn vma_limit_degrades_merging_not_the_process() {
+    if std::env::var_os("PAGEONE_VMA_CHILD").is_some() {
+        return vma_limit_child();
+    }
+    let old = sys::max_map_count().unwrap();
+    if sys::set_max_map_count(old).is_err() {
+        eprintln!("skipped: vm.max_map_count is not writable (needs root)");
+        return;
+    }
+    let _restore = MapCountGuard(old);
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "vma_limit_degrades_merging_not_the_process",
+            "--exact",
+            "--nocapture",
+        ])
+        .env("PAGEONE_VMA_CHILD", "1")
+        .status()
+        .unwrap();
+    drop(_restore);
+    assert_eq!(
+        sys::max_map_count().unwrap(),
+        old,
+        "vm.max_map_count was not restored"
+    );
+    assert!(status.success(), "the VMA-limit scenario failed: {status}");
+}
+
+fn vma_limit_child() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .vma_margin(64)
+        .build()
+        .unwrap();
+    let n = 4096;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    // Every other page duplicates a page of the other half, and its neighbours are unique:
+    // each merge is a separate VMA.
+    let content = |i: usize| {
+        if i % 2 == 0 {
+            (i % n) as u64 + 1
+        } else {
+            (i + 10 * n) as u64
+        }
+    };
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    let limit = sys::map_count().unwrap() + 64 + 300;
+    sys::set_max_map_count(limit).unwrap();
+    let s = wait_for(&e, |s| s.vma_limited_merges > 0 && s.merges > 0);
+    assert!(s.vma_limited_merges > 0, "{s:?}");
+    assert!(s.merges > 0, "{s:?}");
+    assert!(
+        sys::map_count().unwrap() <= limit,
+        "the VMA budget was exceeded"
+    );
+    // The process still works: it can map memory and every page is intact.
+    let extra = sys::mmap_anonymous(PAGE).unwrap();
+    // SAFETY: `extra` was just mapped and is not referenced.
+    unsafe { sys::munmap(extra, PAGE).unwrap() };
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed");
+    }
+    drop(r);
+}
