@@ -72,6 +72,10 @@ struct Shared {
     /// sees half of an update: it leaves faults there to the committer, which wakes them after the
     /// replacement.
     frozen: AtomicU64,
+    /// Makes "is it frozen?" and "fill it" one step for the fault thread: a freeze cannot start
+    /// between them (else a page moved out just after the check would get a zero page, and the
+    /// frozen contents could not be put back).
+    fault_gate: Mutex<()>,
     stop: AtomicBool,
     stop_fd: std::os::fd::OwnedFd,
     /// Periods completed, with a condvar for `wait_periods`.
@@ -194,6 +198,7 @@ impl Engine {
             }),
             config: Mutex::new(config),
             frozen: AtomicU64::new(0),
+            fault_gate: Mutex::new(()),
             stop: AtomicBool::new(false),
             stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
             periods: Mutex::new(0),
@@ -556,6 +561,7 @@ fn fault_loop(sh: &Shared) {
                 continue;
             }
             let addr = msg.pf_address as usize & !(PAGE - 1);
+            let _gate = lock(&sh.fault_gate);
             // Pairs with the committer's SeqCst stores around a freeze: a fault on a page moved
             // out is reported after the move, which follows the store of the frozen range.
             let (fs, fe) = unpack_run(sh.frozen.load(Ordering::SeqCst));
@@ -997,7 +1003,10 @@ fn commit(
 
         // Freeze: from here until the wake, any access to the run blocks in the kernel.
         // SeqCst pairs with the fault thread's load: the range is visible before any page moves.
-        sh.frozen.store(pack_run(start, n), Ordering::SeqCst);
+        {
+            let _gate = lock(&sh.fault_gate);
+            sh.frozen.store(pack_run(start, n), Ordering::SeqCst);
+        }
         moved[..n].fill(false);
         let mut off = 0;
         while off < n {

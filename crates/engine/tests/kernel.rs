@@ -11,7 +11,7 @@ use pageone_sys as sys;
 
 const PAGE: usize = 4096;
 
-/// Tests that change process-wide state (max_map_count) or measure Pss run one at a time.
+/// The tests run one at a time: the Pss test measures the whole process.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -62,6 +62,7 @@ fn wait_for(e: &Engine, what: impl Fn(&pageone_engine::Stats) -> bool) -> pageon
 }
 
 fn merge_cow_and_zero(mode: WatchMode) {
+    let _g = serial();
     let e = engine(mode);
     let n = 1024;
     let mut r = e.alloc_region(4 * n * PAGE).unwrap();
@@ -170,6 +171,7 @@ fn merge_cow_zero_unmerge_checksum_fallback() {
 
 #[test]
 fn max_sharing_limits_pages_per_copy() {
+    let _g = serial();
     let e = Engine::builder()
         .merge_period(Duration::from_millis(20))
         .max_sharing(4)
@@ -221,6 +223,7 @@ fn memory_is_really_saved_by_pss() {
 
 #[test]
 fn bad_input_is_rejected_and_changes_nothing() {
+    let _g = serial();
     let e = engine(WatchMode::Auto);
     let r = e.alloc_region(4 * PAGE).unwrap();
     let p = r.as_ptr();
@@ -274,6 +277,7 @@ fn bad_input_is_rejected_and_changes_nothing() {
 #[test]
 #[cfg_attr(debug_assertions, ignore = "stress test: run with --release")]
 fn no_lost_write_under_concurrent_writers() {
+    let _g = serial();
     let secs: u64 = std::env::var("PAGEONE_STRESS_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
