@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use pageone_index::{KeyId, WordKey};
 use pageone_sys::{self as sys, uapi::*};
 
+use crate::pool::Pool;
 use crate::store::Store;
 use crate::{Config, EngineError, Stats, WatchMode};
 
@@ -58,8 +59,6 @@ struct State {
     zero: u64,
     /// Copies made this period; those that merged nothing are freed after the commit.
     new_copies: Vec<KeyId>,
-    /// Worker CPU time not yet added to the counters.
-    cpu_ns_pending: u64,
 }
 
 struct Shared {
@@ -167,6 +166,7 @@ impl Engine {
             _ if wp_ok => WatchMode::UffdWp,
             _ => WatchMode::Checksum,
         };
+        let config_workers = config.workers;
         let reg_mode = UFFDIO_REGISTER_MODE_MISSING
             | if mode == WatchMode::UffdWp {
                 UFFDIO_REGISTER_MODE_WP
@@ -194,7 +194,6 @@ impl Engine {
                 volatile: 0,
                 zero: 0,
                 new_copies: Vec::new(),
-                cpu_ns_pending: 0,
             }),
             config: Mutex::new(config),
             frozen: AtomicU64::new(0),
@@ -212,10 +211,11 @@ impl Engine {
             .name("pageone-faults".into())
             .spawn(move || fault_loop(&s))
             .map_err(EngineError::Thread)?;
+        let pool = Pool::new(config_workers).map_err(EngineError::Thread)?;
         let s = shared.clone();
         let engine_thread = std::thread::Builder::new()
             .name("pageone-engine".into())
-            .spawn(move || engine_loop(&s))
+            .spawn(move || engine_loop(&s, pool))
             .map_err(EngineError::Thread)?;
         Ok(Self {
             shared,
@@ -591,21 +591,26 @@ fn fault_loop(sh: &Shared) {
     }
 }
 
-fn engine_loop(sh: &Shared) {
+fn engine_loop(sh: &Shared, mut pool: Pool) {
     let _ = sys::set_thread_idle_priority();
-    let cpu0 = sys::thread_cpu_time_ns();
-    let mut last_cpu = cpu0;
+    let mut last_cpu = sys::thread_cpu_time_ns() + pool.cpu_ns();
     while !sh.stop.load(Ordering::SeqCst) {
-        let period = lock(&sh.config).merge_period;
         let t0 = Instant::now();
         let config = lock(&sh.config).clone();
+        let period = config.merge_period;
+        if config.workers > pool.size() {
+            if let Err(e) = pool.grow(config.workers) {
+                tracing::warn!(error = %e, "could not add workers; keeping {}", pool.size());
+            }
+        }
         {
             let mut st = lock(&sh.state);
-            if let Err(e) = run_period(sh, &mut st, &config) {
+            if let Err(e) = run_period(sh, &mut st, &config, &pool) {
                 tracing::warn!(error = %e, "merge period failed; memory is unchanged");
             }
         }
-        let cpu = sys::thread_cpu_time_ns();
+        let cpu = sys::thread_cpu_time_ns() + pool.cpu_ns();
+        // Relaxed: a statistic.
         sh.counters
             .cpu_ns
             .fetch_add(cpu - last_cpu, Ordering::Relaxed);
@@ -665,7 +670,7 @@ fn as_bytes(buf: &[u64; WORDS]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), PAGE) }
 }
 
-fn run_period(sh: &Shared, st: &mut State, config: &Config) -> io::Result<()> {
+fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::Result<()> {
     let candidates = watch(sh, st, config)?;
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
@@ -676,14 +681,11 @@ fn run_period(sh: &Shared, st: &mut State, config: &Config) -> io::Result<()> {
         st.unshared = 0;
         return Ok(());
     }
-    let actions = classify(st, config, &candidates);
+    let actions = classify(st, config, &candidates, pool);
     let r = commit(sh, st, config, &candidates, &actions, limit);
     for id in std::mem::take(&mut st.new_copies) {
         st.store.free_unmapped(id);
     }
-    sh.counters
-        .cpu_ns
-        .fetch_add(std::mem::take(&mut st.cpu_ns_pending), Ordering::Relaxed);
     r?;
     sh.counters
         .vmas
@@ -822,58 +824,67 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
     Ok(out)
 }
 
-/// Decides, on worker threads, what to do with each candidate.
-fn classify(st: &mut State, config: &Config, cands: &[Candidate]) -> Vec<Option<Action>> {
-    let workers = config.workers.max(1);
-    let chunk = cands.len().div_ceil(workers).max(1);
-    let store = &st.store;
-    // Phase 1: zero check, stable index, hash of first sightings.
-    let mut actions: Vec<Option<Action>> = vec![None; cands.len()];
-    let mut hashes: Vec<(u128, u32)> = Vec::new();
-    let cpu = AtomicU64::new(0);
-    std::thread::scope(|s| {
-        let mut handles = Vec::new();
-        for (ci, (part, acts)) in cands
-            .chunks(chunk)
-            .zip(actions.chunks_mut(chunk))
-            .enumerate()
-        {
-            let cpu = &cpu;
-            handles.push(s.spawn(move || {
-                let _ = sys::set_thread_idle_priority();
-                let t = sys::thread_cpu_time_ns();
+/// Decides, on the worker threads, what to do with each candidate.
+fn classify(
+    st: &mut State,
+    config: &Config,
+    cands: &[Candidate],
+    pool: &Pool,
+) -> Vec<Option<Action>> {
+    let parts = config.workers.clamp(1, pool.size());
+    let addrs: Arc<Vec<usize>> = Arc::new(cands.iter().map(|c| c.addr).collect());
+    let chunk = addrs.len().div_ceil(parts).max(1);
+    // Phase 1: zero check, stable index, hash of first sightings. One output slot per part.
+    type Part = (Vec<Option<Action>>, Vec<(u128, u32)>);
+    let out: Arc<Vec<Mutex<Part>>> = Arc::new(
+        (0..parts)
+            .map(|_| Mutex::new((Vec::new(), Vec::new())))
+            .collect(),
+    );
+    {
+        let (addrs, out, tree) = (addrs.clone(), out.clone(), st.store.tree.clone());
+        pool.run(
+            parts,
+            Arc::new(move |part| {
+                let lo = (part * chunk).min(addrs.len());
+                let hi = ((part + 1) * chunk).min(addrs.len());
+                let mut acts = Vec::with_capacity(hi - lo);
                 let mut hs = Vec::new();
                 let mut buf = Box::new([0u64; WORDS]);
-                for (k, (c, a)) in part.iter().zip(acts.iter_mut()).enumerate() {
-                    let addr = c.addr;
+                for (k, &addr) in addrs[lo..hi].iter().enumerate() {
                     if (0..WORDS).all(|i| page_word(addr, i) == 0) {
-                        *a = Some(Action::Zero);
+                        acts.push(Some(Action::Zero));
                         continue;
                     }
                     let key = WordKey(|i| page_word(addr, i));
-                    if let Some(e) = store.tree.lookup(&key) {
-                        *a = Some(Action::Merge(e.key()));
+                    if let Some(e) = tree.lookup(&key) {
+                        acts.push(Some(Action::Merge(e.key())));
                         continue;
                     }
+                    acts.push(None);
                     copy_page(addr, &mut buf);
-                    let h = xxhash_rust::xxh3::xxh3_128(as_bytes(&buf));
-                    hs.push((h, (ci * chunk + k) as u32));
+                    hs.push((xxhash_rust::xxh3::xxh3_128(as_bytes(&buf)), (lo + k) as u32));
                 }
-                cpu.fetch_add(sys::thread_cpu_time_ns() - t, Ordering::Relaxed);
-                hs
-            }));
-        }
-        for h in handles {
-            if let Ok(mut v) = h.join() {
-                hashes.append(&mut v);
-            }
-        }
-    });
+                *out[part].lock().unwrap_or_else(|e| e.into_inner()) = (acts, hs);
+            }),
+        );
+    }
+    let mut actions: Vec<Option<Action>> = Vec::with_capacity(cands.len());
+    let mut hashes: Vec<(u128, u32)> = Vec::new();
+    for slot in out.iter() {
+        let (mut a, mut h) = std::mem::take(&mut *slot.lock().unwrap_or_else(|e| e.into_inner()));
+        actions.append(&mut a);
+        hashes.append(&mut h);
+    }
+    if actions.len() != cands.len() {
+        // A worker failed (it cannot, short of a bug): merge nothing this period.
+        return vec![None; cands.len()];
+    }
     // Phase 2: group first sightings by hash; each group of two or more gets a stable copy, in
     // address order so that runs of pages get runs of ids.
     hashes.sort_unstable_by_key(|&(_, i)| i);
     let mut first: HashMap<u128, (u32, bool)> = HashMap::with_capacity(hashes.len());
-    let mut groups: Vec<u32> = Vec::new(); // first candidate of each group, in address order
+    let mut groups: Vec<u32> = Vec::new(); // first candidate of each group
     let mut member_of: Vec<(u32, u32)> = Vec::new(); // (candidate, first)
     for &(h, i) in &hashes {
         match first.get_mut(&h) {
@@ -889,10 +900,8 @@ fn classify(st: &mut State, config: &Config, cands: &[Candidate]) -> Vec<Option<
             }
         }
     }
-    let unshared = hashes.len() - member_of.len() - groups.len();
-    st.unshared = unshared as u64;
+    st.unshared = (hashes.len() - member_of.len() - groups.len()) as u64;
     if groups.is_empty() {
-        st.store_cpu(cpu.into_inner());
         return actions;
     }
     groups.sort_unstable();
@@ -900,33 +909,35 @@ fn classify(st: &mut State, config: &Config, cands: &[Candidate]) -> Vec<Option<
         tracing::warn!("stable store is full; first sightings are not merged this period");
         return actions;
     };
-    // Write the new copies (parallel), then publish them.
-    let store = &st.store;
-    std::thread::scope(|s| {
-        let chunk = groups.len().div_ceil(workers).max(1);
-        for (gs, is) in groups.chunks(chunk).zip(ids.chunks(chunk)) {
-            let cpu = &cpu;
-            s.spawn(move || {
-                let _ = sys::set_thread_idle_priority();
-                let t = sys::thread_cpu_time_ns();
-                for (&g, &id) in gs.iter().zip(is) {
-                    let dst = store.addr(id) as *mut u64;
+    // Write the new copies on the workers, then publish them.
+    let copies: Arc<Vec<(usize, usize)>> = Arc::new(
+        groups
+            .iter()
+            .zip(&ids)
+            .map(|(&g, &id)| (cands[g as usize].addr, st.store.addr(id)))
+            .collect(),
+    );
+    let chunk = copies.len().div_ceil(parts).max(1);
+    {
+        let copies = copies.clone();
+        pool.run(
+            parts,
+            Arc::new(move |part| {
+                let lo = (part * chunk).min(copies.len());
+                let hi = ((part + 1) * chunk).min(copies.len());
+                for &(src, dst) in &copies[lo..hi] {
                     for i in 0..WORDS {
-                        // SAFETY: dst is copy `id`, allocated to this period and not yet
-                        // published, so no other thread reads or writes it; the source read is
-                        // volatile as in page_word.
+                        // SAFETY: dst is a copy allocated to this period and not yet published, so
+                        // no other thread reads or writes it; src is read as in page_word.
                         unsafe {
-                            let w = std::ptr::read_volatile(
-                                (cands[g as usize].addr as *const u64).add(i),
-                            );
-                            std::ptr::write_volatile(dst.add(i), w);
+                            let w = std::ptr::read_volatile((src as *const u64).add(i));
+                            std::ptr::write_volatile((dst as *mut u64).add(i), w);
                         }
                     }
                 }
-                cpu.fetch_add(sys::thread_cpu_time_ns() - t, Ordering::Relaxed);
-            });
-        }
-    });
+            }),
+        );
+    }
     let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(groups.len());
     for (&g, &id) in groups.iter().zip(&ids) {
         match st.store.publish(id) {
@@ -943,14 +954,7 @@ fn classify(st: &mut State, config: &Config, cands: &[Candidate]) -> Vec<Option<
         }
     }
     st.new_copies = ids;
-    st.store_cpu(cpu.into_inner());
     actions
-}
-
-impl State {
-    fn store_cpu(&mut self, ns: u64) {
-        self.cpu_ns_pending += ns;
-    }
 }
 
 /// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
@@ -1119,7 +1123,7 @@ fn commit(
                         writes: 0,
                     };
                 } else {
-                    store.drop_ref(copy);
+                    store.undo_ref(copy);
                     *v = None;
                 }
             }

@@ -38,6 +38,7 @@
 //! failing the host process.
 
 mod engine;
+mod pool;
 mod store;
 
 use std::time::Duration;

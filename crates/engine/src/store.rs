@@ -56,7 +56,7 @@ impl KeySource for StoreKeys {
 /// concurrently by workers.
 pub(crate) struct Store {
     pub(crate) file: Arc<StoreFile>,
-    pub(crate) tree: SdTree<StoreKeys>,
+    pub(crate) tree: Arc<SdTree<StoreKeys>>,
     /// Mappings per copy (index = id).
     refs: Vec<u32>,
     /// Whether the copy's id is published in the tree.
@@ -90,7 +90,8 @@ impl Store {
             capacity: capacity_pages,
             released: Mutex::new(Vec::new()),
         });
-        let tree = SdTree::new(StoreKeys(file.clone()), PAGE).map_err(EngineError::Index)?;
+        let tree =
+            Arc::new(SdTree::new(StoreKeys(file.clone()), PAGE).map_err(EngineError::Index)?);
         Ok(Self {
             file,
             tree,
@@ -216,6 +217,18 @@ impl Store {
             self.tree.remove(e);
         }
         self.indexed[id as usize] = false;
+    }
+
+    /// Takes back a reference counted for a merge that did not happen, without freeing the copy:
+    /// other pages of this period may still merge with it (new copies left unmapped are freed at
+    /// the end of the period).
+    pub(crate) fn undo_ref(&mut self, id: KeyId) {
+        let r = &mut self.refs[id as usize];
+        *r -= 1;
+        self.sharing_refs -= 1;
+        if *r == 0 {
+            self.shared -= 1;
+        }
     }
 
     /// One page fewer maps copy `id`; frees the copy when none does.
