@@ -1,1 +1,302 @@
-fn main() {}
+//! The `pageone` command: a thin binary over the engine and benchmark libraries.
+
+mod demo;
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use pageone_bench::{dedup, ksm, sdtree};
+
+#[derive(Parser)]
+#[command(
+    name = "pageone",
+    version,
+    about = "Userspace memory deduplication (PageONE)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fill memory with duplicate data, merge it in this process, and print what was saved.
+    Demo {
+        /// Total memory to fill, in MiB, split over the copies.
+        #[arg(long, default_value_t = 512)]
+        mib: usize,
+        /// Identical regions (copies of the same data).
+        #[arg(long, default_value_t = 4)]
+        copies: usize,
+        /// Worker threads.
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// Use the seed's "hard" data (values at random offsets) instead of "easy".
+        #[arg(long)]
+        hard: bool,
+    },
+    /// Benchmarks, each next to its baseline in the same run.
+    Bench {
+        #[command(subcommand)]
+        which: Bench,
+    },
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// The SD tree vs a memcmp-ordered tree (KSM's) and an xxh3-128 hash index.
+    Sdtree {
+        /// 32 Ki keys and one run instead of 256 Ki keys and three runs.
+        #[arg(long)]
+        quick: bool,
+        /// Runs per measurement (the median is reported).
+        #[arg(long)]
+        runs: Option<usize>,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
+    /// The engine vs the kernel's KSM: time to 99% of the possible saving and CPU-seconds.
+    Ksm {
+        /// 4 x 64 MiB and one run instead of 4 x 512 MiB and three runs.
+        #[arg(long)]
+        quick: bool,
+        #[arg(long)]
+        runs: Option<usize>,
+        #[arg(long, default_value_t = 4)]
+        regions: usize,
+        #[arg(long)]
+        region_mib: Option<usize>,
+        /// PageONE worker threads.
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// PageONE merge period in milliseconds.
+        #[arg(long, default_value_t = 100)]
+        period_ms: u64,
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("PAGEONE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Demo {
+            mib,
+            copies,
+            workers,
+            hard,
+        } => demo::run(mib, copies, workers, hard),
+        Command::Bench {
+            which: Bench::Sdtree { quick, runs, json },
+        } => bench_sdtree(quick, runs, json),
+        Command::Bench {
+            which:
+                Bench::Ksm {
+                    quick,
+                    runs,
+                    regions,
+                    region_mib,
+                    workers,
+                    period_ms,
+                    json,
+                },
+        } => {
+            let p = dedup::Params {
+                regions,
+                region_mib: region_mib.unwrap_or(if quick { 64 } else { 512 }),
+                workers,
+                merge_period: Duration::from_millis(period_ms),
+                timeout: Duration::from_secs(300),
+            };
+            bench_ksm(&p, runs.unwrap_or(if quick { 1 } else { 3 }), json)
+        }
+    }
+}
+
+fn write_json(path: &Option<std::path::PathBuf>, value: &serde_json::Value) -> Result<()> {
+    if let Some(p) = path {
+        std::fs::write(p, serde_json::to_string_pretty(value)?)
+            .with_context(|| format!("could not write {}", p.display()))?;
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn bench_sdtree(quick: bool, runs: Option<usize>, json: Option<std::path::PathBuf>) -> Result<()> {
+    let keys = if quick { 32 << 10 } else { 256 << 10 };
+    let runs = runs.unwrap_or(if quick { 1 } else { 3 }).max(1);
+    println!("SD tree benchmark: {keys} keys of 4 KiB per data set, median of {runs} runs");
+    let rows = sdtree::run(keys, runs, &mut |m| eprintln!("{m}"));
+    println!(
+        "{:<12} {:<5} {:>3} {:>14} {:>14} {:>14} {:>12}",
+        "structure", "data", "thr", "insert/s", "hit/s", "miss/s", "bytes/miss"
+    );
+    for r in &rows {
+        println!(
+            "{:<12} {:<5} {:>3} {:>14.0} {:>14.0} {:>14.0} {:>12.1}",
+            r.structure,
+            r.data,
+            r.threads,
+            r.insert_ops_per_s,
+            r.hit_ops_per_s,
+            r.miss_ops_per_s,
+            r.bytes_examined_per_miss
+        );
+    }
+    let get = |s: &str, d: dedup::Data, t: usize| {
+        rows.iter()
+            .find(|r| r.structure == s && r.data == d && r.threads == t)
+            .expect("row")
+    };
+    use dedup::Data::{Easy, Hard};
+    let checks = [
+        (
+            "sdtree hard/easy miss throughput (1 thread), target >= 0.9",
+            get("sdtree", Hard, 1).miss_ops_per_s / get("sdtree", Easy, 1).miss_ops_per_s,
+            0.9,
+        ),
+        (
+            "sdtree / memcmp_tree hard-key misses (1 thread), target > 1",
+            get("sdtree", Hard, 1).miss_ops_per_s / get("memcmp_tree", Hard, 1).miss_ops_per_s,
+            1.0,
+        ),
+        (
+            "sdtree / memcmp_tree hard-key misses (2 threads), target > 1",
+            get("sdtree", Hard, 2).miss_ops_per_s / get("memcmp_tree", Hard, 2).miss_ops_per_s,
+            1.0,
+        ),
+        (
+            "sdtree 2/1-thread hits, easy, target >= 1.8",
+            get("sdtree", Easy, 2).hit_ops_per_s / get("sdtree", Easy, 1).hit_ops_per_s,
+            1.8,
+        ),
+        (
+            "sdtree 2/1-thread hits, hard, target >= 1.8",
+            get("sdtree", Hard, 2).hit_ops_per_s / get("sdtree", Hard, 1).hit_ops_per_s,
+            1.8,
+        ),
+        (
+            "sdtree 2/1-thread misses, easy, target >= 1.8",
+            get("sdtree", Easy, 2).miss_ops_per_s / get("sdtree", Easy, 1).miss_ops_per_s,
+            1.8,
+        ),
+        (
+            "sdtree 2/1-thread misses, hard, target >= 1.8",
+            get("sdtree", Hard, 2).miss_ops_per_s / get("sdtree", Hard, 1).miss_ops_per_s,
+            1.8,
+        ),
+    ];
+    println!();
+    let mut out = serde_json::Map::new();
+    for (name, v, target) in &checks {
+        let met = v >= target && (*target != 1.0 || *v > 1.0);
+        println!("{name}: {v:.2} ({})", if met { "met" } else { "NOT met" });
+        out.insert(
+            name.to_string(),
+            serde_json::json!({ "value": v, "met": met }),
+        );
+    }
+    write_json(
+        &json,
+        &serde_json::json!({ "keys": keys, "runs": runs, "results": rows, "checks": out }),
+    )
+}
+
+/// One side of the engine-vs-KSM benchmark.
+type Side = fn(&dedup::Params, dedup::Data) -> Result<dedup::Sample, String>;
+
+fn bench_ksm(p: &dedup::Params, runs: usize, json: Option<std::path::PathBuf>) -> Result<()> {
+    if !ksm::available() {
+        bail!("KSM is not available or not writable here (needs root and /sys/kernel/mm/ksm)");
+    }
+    println!(
+        "engine vs KSM: {} regions x {} MiB, identical across regions, unique within; \
+         pageone {} workers, {} ms periods; KSM sleep_millisecs=0 pages_to_scan=100000; \
+         {runs} runs",
+        p.regions,
+        p.region_mib,
+        p.workers,
+        p.merge_period.as_millis()
+    );
+    let mut samples = Vec::new();
+    for data in [dedup::Data::Easy, dedup::Data::Hard] {
+        for run in 0..runs {
+            // Alternate which side goes first, so neither always gets the warmer machine.
+            let order: [Side; 2] = if run % 2 == 0 {
+                [dedup::run_pageone, dedup::run_ksm]
+            } else {
+                [dedup::run_ksm, dedup::run_pageone]
+            };
+            for f in order {
+                let s = f(p, data).map_err(anyhow::Error::msg)?;
+                eprintln!(
+                    "  {} {} run {}: {} s to 99%, {:.2} CPU-s, saved {}/{} pages",
+                    s.side,
+                    s.data,
+                    run + 1,
+                    s.seconds_to_99
+                        .map_or("not reached".into(), |t| format!("{t:.2}")),
+                    s.cpu_seconds,
+                    s.pages_saved,
+                    s.possible
+                );
+                samples.push(s);
+            }
+        }
+    }
+    println!(
+        "{:<8} {:<5} {:>14} {:>12}",
+        "side", "data", "s to 99%", "CPU-s"
+    );
+    let mut summary = Vec::new();
+    for data in [dedup::Data::Easy, dedup::Data::Hard] {
+        for side in ["pageone", "ksm"] {
+            let v: Vec<&dedup::Sample> = samples
+                .iter()
+                .filter(|s| s.side == side && s.data == data)
+                .collect();
+            let t = dedup::median_time(&v);
+            let c = dedup::median_cpu(&v);
+            println!(
+                "{side:<8} {data:<5} {:>14} {c:>12.2}",
+                t.map_or("not reached".into(), |t| format!("{t:.2}"))
+            );
+            summary.push(serde_json::json!({
+                "side": side, "data": data, "median_seconds_to_99": t, "median_cpu_seconds": c
+            }));
+        }
+    }
+    let med = |side: &str, data: dedup::Data| {
+        let v: Vec<&dedup::Sample> = samples
+            .iter()
+            .filter(|s| s.side == side && s.data == data)
+            .collect();
+        dedup::median_time(&v)
+    };
+    for data in [dedup::Data::Easy, dedup::Data::Hard] {
+        if let (Some(k), Some(p1)) = (med("ksm", data), med("pageone", data)) {
+            println!(
+                "{data}: pageone is {:.1}x faster than KSM to 99% (target >= 4x)",
+                k / p1
+            );
+        }
+    }
+    if let (Some(h), Some(e)) = (
+        med("pageone", dedup::Data::Hard),
+        med("pageone", dedup::Data::Easy),
+    ) {
+        println!("pageone hard/easy time ratio: {:.2} (target < 1.1)", h / e);
+    }
+    write_json(
+        &json,
+        &serde_json::json!({ "samples": samples, "summary": summary }),
+    )
+}

@@ -26,6 +26,9 @@ const ZERO: u8 = 2;
 /// A merged page that was written: private again, inside a file-backed VMA the engine cannot
 /// freeze, so it is not merged again (it becomes mergeable after unregister + register).
 const BROKEN: u8 = 3;
+/// An unchanged page that matched nothing: it waits in the first-sighting map (no work per period)
+/// until a duplicate shows up or it is written.
+const UNIQUE: u8 = 4;
 
 #[derive(Clone, Copy, Default)]
 struct Page {
@@ -33,6 +36,8 @@ struct Page {
     kind: u8,
     unchanged: u8,
     writes: u8,
+    /// Incremented on every write seen, so a first-sighting entry can tell it is stale.
+    epoch: u8,
 }
 
 struct RegionState {
@@ -59,6 +64,8 @@ struct State {
     zero: u64,
     /// Copies made this period; those that merged nothing are freed after the commit.
     new_copies: Vec<KeyId>,
+    /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
+    unstable: HashMap<u128, (usize, u8)>,
 }
 
 struct Shared {
@@ -194,6 +201,7 @@ impl Engine {
                 volatile: 0,
                 zero: 0,
                 new_copies: Vec::new(),
+                unstable: HashMap::new(),
             }),
             config: Mutex::new(config),
             frozen: AtomicU64::new(0),
@@ -645,6 +653,7 @@ enum Action {
 }
 
 struct Candidate {
+    /// Start address of the page's region (its key in `State::regions`).
     region: usize,
     index: usize,
     addr: usize,
@@ -671,26 +680,28 @@ fn as_bytes(buf: &[u64; WORDS]) -> &[u8] {
 }
 
 fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::Result<()> {
-    let candidates = watch(sh, st, config)?;
+    let mut candidates = watch(sh, st, config)?;
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
     if candidates.is_empty() {
-        sh.counters
-            .vmas
-            .store(sys::map_count().unwrap_or(0) as u64, Ordering::Relaxed);
-        st.unshared = 0;
         return Ok(());
     }
-    let actions = classify(st, config, &candidates, pool);
+    let actions = classify(st, config, &mut candidates, pool);
     let r = commit(sh, st, config, &candidates, &actions, limit);
     for id in std::mem::take(&mut st.new_copies) {
         st.store.free_unmapped(id);
     }
-    r?;
-    sh.counters
-        .vmas
-        .store(sys::map_count().unwrap_or(0) as u64, Ordering::Relaxed);
-    Ok(())
+    r
+}
+
+/// Checksum-mode watching: whether the page at `addr` changed since the last call.
+fn checksum_changed(addr: usize, last: &mut u64) -> bool {
+    let mut buf = [0u64; WORDS];
+    copy_page(addr, &mut buf);
+    let sum = xxhash_rust::xxh3::xxh3_64(as_bytes(&buf));
+    let changed = *last != sum;
+    *last = sum;
+    changed
 }
 
 /// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
@@ -700,6 +711,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
     let mut cats: Vec<u8> = Vec::new();
     let mut entries = Vec::new();
     let mut volatile = 0u64;
+    let mut unique = 0u64;
     let State {
         regions,
         pagemap,
@@ -707,7 +719,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
         zero,
         ..
     } = st;
-    for (ri, r) in regions.values_mut().enumerate() {
+    for r in regions.values_mut() {
         let n = r.pages.len();
         let end = r.start + r.len();
         // Categories per page: bit 0 present, bit 1 file-backed, bit 2 zero pfn, bit 3 written.
@@ -784,6 +796,26 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
                         continue;
                     }
                 }
+                UNIQUE => {
+                    if present && c & 4 == 0 {
+                        let written = if sh.mode == WatchMode::UffdWp {
+                            c & 8 != 0
+                        } else {
+                            checksum_changed(r.start + i * PAGE, &mut r.sums[i])
+                        };
+                        if !written {
+                            unique += 1;
+                            continue;
+                        }
+                        p.kind = ANON;
+                        p.unchanged = 0;
+                        p.epoch = p.epoch.wrapping_add(1);
+                        p.writes = p.writes.saturating_add(1).min(config.max_backoff);
+                        volatile += 1;
+                        continue;
+                    }
+                    p.kind = ANON;
+                }
                 _ => {}
             }
             if !present || c & 4 != 0 {
@@ -794,15 +826,11 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
             let written = if sh.mode == WatchMode::UffdWp {
                 c & 8 != 0
             } else {
-                let mut buf = [0u64; WORDS];
-                copy_page(addr, &mut buf);
-                let sum = xxhash_rust::xxh3::xxh3_64(as_bytes(&buf));
-                let changed = r.sums[i] != sum;
-                r.sums[i] = sum;
-                changed
+                checksum_changed(addr, &mut r.sums[i])
             };
             if written {
                 p.unchanged = 0;
+                p.epoch = p.epoch.wrapping_add(1);
                 p.writes = p.writes.saturating_add(1).min(config.max_backoff);
                 volatile += 1;
                 continue;
@@ -811,7 +839,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
             let needed = config.merge_periods.max(p.writes);
             if p.unchanged >= needed {
                 out.push(Candidate {
-                    region: ri,
+                    region: r.start,
                     index: i,
                     addr,
                 });
@@ -821,14 +849,28 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
         }
     }
     st.volatile = volatile;
+    st.unshared = unique;
     Ok(out)
 }
 
-/// Decides, on the worker threads, what to do with each candidate.
+/// The region key and page index of `addr` if it is still the UNIQUE page of that epoch.
+fn unique_page(
+    regions: &BTreeMap<usize, RegionState>,
+    addr: usize,
+    epoch: u8,
+) -> Option<(usize, usize)> {
+    let (&start, r) = regions.range(..=addr).next_back()?;
+    let index = (addr - start) / PAGE;
+    let p = r.pages.get(index)?;
+    (p.kind == UNIQUE && p.epoch == epoch).then_some((start, index))
+}
+
+/// Decides, on the worker threads, what to do with each candidate (adding UNIQUE pages of earlier
+/// periods that turn out to be duplicates).
 fn classify(
     st: &mut State,
     config: &Config,
-    cands: &[Candidate],
+    cands: &mut Vec<Candidate>,
     pool: &Pool,
 ) -> Vec<Option<Action>> {
     let parts = config.workers.clamp(1, pool.size());
@@ -880,27 +922,51 @@ fn classify(
         // A worker failed (it cannot, short of a bug): merge nothing this period.
         return vec![None; cands.len()];
     }
-    // Phase 2: group first sightings by hash; each group of two or more gets a stable copy, in
-    // address order so that runs of pages get runs of ids.
+    // Phase 2: group first sightings by hash, with this period's candidates and with the UNIQUE
+    // pages of earlier periods; each group of two or more gets a stable copy, in address order
+    // so that runs of pages get runs of ids. Singletons become UNIQUE and wait in the map.
     hashes.sort_unstable_by_key(|&(_, i)| i);
     let mut first: HashMap<u128, (u32, bool)> = HashMap::with_capacity(hashes.len());
     let mut groups: Vec<u32> = Vec::new(); // first candidate of each group
     let mut member_of: Vec<(u32, u32)> = Vec::new(); // (candidate, first)
     for &(h, i) in &hashes {
-        match first.get_mut(&h) {
-            Some((f, grouped)) => {
-                if !*grouped {
-                    *grouped = true;
-                    groups.push(*f);
-                }
-                member_of.push((i, *f));
+        if let Some((f, grouped)) = first.get_mut(&h) {
+            if !*grouped {
+                *grouped = true;
+                groups.push(*f);
             }
-            None => {
-                first.insert(h, (i, false));
+            member_of.push((i, *f));
+            continue;
+        }
+        if let Some((addr, epoch)) = st.unstable.remove(&h) {
+            if let Some((region, index)) = unique_page(&st.regions, addr, epoch) {
+                let j = cands.len() as u32;
+                cands.push(Candidate {
+                    region,
+                    index,
+                    addr,
+                });
+                actions.push(None);
+                first.insert(h, (i, true));
+                groups.push(i);
+                member_of.push((j, i));
+                continue;
+            }
+        }
+        first.insert(h, (i, false));
+    }
+    for (&h, &(i, grouped)) in &first {
+        if !grouped {
+            let c = &cands[i as usize];
+            if let Some(r) = st.regions.get_mut(&c.region) {
+                let p = &mut r.pages[c.index];
+                p.kind = UNIQUE;
+                p.unchanged = 0;
+                st.unstable.insert(h, (c.addr, p.epoch));
+                st.unshared += 1;
             }
         }
     }
-    st.unshared = (hashes.len() - member_of.len() - groups.len()) as u64;
     if groups.is_empty() {
         return actions;
     }
@@ -976,6 +1042,11 @@ fn commit(
     actions: &[Option<Action>],
     limit: usize,
 ) -> io::Result<()> {
+    let mut todo: Vec<usize> = (0..cands.len()).filter(|&i| actions[i].is_some()).collect();
+    if todo.is_empty() {
+        return Ok(());
+    }
+    todo.sort_unstable_by_key(|&i| cands[i].addr);
     let budget = limit.saturating_sub(config.vma_margin);
     let mut vmas = sys::map_count()?;
     let scratch = st.scratch;
@@ -985,8 +1056,6 @@ fn commit(
         zero,
         ..
     } = st;
-    let mut regions: Vec<&mut RegionState> = regions.values_mut().collect();
-    let todo: Vec<usize> = (0..cands.len()).filter(|&i| actions[i].is_some()).collect();
     let mut i = 0;
     let mut moved = [false; MAX_RUN];
     let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
@@ -1003,7 +1072,10 @@ fn commit(
         }
         let n = j - i;
         let start = first.addr;
-        let region = &mut *regions[first.region];
+        let Some(region) = regions.get_mut(&first.region) else {
+            i = j;
+            continue;
+        };
 
         // Freeze: from here until the wake, any access to the run blocks in the kernel.
         // SeqCst pairs with the fault thread's load: the range is visible before any page moves.
@@ -1116,11 +1188,13 @@ fn commit(
             for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
                 let copy = sid + (q - k) as u32;
                 if ok {
-                    region.pages[first.index + q] = Page {
+                    let p = &mut region.pages[first.index + q];
+                    *p = Page {
                         sid: copy,
                         kind: MERGED,
                         unchanged: 0,
                         writes: 0,
+                        epoch: p.epoch,
                     };
                 } else {
                     store.undo_ref(copy);
@@ -1146,6 +1220,7 @@ fn commit(
                 Some(Action::Merge(_)) => {}
                 None => {
                     p.unchanged = 0;
+                    p.kind = ANON;
                     if moved[k] {
                         // SAFETY: scratch slot k holds the page moved out of this frozen address,
                         // which is still empty (the fault thread does not fill frozen pages).
@@ -1175,5 +1250,7 @@ fn commit(
         let _ = sh.uffd.wake(start, n * PAGE);
         i = j;
     }
+    // The count after this commit (exact at its start, plus what the merges added at most).
+    sh.counters.vmas.store(vmas as u64, Ordering::Relaxed);
     Ok(())
 }

@@ -169,6 +169,23 @@ fn merge_cow_zero_unmerge_checksum_fallback() {
     merge_cow_and_zero(WatchMode::Checksum);
 }
 
+/// A page that matched nothing waits in the first-sighting map without being re-read; a
+/// duplicate written much later still finds it.
+#[test]
+fn late_duplicate_finds_a_waiting_unique_page() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let mut r = e.alloc_region(8 * PAGE).unwrap();
+    fill(&mut r.as_mut_slice()[..PAGE], 777);
+    let s = wait_for(&e, |s| s.pages_unshared >= 1 && s.full_scans >= 6);
+    assert_eq!(s.pages_unshared, 1, "{s:?}");
+    assert_eq!(s.pages_sharing, 0);
+    fill(&mut r.as_mut_slice()[5 * PAGE..6 * PAGE], 777);
+    let s = wait_for(&e, |s| s.pages_sharing >= 1);
+    assert_eq!((s.pages_shared, s.pages_sharing), (1, 1), "{s:?}");
+    assert!(check(&r.as_slice()[..PAGE], 777) && check(&r.as_slice()[5 * PAGE..6 * PAGE], 777));
+}
+
 #[test]
 fn max_sharing_limits_pages_per_copy() {
     let _g = serial();

@@ -1,0 +1,227 @@
+//! Whole-engine benchmark: time and CPU to deduplicate identical regions, PageONE next to KSM.
+//!
+//! One process maps `regions` private anonymous regions of `region_mib` MiB each and fills them
+//! with the same seed data (identical across regions, unique within): "easy" pages hold a random
+//! 8-byte value at offset 0, "hard" pages the same at a random offset in 0..252 (mean 128 leading
+//! zero bytes). The possible saving is `(regions - 1) * pages_per_region` pages. Each side is
+//! timed from registration (`madvise(MADV_MERGEABLE)` for KSM) until it saves 99% of that, and its
+//! CPU time is read from its own threads (`ksmd` for KSM, the engine's threads for PageONE).
+
+use std::time::{Duration, Instant};
+
+use pageone_engine::Engine;
+use pageone_sys as sys;
+
+use crate::ksm;
+
+const PAGE: usize = 4096;
+
+/// The seed data sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Data {
+    Easy,
+    Hard,
+}
+
+impl std::fmt::Display for Data {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Data::Easy => "easy",
+            Data::Hard => "hard",
+        })
+    }
+}
+
+/// A small, fast, seeded generator (xorshift64*), so every run and both sides see the same bytes.
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// Writes page `i` of data set `data` at `page` (4096 bytes, already zero).
+///
+/// # Safety
+/// `page` must be valid for writes of 4096 bytes and not otherwise accessed meanwhile.
+pub unsafe fn fill_page(page: *mut u8, data: Data, i: u64) {
+    let v = mix(i.wrapping_add(0x9E37_79B9_7F4A_7C15)) | 1; // nonzero, distinct per i w.h.p.
+    let v = (v & !0xFFFF_FFFF) | i; // and certainly distinct (low half = index)
+    let off = match data {
+        Data::Easy => 0,
+        Data::Hard => (mix(i ^ 0xABCD) % 253) as usize,
+    };
+    // SAFETY: off + 8 <= 260 < 4096, inside the page the caller vouches for.
+    unsafe { std::ptr::copy_nonoverlapping(v.to_le_bytes().as_ptr(), page.add(off), 8) };
+}
+
+/// One measurement of one side.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Sample {
+    pub side: &'static str,
+    pub data: Data,
+    /// Seconds from registration to 99% of the possible saving (None: not reached in time).
+    pub seconds_to_99: Option<f64>,
+    /// CPU-seconds spent by the side's threads until then.
+    pub cpu_seconds: f64,
+    /// Pages saved at the end (pages_sharing).
+    pub pages_saved: u64,
+    pub possible: u64,
+}
+
+/// Benchmark parameters.
+#[derive(Clone, Debug)]
+pub struct Params {
+    pub regions: usize,
+    pub region_mib: usize,
+    pub workers: usize,
+    pub merge_period: Duration,
+    pub timeout: Duration,
+}
+
+struct Regions {
+    ptrs: Vec<*mut u8>,
+    len: usize,
+}
+
+impl Regions {
+    fn new(p: &Params, data: Data) -> std::io::Result<Self> {
+        let len = p.region_mib << 20;
+        let mut ptrs = Vec::new();
+        for _ in 0..p.regions {
+            let ptr = sys::mmap_anonymous(len)?;
+            for i in 0..len / PAGE {
+                // SAFETY: page i of a fresh private mapping of len bytes, owned here.
+                unsafe { fill_page(ptr.add(i * PAGE), data, i as u64) };
+            }
+            ptrs.push(ptr);
+        }
+        Ok(Self { ptrs, len })
+    }
+
+    fn verify(&self, data: Data) -> bool {
+        let mut want = [0u8; PAGE];
+        for &ptr in &self.ptrs {
+            for i in 0..self.len / PAGE {
+                want.fill(0);
+                // SAFETY: `want` is a local page.
+                unsafe { fill_page(want.as_mut_ptr(), data, i as u64) };
+                // SAFETY: the page is mapped and only this thread writes it (nobody here).
+                let got = unsafe { std::slice::from_raw_parts(ptr.add(i * PAGE), PAGE) };
+                if got != want {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+impl Drop for Regions {
+    fn drop(&mut self) {
+        for &p in &self.ptrs {
+            // SAFETY: mapped in `new`, no reference outlives self.
+            let _ = unsafe { sys::munmap(p, self.len) };
+        }
+    }
+}
+
+/// Measures KSM (`sleep_millisecs=0`, `pages_to_scan=100000`) on one data set.
+pub fn run_ksm(p: &Params, data: Data) -> Result<Sample, String> {
+    let session = ksm::KsmSession::new(0, 100_000).map_err(|e| format!("KSM knobs: {e}"))?;
+    let regions = Regions::new(p, data).map_err(|e| e.to_string())?;
+    let possible = ((p.regions - 1) * regions.len / PAGE) as u64;
+    let cpu0 = ksm::ksmd_cpu_ns();
+    let t0 = Instant::now();
+    for &ptr in &regions.ptrs {
+        // SAFETY: MADV_MERGEABLE does not change contents.
+        unsafe { sys::madvise(ptr, regions.len, libc::MADV_MERGEABLE) }
+            .map_err(|e| format!("MADV_MERGEABLE: {e}"))?;
+    }
+    session.start().map_err(|e| e.to_string())?;
+    let target = possible * 99 / 100;
+    let mut reached = None;
+    while t0.elapsed() < p.timeout {
+        if ksm::read("pages_sharing").unwrap_or(0) >= target {
+            reached = Some(t0.elapsed().as_secs_f64());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cpu = (ksm::ksmd_cpu_ns() - cpu0) as f64 / 1e9;
+    let saved = ksm::read("pages_sharing").unwrap_or(0);
+    session.stop_and_unmerge().map_err(|e| e.to_string())?;
+    if !regions.verify(data) {
+        return Err("KSM run: data changed (this is a bug in the benchmark)".into());
+    }
+    Ok(Sample {
+        side: "ksm",
+        data,
+        seconds_to_99: reached,
+        cpu_seconds: cpu,
+        pages_saved: saved,
+        possible,
+    })
+}
+
+/// Measures PageONE with `p.workers` workers on one data set.
+pub fn run_pageone(p: &Params, data: Data) -> Result<Sample, String> {
+    let engine = Engine::builder()
+        .workers(p.workers)
+        .merge_period(p.merge_period)
+        .build()
+        .map_err(|e| format!("engine: {e}"))?;
+    let regions = Regions::new(p, data).map_err(|e| e.to_string())?;
+    let possible = ((p.regions - 1) * regions.len / PAGE) as u64;
+    let cpu0 = engine.stats().worker_cpu_ns;
+    let t0 = Instant::now();
+    for &ptr in &regions.ptrs {
+        engine
+            .register(ptr, regions.len)
+            .map_err(|e| format!("register: {e}"))?;
+    }
+    let target = possible * 99 / 100;
+    let mut reached = None;
+    while t0.elapsed() < p.timeout {
+        if engine.stats().pages_sharing >= target {
+            reached = Some(t0.elapsed().as_secs_f64());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let s = engine.stats();
+    let cpu = (s.worker_cpu_ns - cpu0) as f64 / 1e9;
+    if !regions.verify(data) {
+        return Err("pageone run: data changed".into());
+    }
+    for &ptr in &regions.ptrs {
+        let _ = engine.unregister(ptr, regions.len);
+    }
+    drop(engine);
+    Ok(Sample {
+        side: "pageone",
+        data,
+        seconds_to_99: reached,
+        cpu_seconds: cpu,
+        pages_saved: s.pages_sharing,
+        possible,
+    })
+}
+
+/// The median of the samples' times (None if any run did not reach 99%).
+pub fn median_time(samples: &[&Sample]) -> Option<f64> {
+    let mut t: Vec<f64> = samples
+        .iter()
+        .map(|s| s.seconds_to_99)
+        .collect::<Option<_>>()?;
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied()
+}
+
+/// The median CPU-seconds of the samples.
+pub fn median_cpu(samples: &[&Sample]) -> f64 {
+    let mut t: Vec<f64> = samples.iter().map(|s| s.cpu_seconds).collect();
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied().unwrap_or(0.0)
+}

@@ -1,0 +1,348 @@
+//! `pageone bench sdtree`: the SD tree against a KSM-style memcmp-ordered tree and a hash index.
+//!
+//! Keys are 4 KiB pages of the seed's two kinds (see [`crate::dedup::fill_page`]): "easy" (a
+//! random 8-byte value at offset 0, the rest zero) and "hard" (the same value at a random offset in
+//! 0..252). `keys` distinct pages are inserted, then present keys (hits) and absent keys of the
+//! same kind (misses) are looked up in a shuffled order, with 1 and 2 threads. Baselines:
+//!
+//! * memcmp tree: a `BTreeMap` ordered by the page bytes (every node visit compares from byte 0,
+//!   as KSM's red-black trees do), behind a `RwLock` for two threads (readers share the lock, which
+//!   favours the baseline: KSM serialises on a mutex);
+//! * hash index: xxh3-128 of the whole page in a `HashMap`, confirmed by a full memcmp.
+//!
+//! All keys live in one read-only buffer built before timing; the SD tree reads them in place
+//! through its `KeySource`.
+
+use std::borrow::Borrow;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::RwLock;
+use std::time::Instant;
+
+use pageone_index::{KeyId, KeySource, SdTree};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::dedup::{fill_page, Data};
+
+const PAGE: usize = 4096;
+const WORDS: usize = PAGE / 8;
+
+/// The keys of one data set: `present` keys (ids `0..present`), then `absent` ones.
+pub struct KeySet {
+    words: Vec<u64>,
+    pub present: usize,
+    pub absent: usize,
+}
+
+impl KeySet {
+    pub fn new(data: Data, present: usize, absent: usize) -> Self {
+        let n = present + absent;
+        let mut words = vec![0u64; n * WORDS];
+        for (i, page) in words.chunks_mut(WORDS).enumerate() {
+            // SAFETY: `page` is 4096 bytes of a buffer this function owns.
+            unsafe { fill_page(page.as_mut_ptr().cast(), data, i as u64) };
+        }
+        Self {
+            words,
+            present,
+            absent,
+        }
+    }
+
+    pub fn bytes(&self, id: usize) -> &[u8] {
+        let w = &self.words[id * WORDS..(id + 1) * WORDS];
+        // SAFETY: 512 initialised u64s are 4096 initialised bytes; u8 has no alignment needs.
+        unsafe { std::slice::from_raw_parts(w.as_ptr().cast(), PAGE) }
+    }
+}
+
+/// The SD tree's view of a key set (read-only for the benchmark's lifetime, so plain reads).
+struct SetKeys(&'static KeySet);
+
+impl KeySource for SetKeys {
+    fn word(&self, id: KeyId, i: usize) -> u64 {
+        u64::from_be(self.0.words[id as usize * WORDS + i])
+    }
+}
+
+/// Throughputs and bytes examined for one structure, data set and thread count.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Row {
+    pub structure: &'static str,
+    pub data: Data,
+    pub threads: usize,
+    pub insert_ops_per_s: f64,
+    pub hit_ops_per_s: f64,
+    pub miss_ops_per_s: f64,
+    pub bytes_examined_per_miss: f64,
+}
+
+/// A structure under test, behind one interface.
+trait Index: Sync {
+    fn insert(&self, id: usize);
+    fn lookup(&self, key: &[u8]) -> bool;
+}
+
+struct Sd(SdTree<SetKeys>);
+impl Index for Sd {
+    fn insert(&self, id: usize) {
+        self.0.insert_or_get(id as KeyId).expect("arena has room");
+    }
+    fn lookup(&self, key: &[u8]) -> bool {
+        self.0.lookup(key).is_some()
+    }
+}
+
+/// A page compared with memcmp from byte 0, as KSM's trees do.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct PageRef(&'static [u8]);
+
+impl Borrow<[u8]> for PageRef {
+    fn borrow(&self) -> &[u8] {
+        self.0
+    }
+}
+
+struct MemcmpTree {
+    set: &'static KeySet,
+    map: RwLock<BTreeMap<PageRef, u32>>,
+}
+impl Index for MemcmpTree {
+    fn insert(&self, id: usize) {
+        let mut m = self.map.write().unwrap_or_else(|e| e.into_inner());
+        m.entry(PageRef(self.set.bytes(id))).or_insert(id as u32);
+    }
+    fn lookup(&self, key: &[u8]) -> bool {
+        let m = self.map.read().unwrap_or_else(|e| e.into_inner());
+        m.contains_key(key)
+    }
+}
+
+struct HashIndex {
+    set: &'static KeySet,
+    map: RwLock<HashMap<u128, Vec<u32>>>,
+}
+impl Index for HashIndex {
+    fn insert(&self, id: usize) {
+        let key = self.set.bytes(id);
+        let h = xxhash_rust::xxh3::xxh3_128(key);
+        let mut m = self.map.write().unwrap_or_else(|e| e.into_inner());
+        let v = m.entry(h).or_default();
+        if !v.iter().any(|&o| self.set.bytes(o as usize) == key) {
+            v.push(id as u32);
+        }
+    }
+    fn lookup(&self, key: &[u8]) -> bool {
+        let h = xxhash_rust::xxh3::xxh3_128(key);
+        let m = self.map.read().unwrap_or_else(|e| e.into_inner());
+        m.get(&h)
+            .is_some_and(|v| v.iter().any(|&o| self.set.bytes(o as usize) == key))
+    }
+}
+
+/// Runs `f(part)` on `threads` threads and returns the wall time in seconds.
+fn timed(threads: usize, f: impl Fn(usize) + Sync) -> f64 {
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for p in 0..threads {
+            let f = &f;
+            s.spawn(move || f(p));
+        }
+    });
+    t.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Measures one structure on one key set with `threads` threads, `runs` times (medians).
+fn measure(
+    name: &'static str,
+    set: &'static KeySet,
+    data: Data,
+    threads: usize,
+    runs: usize,
+    make: &dyn Fn() -> Box<dyn Index>,
+    bytes_per_miss: f64,
+) -> Row {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let mut hits: Vec<usize> = (0..set.present).collect();
+    hits.shuffle(&mut rng);
+    let mut misses: Vec<usize> = (set.present..set.present + set.absent).collect();
+    misses.shuffle(&mut rng);
+    let (mut ins, mut hit, mut miss) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let idx = make();
+        let idx = &*idx;
+        let per = set.present.div_ceil(threads);
+        let t = timed(threads, |p| {
+            for id in (p * per)..((p + 1) * per).min(set.present) {
+                idx.insert(id);
+            }
+        });
+        ins.push(set.present as f64 / t);
+        // Every thread looks up every key (in its own rotation of the shuffled order).
+        let t = timed(threads, |p| {
+            let mut found = 0usize;
+            let rot = p * hits.len() / threads;
+            for k in 0..hits.len() {
+                found += idx.lookup(set.bytes(hits[(k + rot) % hits.len()])) as usize;
+            }
+            assert_eq!(found, hits.len(), "{name}: a present key was not found");
+        });
+        hit.push((hits.len() * threads) as f64 / t);
+        let t = timed(threads, |p| {
+            let rot = p * misses.len() / threads;
+            for k in 0..misses.len() {
+                assert!(
+                    !idx.lookup(set.bytes(misses[(k + rot) % misses.len()])),
+                    "{name}: false hit"
+                );
+            }
+        });
+        miss.push((misses.len() * threads) as f64 / t);
+    }
+    Row {
+        structure: name,
+        data,
+        threads,
+        insert_ops_per_s: median(ins),
+        hit_ops_per_s: median(hit),
+        miss_ops_per_s: median(miss),
+        bytes_examined_per_miss: bytes_per_miss,
+    }
+}
+
+/// Bytes a memcmp-ordered tree compares on a miss, counted by walking a sorted array the way a
+/// balanced search tree would (binary search: the same comparisons, from byte 0 each time).
+fn memcmp_bytes_per_miss(set: &KeySet) -> f64 {
+    let mut sorted: Vec<usize> = (0..set.present).collect();
+    sorted.sort_by(|&a, &b| set.bytes(a).cmp(set.bytes(b)));
+    let mut total = 0u64;
+    for q in set.present..set.present + set.absent {
+        let key = set.bytes(q);
+        let (mut lo, mut hi) = (0usize, sorted.len());
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let other = set.bytes(sorted[mid]);
+            let d = key
+                .iter()
+                .zip(other)
+                .position(|(a, b)| a != b)
+                .unwrap_or(PAGE - 1);
+            total += d as u64 + 1;
+            if key < other {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+    }
+    total as f64 / set.absent as f64
+}
+
+/// The SD tree's bytes examined per miss, from its own counters.
+fn sdtree_bytes_per_miss(arc: &'static KeySet) -> f64 {
+    let t = SdTree::new(SetKeys(arc), PAGE).expect("tree");
+    for id in 0..arc.present {
+        t.insert_or_get(id as KeyId).expect("room");
+    }
+    let mut total = 0u64;
+    for q in arc.present..arc.present + arc.absent {
+        let (r, st) = t.lookup_with_stats(arc.bytes(q));
+        assert!(r.is_none());
+        total += st.query_bytes as u64;
+    }
+    total as f64 / arc.absent as f64
+}
+
+/// The whole benchmark.
+pub fn run(keys: usize, runs: usize, log: &mut dyn FnMut(&str)) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for data in [Data::Easy, Data::Hard] {
+        log(&format!("building {keys} {data} keys..."));
+        // Structures borrow keys for 'static; the set lives until the process exits.
+        let set: &'static KeySet = Box::leak(Box::new(KeySet::new(data, keys, keys / 4)));
+        let sd_bytes = sdtree_bytes_per_miss(set);
+        let mc_bytes = memcmp_bytes_per_miss(set);
+        for threads in [1, 2] {
+            let make_sd = || -> Box<dyn Index> {
+                Box::new(Sd(SdTree::new(SetKeys(set), PAGE).expect("tree")))
+            };
+            rows.push(measure(
+                "sdtree", set, data, threads, runs, &make_sd, sd_bytes,
+            ));
+            log(&format!("  sdtree {data} {threads}t done"));
+            let make_mc = || -> Box<dyn Index> {
+                Box::new(MemcmpTree {
+                    set,
+                    map: RwLock::new(BTreeMap::new()),
+                })
+            };
+            rows.push(measure(
+                "memcmp_tree",
+                set,
+                data,
+                threads,
+                runs,
+                &make_mc,
+                mc_bytes,
+            ));
+            log(&format!("  memcmp_tree {data} {threads}t done"));
+            let make_h = || -> Box<dyn Index> {
+                Box::new(HashIndex {
+                    set,
+                    map: RwLock::new(HashMap::new()),
+                })
+            };
+            rows.push(measure(
+                "hash_xxh3",
+                set,
+                data,
+                threads,
+                runs,
+                &make_h,
+                PAGE as f64,
+            ));
+            log(&format!("  hash_xxh3 {data} {threads}t done"));
+        }
+    }
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_have_the_seed_shapes() {
+        for data in [Data::Easy, Data::Hard] {
+            let s = KeySet::new(data, 64, 16);
+            let mut seen = std::collections::HashSet::new();
+            for id in 0..80 {
+                let b = s.bytes(id);
+                let first = b.iter().position(|&x| x != 0).expect("nonzero key");
+                let last = b.iter().rposition(|&x| x != 0).unwrap();
+                assert!(
+                    last - first < 8 && last < 260,
+                    "{data} key {id} spans {first}..={last}"
+                );
+                if data == Data::Easy {
+                    assert!(first < 8);
+                }
+                assert!(seen.insert(b.to_vec()), "duplicate key");
+            }
+        }
+    }
+
+    #[test]
+    fn every_structure_finds_present_and_rejects_absent_keys() {
+        let rows = run(256, 1, &mut |_| {});
+        assert_eq!(rows.len(), 12);
+        for r in rows {
+            assert!(r.insert_ops_per_s > 0.0 && r.hit_ops_per_s > 0.0 && r.miss_ops_per_s > 0.0);
+        }
+    }
+}
