@@ -65,7 +65,7 @@ struct State {
     /// Copies made this period; those that merged nothing are freed after the commit.
     new_copies: Vec<KeyId>,
     /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
-    unstable: HashMap<u128, (usize, u8)>,
+    unstable: HashMap<u128, (usize, u8), HashOfHash>,
 }
 
 struct Shared {
@@ -201,7 +201,7 @@ impl Engine {
                 volatile: 0,
                 zero: 0,
                 new_copies: Vec::new(),
-                unstable: HashMap::new(),
+                unstable: HashMap::default(),
             }),
             config: Mutex::new(config),
             frozen: AtomicU64::new(0),
@@ -616,13 +616,14 @@ fn engine_loop(sh: &Shared, mut pool: Pool) {
             if let Err(e) = run_period(sh, &mut st, &config, &pool) {
                 tracing::warn!(error = %e, "merge period failed; memory is unchanged");
             }
+            // Counted before the state is released, so stats() never shows a period's merges
+            // without its CPU time. Relaxed: a statistic read under the same lock.
+            let cpu = sys::thread_cpu_time_ns() + pool.cpu_ns();
+            sh.counters
+                .cpu_ns
+                .fetch_add(cpu - last_cpu, Ordering::Relaxed);
+            last_cpu = cpu;
         }
-        let cpu = sys::thread_cpu_time_ns() + pool.cpu_ns();
-        // Relaxed: a statistic.
-        sh.counters
-            .cpu_ns
-            .fetch_add(cpu - last_cpu, Ordering::Relaxed);
-        last_cpu = cpu;
         {
             *lock(&sh.periods) += 1;
             sh.period_cv.notify_all();
@@ -686,8 +687,16 @@ fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::
     if candidates.is_empty() {
         return Ok(());
     }
+    let t0 = Instant::now();
     let actions = classify(st, config, &mut candidates, pool);
-    let r = commit(sh, st, config, &candidates, &actions, limit);
+    let t1 = Instant::now();
+    let r = commit(sh, st, pool, config, &candidates, &actions, limit);
+    tracing::debug!(
+        candidates = candidates.len(),
+        classify_ms = (t1 - t0).as_secs_f64() * 1e3,
+        commit_ms = t1.elapsed().as_secs_f64() * 1e3,
+        "period"
+    );
     for id in std::mem::take(&mut st.new_copies) {
         st.store.free_unmapped(id);
     }
@@ -853,6 +862,62 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
     Ok(out)
 }
 
+/// Inserts `ids` into the stable tree from the worker threads; results in the order of `ids`.
+fn insert_parallel(
+    pool: &Pool,
+    parts: usize,
+    tree: &Arc<pageone_index::SdTree<crate::store::StoreKeys>>,
+    ids: &[KeyId],
+) -> Vec<Result<pageone_index::Insert, pageone_index::IndexError>> {
+    let n = ids.len();
+    let chunk = n.div_ceil(parts).max(1);
+    type Out = Vec<Result<pageone_index::Insert, pageone_index::IndexError>>;
+    let out: Arc<Vec<Mutex<Out>>> = Arc::new((0..parts).map(|_| Mutex::new(Vec::new())).collect());
+    {
+        let (ids, out, tree) = (Arc::new(ids.to_vec()), out.clone(), tree.clone());
+        pool.run(
+            parts,
+            Arc::new(move |part| {
+                let lo = (part * chunk).min(n);
+                let hi = ((part + 1) * chunk).min(n);
+                let r: Out = ids[lo..hi]
+                    .iter()
+                    .map(|&id| tree.insert_or_get(id))
+                    .collect();
+                *out[part].lock().unwrap_or_else(|e| e.into_inner()) = r;
+            }),
+        );
+    }
+    let mut all = Vec::with_capacity(n);
+    for slot in out.iter() {
+        all.append(&mut slot.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+    while all.len() < n {
+        all.push(Err(pageone_index::IndexError::Full(0)));
+    }
+    all
+}
+
+/// Keys that are xxh3 hashes already need no hashing again: use their low bits.
+#[derive(Default, Clone, Copy)]
+struct IdentityHasher(u64);
+
+impl std::hash::Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes.iter().take(8) {
+            self.0 = (self.0 << 8) | b as u64;
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+type HashOfHash = std::hash::BuildHasherDefault<IdentityHasher>;
+
 /// The region key and page index of `addr` if it is still the UNIQUE page of that epoch.
 fn unique_page(
     regions: &BTreeMap<usize, RegionState>,
@@ -873,6 +938,7 @@ fn classify(
     cands: &mut Vec<Candidate>,
     pool: &Pool,
 ) -> Vec<Option<Action>> {
+    let t_start = Instant::now();
     let parts = config.workers.clamp(1, pool.size());
     let addrs: Arc<Vec<usize>> = Arc::new(cands.iter().map(|c| c.addr).collect());
     let chunk = addrs.len().div_ceil(parts).max(1);
@@ -911,6 +977,11 @@ fn classify(
             }),
         );
     }
+    let t_phase1 = Instant::now();
+    tracing::debug!(
+        phase1_ms = (t_phase1 - t_start).as_secs_f64() * 1e3,
+        "classify"
+    );
     let mut actions: Vec<Option<Action>> = Vec::with_capacity(cands.len());
     let mut hashes: Vec<(u128, u32)> = Vec::new();
     for slot in out.iter() {
@@ -925,8 +996,9 @@ fn classify(
     // Phase 2: group first sightings by hash, with this period's candidates and with the UNIQUE
     // pages of earlier periods; each group of two or more gets a stable copy, in address order
     // so that runs of pages get runs of ids. Singletons become UNIQUE and wait in the map.
-    hashes.sort_unstable_by_key(|&(_, i)| i);
-    let mut first: HashMap<u128, (u32, bool)> = HashMap::with_capacity(hashes.len());
+    // `hashes` is in candidate order already (parts are consecutive chunks, appended in order).
+    let mut first: HashMap<u128, (u32, bool), HashOfHash> =
+        HashMap::with_capacity_and_hasher(hashes.len(), HashOfHash::default());
     let mut groups: Vec<u32> = Vec::new(); // first candidate of each group
     let mut member_of: Vec<(u32, u32)> = Vec::new(); // (candidate, first)
     for &(h, i) in &hashes {
@@ -975,38 +1047,35 @@ fn classify(
         tracing::warn!("stable store is full; first sightings are not merged this period");
         return actions;
     };
-    // Write the new copies on the workers, then publish them.
-    let copies: Arc<Vec<(usize, usize)>> = Arc::new(
-        groups
+    let t_group = Instant::now();
+    // Write the new copies: the kernel reads the source pages (they may be changing; every merge
+    // is verified later on frozen bytes), one pwritev per run of consecutive ids.
+    let mut k = 0;
+    while k < ids.len() {
+        let mut m = 1;
+        while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
+            m += 1;
+        }
+        let srcs: Vec<usize> = groups[k..k + m]
             .iter()
-            .zip(&ids)
-            .map(|(&g, &id)| (cands[g as usize].addr, st.store.addr(id)))
-            .collect(),
-    );
-    let chunk = copies.len().div_ceil(parts).max(1);
-    {
-        let copies = copies.clone();
-        pool.run(
-            parts,
-            Arc::new(move |part| {
-                let lo = (part * chunk).min(copies.len());
-                let hi = ((part + 1) * chunk).min(copies.len());
-                for &(src, dst) in &copies[lo..hi] {
-                    for i in 0..WORDS {
-                        // SAFETY: dst is a copy allocated to this period and not yet published, so
-                        // no other thread reads or writes it; src is read as in page_word.
-                        unsafe {
-                            let w = std::ptr::read_volatile((src as *const u64).add(i));
-                            std::ptr::write_volatile((dst as *mut u64).add(i), w);
-                        }
-                    }
-                }
-            }),
-        );
+            .map(|&g| cands[g as usize].addr)
+            .collect();
+        if let Err(e) = sys::pwrite_pages(st.store.fd(), &srcs, ids[k] as u64 * PAGE as u64) {
+            tracing::warn!(error = %e, "stable copies could not be written; not merging them");
+            for &id in &ids {
+                st.store.free_unmapped(id);
+            }
+            return actions;
+        }
+        k += m;
     }
+    let t_copy = Instant::now();
+    // Index the new copies on the workers (the SD tree takes concurrent inserts), then record
+    // the outcomes serially.
+    let inserted = insert_parallel(pool, parts, &st.store.tree, &ids);
     let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(groups.len());
-    for (&g, &id) in groups.iter().zip(&ids) {
-        match st.store.publish(id) {
+    for ((&g, &id), ins) in groups.iter().zip(&ids).zip(inserted) {
+        match st.store.record_insert(id, ins) {
             Ok(used) => {
                 id_of_first.insert(g, used);
                 actions[g as usize] = Some(Action::Merge(used));
@@ -1020,7 +1089,61 @@ fn classify(
         }
     }
     st.new_copies = ids;
+    tracing::debug!(
+        phase1_to_group_ms = (t_group - t_phase1).as_secs_f64() * 1e3,
+        copy_ms = (t_copy - t_group).as_secs_f64() * 1e3,
+        publish_ms = t_copy.elapsed().as_secs_f64() * 1e3,
+        "classify"
+    );
     actions
+}
+
+/// Compares frozen pages: `(frozen, copy)` pairs, `copy == 0` meaning "is it all zero?", and
+/// `frozen == 0` meaning "not moved" (false). Long runs are split over the workers.
+fn verify_pages(pool: &Pool, workers: usize, jobs: Vec<(usize, usize)>) -> Vec<bool> {
+    fn check(frozen: usize, copy: usize) -> bool {
+        if frozen == 0 {
+            return false;
+        }
+        // SAFETY: `frozen` is a scratch page holding a page moved in by the committer, which waits
+        // for this check; only the engine knows the scratch area, so nobody writes it meanwhile.
+        let f = unsafe { std::slice::from_raw_parts(frozen as *const u8, PAGE) };
+        if copy == 0 {
+            return f.iter().all(|&b| b == 0);
+        }
+        // SAFETY: `copy` is a published stable copy: the store is written only before
+        // publication, so it is immutable while referenced here.
+        let c = unsafe { std::slice::from_raw_parts(copy as *const u8, PAGE) };
+        f == c
+    }
+    let parts = workers.clamp(1, pool.size());
+    if jobs.len() < 64 || parts == 1 {
+        return jobs.iter().map(|&(f, c)| check(f, c)).collect();
+    }
+    let n = jobs.len();
+    let chunk = n.div_ceil(parts);
+    let jobs = Arc::new(jobs);
+    let out: Arc<Vec<Mutex<Vec<bool>>>> =
+        Arc::new((0..parts).map(|_| Mutex::new(Vec::new())).collect());
+    {
+        let (jobs, out) = (jobs.clone(), out.clone());
+        pool.run(
+            parts,
+            Arc::new(move |part| {
+                let lo = (part * chunk).min(n);
+                let hi = ((part + 1) * chunk).min(n);
+                let r: Vec<bool> = jobs[lo..hi].iter().map(|&(f, c)| check(f, c)).collect();
+                *out[part].lock().unwrap_or_else(|e| e.into_inner()) = r;
+            }),
+        );
+    }
+    let mut equal = Vec::with_capacity(n);
+    for slot in out.iter() {
+        equal.append(&mut slot.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+    // A part that did not report (a bug) verifies nothing: nothing is merged.
+    equal.resize(n, false);
+    equal
 }
 
 /// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
@@ -1037,6 +1160,7 @@ fn unpack_run(w: u64) -> (usize, usize) {
 fn commit(
     sh: &Shared,
     st: &mut State,
+    pool: &Pool,
     config: &Config,
     cands: &[Candidate],
     actions: &[Option<Action>],
@@ -1058,6 +1182,8 @@ fn commit(
     } = st;
     let mut i = 0;
     let mut moved = [false; MAX_RUN];
+    let mut tm = [0f64; 4];
+    let t_end = Instant::now();
     let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
     while i < todo.len() {
         // A run: candidates at consecutive addresses of one region.
@@ -1077,6 +1203,7 @@ fn commit(
             continue;
         };
 
+        let tf = Instant::now();
         // Freeze: from here until the wake, any access to the run blocks in the kernel.
         // SeqCst pairs with the fault thread's load: the range is visible before any page moves.
         {
@@ -1107,33 +1234,30 @@ fn commit(
             }
         }
 
-        // Verify on frozen bytes.
+        let tv = Instant::now();
+        tm[0] += (tv - tf).as_secs_f64();
+        // Verify on frozen bytes: byte-for-byte, on the workers when the run is long.
+        let jobs: Vec<(usize, usize)> = (0..n)
+            .map(|k| match actions[todo[i + k]] {
+                _ if !moved[k] => (0, 0),
+                Some(Action::Zero) => (scratch + k * PAGE, 0),
+                Some(Action::Merge(sid)) => (scratch + k * PAGE, store.addr(sid)),
+                None => (0, 0),
+            })
+            .collect();
+        let equal = verify_pages(pool, config.workers, jobs);
         for k in 0..n {
             verdict[k] = None;
             if !moved[k] {
                 continue;
             }
-            // SAFETY: scratch slot k holds a page moved in above; only this thread knows the
-            // scratch area, so nobody writes it while this shared borrow lives.
-            let frozen =
-                unsafe { std::slice::from_raw_parts((scratch + k * PAGE) as *const u8, PAGE) };
             verdict[k] = match actions[todo[i + k]] {
-                Some(Action::Zero) if frozen.iter().all(|&b| b == 0) => Some(Action::Zero),
-                Some(Action::Merge(sid)) => {
-                    // SAFETY: copy `sid` is published and mapped by nobody who may write it (the
-                    // store is written only before publication), so it is immutable here.
-                    let copy =
-                        unsafe { std::slice::from_raw_parts(store.addr(sid) as *const u8, PAGE) };
-                    if store.refs(sid) >= config.max_sharing {
-                        store.retire(sid);
-                        None
-                    } else if frozen == copy {
-                        Some(Action::Merge(sid))
-                    } else {
-                        sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
-                        None
-                    }
+                Some(Action::Zero) if equal[k] => Some(Action::Zero),
+                Some(Action::Merge(sid)) if store.refs(sid) >= config.max_sharing => {
+                    store.retire(sid);
+                    None
                 }
+                Some(Action::Merge(sid)) if equal[k] => Some(Action::Merge(sid)),
                 _ => {
                     sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
                     None
@@ -1145,6 +1269,8 @@ fn commit(
             }
         }
 
+        let tr = Instant::now();
+        tm[1] += (tr - tv).as_secs_f64();
         // Replace: one mapping per subrun of consecutive copies.
         let mut k = 0;
         while k < n {
@@ -1243,6 +1369,8 @@ fn commit(
                 }
             }
         }
+        let td = Instant::now();
+        tm[2] += (td - tr).as_secs_f64();
         // Free the originals of merged and zero pages, then let writers in.
         // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
         let _ = unsafe { sys::madvise(scratch as *mut u8, n * PAGE, libc::MADV_DONTNEED) };
@@ -1250,6 +1378,13 @@ fn commit(
         let _ = sh.uffd.wake(start, n * PAGE);
         i = j;
     }
+    tracing::debug!(
+        move_ms = tm[0] * 1e3,
+        verify_ms = tm[1] * 1e3,
+        replace_ms = tm[2] * 1e3,
+        total_ms = t_end.elapsed().as_secs_f64() * 1e3,
+        "commit"
+    );
     // The count after this commit (exact at its start, plus what the merges added at most).
     sh.counters.vmas.store(vmas as u64, Ordering::Relaxed);
     Ok(())

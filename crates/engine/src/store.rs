@@ -172,10 +172,21 @@ impl Store {
         }
     }
 
-    /// Publishes copy `id` (already written). Returns the id to use: `id`, or the id of an identical
-    /// copy already published (then `id` is freed).
-    pub(crate) fn publish(&mut self, id: KeyId) -> Result<KeyId, EngineError> {
-        match self.tree.insert_or_get(id).map_err(EngineError::Index)? {
+    /// Records the outcome of inserting copy `id` (already written) into the tree. Returns the id
+    /// to use: `id`, or the id of an identical copy already published (then `id` is freed).
+    pub(crate) fn record_insert(
+        &mut self,
+        id: KeyId,
+        result: Result<Insert, pageone_index::IndexError>,
+    ) -> Result<KeyId, EngineError> {
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.discard(id);
+                return Err(EngineError::Index(e));
+            }
+        };
+        match result {
             Insert::Inserted(e) => {
                 self.indexed[id as usize] = true;
                 self.in_tree[id as usize] = true;

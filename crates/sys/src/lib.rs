@@ -155,6 +155,40 @@ pub fn punch_hole(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
     .map(drop)
 }
 
+/// Writes the pages at `srcs` (each `PAGE_SIZE` bytes of this process's memory) to `fd` at
+/// consecutive offsets starting at `offset`, with as few `pwritev` calls as possible. The kernel
+/// reads the sources, so they may be written concurrently (the file then holds some mix of old
+/// and new bytes, which callers must verify).
+pub fn pwrite_pages(fd: RawFd, srcs: &[usize], offset: u64) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < srcs.len() {
+        let batch = (srcs.len() - done).min(1024); // IOV_MAX
+        let iov: Vec<libc::iovec> = srcs[done..done + batch]
+            .iter()
+            .map(|&a| libc::iovec {
+                iov_base: a as *mut libc::c_void,
+                iov_len: PAGE_SIZE,
+            })
+            .collect();
+        let off = offset + (done * PAGE_SIZE) as u64;
+        // SAFETY: iov is a live array of `batch` iovecs; the kernel only reads the sources.
+        let n =
+            cvt(
+                unsafe { libc::pwritev(fd, iov.as_ptr(), batch as libc::c_int, off as libc::off_t) }
+                    as libc::c_long,
+            )? as usize;
+        if n < PAGE_SIZE {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwritev wrote no whole page",
+            ));
+        }
+        // A short write continues from the first page not fully written.
+        done += n / PAGE_SIZE;
+    }
+    Ok(())
+}
+
 /// Creates an eventfd used to interrupt a blocking poll (non-blocking, close-on-exec).
 pub fn eventfd() -> io::Result<OwnedFd> {
     // SAFETY: no memory is passed to the kernel.
