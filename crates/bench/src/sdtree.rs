@@ -157,62 +157,42 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Measures one structure on one key set with `threads` threads, `runs` times (medians).
-fn measure(
-    name: &'static str,
-    set: &'static KeySet,
-    data: Data,
-    threads: usize,
-    runs: usize,
-    make: &dyn Fn() -> Box<dyn Index>,
-    bytes_per_miss: f64,
-) -> Row {
+/// One sample of one structure on one key set with `threads` threads: ops/s for insert, hit,
+/// miss.
+fn sample(name: &str, set: &'static KeySet, threads: usize, idx: &dyn Index) -> [f64; 3] {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
     let mut hits: Vec<usize> = (0..set.present).collect();
     hits.shuffle(&mut rng);
     let mut misses: Vec<usize> = (set.present..set.present + set.absent).collect();
     misses.shuffle(&mut rng);
-    let (mut ins, mut hit, mut miss) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..runs {
-        let idx = make();
-        let idx = &*idx;
-        let per = set.present.div_ceil(threads);
-        let t = timed(threads, |p| {
-            for id in (p * per)..((p + 1) * per).min(set.present) {
-                idx.insert(id);
-            }
-        });
-        ins.push(set.present as f64 / t);
-        // Every thread looks up every key (in its own rotation of the shuffled order).
-        let t = timed(threads, |p| {
-            let mut found = 0usize;
-            let rot = p * hits.len() / threads;
-            for k in 0..hits.len() {
-                found += idx.lookup(set.bytes(hits[(k + rot) % hits.len()])) as usize;
-            }
-            assert_eq!(found, hits.len(), "{name}: a present key was not found");
-        });
-        hit.push((hits.len() * threads) as f64 / t);
-        let t = timed(threads, |p| {
-            let rot = p * misses.len() / threads;
-            for k in 0..misses.len() {
-                assert!(
-                    !idx.lookup(set.bytes(misses[(k + rot) % misses.len()])),
-                    "{name}: false hit"
-                );
-            }
-        });
-        miss.push((misses.len() * threads) as f64 / t);
-    }
-    Row {
-        structure: name,
-        data,
-        threads,
-        insert_ops_per_s: median(ins),
-        hit_ops_per_s: median(hit),
-        miss_ops_per_s: median(miss),
-        bytes_examined_per_miss: bytes_per_miss,
-    }
+    let per = set.present.div_ceil(threads);
+    let t = timed(threads, |p| {
+        for id in (p * per)..((p + 1) * per).min(set.present) {
+            idx.insert(id);
+        }
+    });
+    let ins = set.present as f64 / t;
+    // Every thread looks up every key (in its own rotation of the shuffled order).
+    let t = timed(threads, |p| {
+        let mut found = 0usize;
+        let rot = p * hits.len() / threads;
+        for k in 0..hits.len() {
+            found += idx.lookup(set.bytes(hits[(k + rot) % hits.len()])) as usize;
+        }
+        assert_eq!(found, hits.len(), "{name}: a present key was not found");
+    });
+    let hit = (hits.len() * threads) as f64 / t;
+    let t = timed(threads, |p| {
+        let rot = p * misses.len() / threads;
+        for k in 0..misses.len() {
+            assert!(
+                !idx.lookup(set.bytes(misses[(k + rot) % misses.len()])),
+                "{name}: false hit"
+            );
+        }
+    });
+    let miss = (misses.len() * threads) as f64 / t;
+    [ins, hit, miss]
 }
 
 /// Bytes a memcmp-ordered tree compares on a miss, counted by walking a sorted array the way a
@@ -258,55 +238,61 @@ fn sdtree_bytes_per_miss(arc: &'static KeySet) -> f64 {
     total as f64 / arc.absent as f64
 }
 
-/// The whole benchmark.
+/// The whole benchmark. Runs are the outer loop, so every structure, data set and thread count
+/// is sampled in every run and slow drifts of the machine spread evenly over them.
 pub fn run(keys: usize, runs: usize, log: &mut dyn FnMut(&str)) -> Vec<Row> {
-    let mut rows = Vec::new();
+    const NAMES: [&str; 3] = ["sdtree", "memcmp_tree", "hash_xxh3"];
+    let mut sets = Vec::new();
     for data in [Data::Easy, Data::Hard] {
         log(&format!("building {keys} {data} keys..."));
-        // Structures borrow keys for 'static; the set lives until the process exits.
+        // Structures borrow keys for 'static; the sets live until the process exits.
         let set: &'static KeySet = Box::leak(Box::new(KeySet::new(data, keys, keys / 4)));
-        let sd_bytes = sdtree_bytes_per_miss(set);
-        let mc_bytes = memcmp_bytes_per_miss(set);
-        for threads in [1, 2] {
-            let make_sd = || -> Box<dyn Index> {
-                Box::new(Sd(SdTree::new(SetKeys(set), PAGE).expect("tree")))
-            };
-            rows.push(measure(
-                "sdtree", set, data, threads, runs, &make_sd, sd_bytes,
-            ));
-            log(&format!("  sdtree {data} {threads}t done"));
-            let make_mc = || -> Box<dyn Index> {
-                Box::new(MemcmpTree {
-                    set,
-                    map: RwLock::new(BTreeMap::new()),
-                })
-            };
-            rows.push(measure(
-                "memcmp_tree",
-                set,
-                data,
-                threads,
-                runs,
-                &make_mc,
-                mc_bytes,
-            ));
-            log(&format!("  memcmp_tree {data} {threads}t done"));
-            let make_h = || -> Box<dyn Index> {
-                Box::new(HashIndex {
-                    set,
-                    map: RwLock::new(HashMap::new()),
-                })
-            };
-            rows.push(measure(
-                "hash_xxh3",
-                set,
-                data,
-                threads,
-                runs,
-                &make_h,
-                PAGE as f64,
-            ));
-            log(&format!("  hash_xxh3 {data} {threads}t done"));
+        let bytes = [
+            sdtree_bytes_per_miss(set),
+            memcmp_bytes_per_miss(set),
+            PAGE as f64,
+        ];
+        sets.push((data, set, bytes));
+    }
+    // samples[(set, threads, structure)] = per-run [insert, hit, miss]
+    let mut samples: Vec<Vec<[f64; 3]>> = vec![Vec::new(); 2 * 2 * 3];
+    for r in 0..runs {
+        log(&format!("run {} of {runs}", r + 1));
+        for (si, &(_, set, _)) in sets.iter().enumerate() {
+            for (ti, threads) in [1usize, 2].into_iter().enumerate() {
+                for (ni, name) in NAMES.into_iter().enumerate() {
+                    let idx: Box<dyn Index> = match ni {
+                        0 => Box::new(Sd(SdTree::new(SetKeys(set), PAGE).expect("tree"))),
+                        1 => Box::new(MemcmpTree {
+                            set,
+                            map: RwLock::new(BTreeMap::new()),
+                        }),
+                        _ => Box::new(HashIndex {
+                            set,
+                            map: RwLock::new(HashMap::new()),
+                        }),
+                    };
+                    samples[(si * 2 + ti) * 3 + ni].push(sample(name, set, threads, &*idx));
+                }
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    for (si, &(data, _, bytes)) in sets.iter().enumerate() {
+        for (ti, threads) in [1usize, 2].into_iter().enumerate() {
+            for (ni, name) in NAMES.into_iter().enumerate() {
+                let s = &samples[(si * 2 + ti) * 3 + ni];
+                let col = |c: usize| median(s.iter().map(|x| x[c]).collect());
+                rows.push(Row {
+                    structure: name,
+                    data,
+                    threads,
+                    insert_ops_per_s: col(0),
+                    hit_ops_per_s: col(1),
+                    miss_ops_per_s: col(2),
+                    bytes_examined_per_miss: bytes[ni],
+                });
+            }
         }
     }
     rows

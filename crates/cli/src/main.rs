@@ -47,7 +47,7 @@ enum Command {
 enum Bench {
     /// The SD tree vs a memcmp-ordered tree (KSM's) and an xxh3-128 hash index.
     Sdtree {
-        /// 32 Ki keys and one run instead of 256 Ki keys and three runs.
+        /// 32 Ki keys and one run instead of 256 Ki keys and five runs.
         #[arg(long)]
         quick: bool,
         /// Runs per measurement (the median is reported).
@@ -132,7 +132,7 @@ fn write_json(path: &Option<std::path::PathBuf>, value: &serde_json::Value) -> R
 
 fn bench_sdtree(quick: bool, runs: Option<usize>, json: Option<std::path::PathBuf>) -> Result<()> {
     let keys = if quick { 32 << 10 } else { 256 << 10 };
-    let runs = runs.unwrap_or(if quick { 1 } else { 3 }).max(1);
+    let runs = runs.unwrap_or(if quick { 1 } else { 5 }).max(1);
     println!("SD tree benchmark: {keys} keys of 4 KiB per data set, median of {runs} runs");
     let rows = sdtree::run(keys, runs, &mut |m| eprintln!("{m}"));
     println!(

@@ -25,9 +25,30 @@ pub trait KeySource: Send + Sync + 'static {
 pub trait Key {
     /// Bytes `[8i, 8i + 8)` of the key as a big-endian `u64`, zero past the key's end.
     fn word(&self, i: usize) -> u64;
+
+    /// A hint that the first `bytes` bytes will be read soon: a lookup's zero-run scan reads them
+    /// in order, and asking for them together overlaps their cache misses.
+    #[inline]
+    fn prefetch(&self, _bytes: usize) {}
 }
 
 impl Key for [u8] {
+    #[inline]
+    fn prefetch(&self, bytes: usize) {
+        #[cfg(target_arch = "x86_64")]
+        for off in (0..bytes.min(self.len())).step_by(64) {
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch is only a hint: it never
+            // faults and reads nothing architecturally (the address is inside the slice anyway).
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                    self[off..].as_ptr().cast(),
+                );
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = bytes;
+    }
+
     #[inline]
     fn word(&self, i: usize) -> u64 {
         let start = i * 8;

@@ -297,6 +297,7 @@ impl<S: KeySource> SdTree<S> {
     /// [`SdTree::lookup`], also reporting what it cost.
     pub fn lookup_with_stats<K: Key + ?Sized>(&self, key: &K) -> (Option<Entry>, OpStats) {
         let _guard = reclaim::pin();
+        key.prefetch(256);
         let mut stats = OpStats::default();
         let mut cur = Cursor::new(key);
         let walk = self
