@@ -18,13 +18,16 @@ const PAGE: usize = sys::PAGE_SIZE;
 const WORDS: usize = PAGE / 8;
 /// Longest run frozen at once: bounds how long a writer can be blocked and the scratch size.
 const MAX_RUN: usize = 512;
+/// Candidates classified and committed together (64 MiB of pages).
+const BATCH: usize = 16384;
 
 /// Page kinds (per registered page, owned by the engine thread).
 const ANON: u8 = 0;
 const MERGED: u8 = 1;
 const ZERO: u8 = 2;
-/// A merged page that was written: private again, inside a file-backed VMA the engine cannot
-/// freeze, so it is not merged again (it becomes mergeable after unregister + register).
+/// A merged page that was written: private again, inside a file-backed mapping of the store that
+/// `UFFDIO_MOVE` cannot freeze. It is watched by checksum and frozen for a new merge with
+/// synchronous write-protection through the store mappings' own userfaultfd (`store_uffd`).
 const BROKEN: u8 = 3;
 /// An unchanged page that matched nothing: it waits in the first-sighting map (no work per period)
 /// until a duplicate shows up or it is written.
@@ -70,6 +73,9 @@ struct State {
 
 struct Shared {
     uffd: sys::Uffd,
+    /// Registered (synchronous write-protect) on every mapping of the store, to freeze COW-broken
+    /// pages for a new merge; `None` when the kernel lacks write-protection of shmem.
+    store_uffd: Option<sys::Uffd>,
     mode: WatchMode,
     reg_mode: u64,
     state: Mutex<State>,
@@ -188,8 +194,14 @@ impl Engine {
         let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).map_err(EngineError::Map)? as usize;
         uffd.register(scratch, MAX_RUN * PAGE, reg_mode)
             .map_err(EngineError::Uffd)?;
+        // A second context, without async write-protection: its write faults block until the
+        // engine un-protects, which is how a COW-broken page is held still while compared.
+        let store_uffd = sys::Uffd::open(UFFD_FEATURE_WP_HUGETLBFS_SHMEM)
+            .ok()
+            .filter(|u| u.features() & UFFD_FEATURE_WP_HUGETLBFS_SHMEM != 0);
         let shared = Arc::new(Shared {
             uffd,
+            store_uffd,
             mode,
             reg_mode,
             state: Mutex::new(State {
@@ -276,18 +288,45 @@ impl Engine {
         {
             return Err(EngineError::Overlap { addr: a, len });
         }
-        self.shared
-            .uffd
-            .register(a, len, self.shared.reg_mode)
-            .map_err(EngineError::Uffd)?;
+        // Anonymous pieces are watched by the main context; pieces that are mappings of the store
+        // (pages merged, then unmerged) by the store mappings' context.
+        let mut pieces: Vec<(usize, usize, bool)> = Vec::new();
+        let mut cur = a;
+        for &(s, e) in &unmergeable {
+            if s > cur {
+                pieces.push((cur, s, false));
+            }
+            pieces.push((s, e, true));
+            cur = e;
+        }
+        if cur < end {
+            pieces.push((cur, end, false));
+        }
+        for (k, &(s, e, store_piece)) in pieces.iter().enumerate() {
+            let r = if store_piece {
+                self.shared
+                    .store_uffd
+                    .as_ref()
+                    .map_or(Ok(()), |u| u.register(s, e - s, UFFDIO_REGISTER_MODE_WP))
+            } else {
+                self.shared.uffd.register(s, e - s, self.shared.reg_mode)
+            };
+            if let Err(err) = r {
+                for &(s, e, store_piece) in &pieces[..k] {
+                    if !store_piece {
+                        let _ = self.shared.uffd.unregister(s, e - s);
+                    } else if let Some(u) = &self.shared.store_uffd {
+                        let _ = u.unregister(s, e - s);
+                    }
+                }
+                return Err(EngineError::Uffd(err));
+            }
+        }
         let n = len / PAGE;
-        let sums = if self.shared.mode == WatchMode::Checksum {
-            vec![0; n]
-        } else {
-            Vec::new()
-        };
+        // Checksums: every page in checksum mode, COW-broken pages in both modes.
+        let sums = vec![0; n];
         let mut pages = vec![Page::default(); n];
-        for (s, e) in unmergeable {
+        for &(s, e) in &unmergeable {
             for p in &mut pages[(s - a) / PAGE..(e - a) / PAGE] {
                 p.kind = BROKEN;
             }
@@ -507,19 +546,10 @@ impl Drop for Region<'_> {
 
 /// Makes every page of `r` private again and releases its copies.
 fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
-    if sh.uffd.unregister(r.start, r.len()).is_err() {
-        // Pieces of the range may have been unmapped by the owner; unregister what is left.
-        if let Ok(maps) = sys::self_mappings() {
-            for m in maps
-                .iter()
-                .filter(|m| m.end > r.start && m.start < r.start + r.len())
-            {
-                let s = m.start.max(r.start);
-                let e = m.end.min(r.start + r.len());
-                let _ = sh.uffd.unregister(s, e - s);
-            }
-        }
+    if let Some(u2) = &sh.store_uffd {
+        unregister_range(u2, r.start, r.len());
     }
+    unregister_range(&sh.uffd, r.start, r.len());
     for (i, p) in r.pages.iter().enumerate() {
         if p.kind == MERGED {
             let addr = r.start + i * PAGE;
@@ -527,6 +557,23 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
             st.store.drop_ref(p.sid);
         } else if p.kind == ZERO {
             st.zero -= 1;
+        }
+    }
+}
+
+/// Unregisters `[start, start+len)` from `uffd`, piece by piece if the owner unmapped parts of it.
+fn unregister_range(uffd: &sys::Uffd, start: usize, len: usize) {
+    if uffd.unregister(start, len).is_err() {
+        // Pieces of the range may have been unmapped by the owner; unregister what is left.
+        if let Ok(maps) = sys::self_mappings() {
+            for m in maps
+                .iter()
+                .filter(|m| m.end > start && m.start < start + len)
+            {
+                let s = m.start.max(start);
+                let e = m.end.min(start + len);
+                let _ = uffd.unregister(s, e - s);
+            }
         }
     }
 }
@@ -653,6 +700,7 @@ enum Action {
     Merge(KeyId),
 }
 
+#[derive(Clone, Copy)]
 struct Candidate {
     /// Start address of the page's region (its key in `State::regions`).
     region: usize,
@@ -681,26 +729,33 @@ fn as_bytes(buf: &[u64; WORDS]) -> &[u8] {
 }
 
 fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::Result<()> {
-    let mut candidates = watch(sh, st, config)?;
+    let candidates = watch(sh, st, config)?;
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
-    if candidates.is_empty() {
-        return Ok(());
+    // In batches: memory freed by one batch's merges is reused for the next batch's stable
+    // copies, savings show up progressively, and first sightings pair up across batches through
+    // the first-sighting map.
+    for batch in candidates.chunks(BATCH) {
+        let mut batch = batch.to_vec();
+        let t0 = Instant::now();
+        let actions = classify(st, config, &mut batch, pool);
+        let t1 = Instant::now();
+        let r = commit(sh, st, pool, config, &batch, &actions, limit);
+        tracing::debug!(
+            candidates = batch.len(),
+            classify_ms = (t1 - t0).as_secs_f64() * 1e3,
+            commit_ms = t1.elapsed().as_secs_f64() * 1e3,
+            "batch"
+        );
+        for id in std::mem::take(&mut st.new_copies) {
+            st.store.free_unmapped(id);
+        }
+        r?;
+        if sh.stop.load(Ordering::Relaxed) {
+            break;
+        }
     }
-    let t0 = Instant::now();
-    let actions = classify(st, config, &mut candidates, pool);
-    let t1 = Instant::now();
-    let r = commit(sh, st, pool, config, &candidates, &actions, limit);
-    tracing::debug!(
-        candidates = candidates.len(),
-        classify_ms = (t1 - t0).as_secs_f64() * 1e3,
-        commit_ms = t1.elapsed().as_secs_f64() * 1e3,
-        "period"
-    );
-    for id in std::mem::take(&mut st.new_copies) {
-        st.store.free_unmapped(id);
-    }
-    r
+    Ok(())
 }
 
 /// Checksum-mode watching: whether the page at `addr` changed since the last call.
@@ -792,11 +847,37 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
                         // Written since the merge: the kernel gave it a private copy.
                         store.drop_ref(p.sid);
                         p.kind = BROKEN;
+                        p.unchanged = 0;
+                        checksum_changed(r.start + i * PAGE, &mut r.sums[i]);
                         sh.counters.cow_breaks.fetch_add(1, Ordering::Relaxed);
                     }
                     continue;
                 }
-                BROKEN => continue,
+                BROKEN => {
+                    // Private pages in store mappings: watched by checksum (there are few), merged
+                    // again through the store mappings' write-protection.
+                    if sh.store_uffd.is_none() || !present || c & 2 != 0 {
+                        continue;
+                    }
+                    let addr = r.start + i * PAGE;
+                    if checksum_changed(addr, &mut r.sums[i]) {
+                        p.unchanged = 0;
+                        p.writes = p.writes.saturating_add(1).min(config.max_backoff);
+                        volatile += 1;
+                        continue;
+                    }
+                    p.unchanged = p.unchanged.saturating_add(1);
+                    if p.unchanged >= config.merge_periods.max(p.writes) {
+                        out.push(Candidate {
+                            region: r.start,
+                            index: i,
+                            addr,
+                        });
+                    } else {
+                        volatile += 1;
+                    }
+                    continue;
+                }
                 ZERO => {
                     if present && c & 4 == 0 {
                         p.kind = ANON;
@@ -1032,9 +1113,12 @@ fn classify(
             let c = &cands[i as usize];
             if let Some(r) = st.regions.get_mut(&c.region) {
                 let p = &mut r.pages[c.index];
-                p.kind = UNIQUE;
                 p.unchanged = 0;
-                st.unstable.insert(h, (c.addr, p.epoch));
+                if p.kind != BROKEN {
+                    // (A COW-broken page is re-hashed when it is a candidate again instead.)
+                    p.kind = UNIQUE;
+                    st.unstable.insert(h, (c.addr, p.epoch));
+                }
                 st.unshared += 1;
             }
         }
@@ -1096,6 +1180,138 @@ fn classify(
         "classify"
     );
     actions
+}
+
+/// Registers a new mapping of the store with the store mappings' userfaultfd, so that its pages
+/// can be frozen for a new merge if they are COW-broken later. Failing only costs that.
+fn watch_store_mapping(sh: &Shared, addr: usize, pages: usize) {
+    if let Some(u) = &sh.store_uffd {
+        if let Err(e) = u.register(addr, pages * PAGE, UFFDIO_REGISTER_MODE_WP) {
+            tracing::debug!(error = %e, "store mapping not write-protectable; it will not be re-merged");
+        }
+    }
+}
+
+/// A run of consecutive candidate pages of one region.
+struct Run {
+    start: usize,
+    first_index: usize,
+    n: usize,
+}
+
+/// Whether the page at `live` (held still by write-protection) equals copy `copy`. Volatile
+/// reads: the page is someone else's memory even while writers are held off.
+fn live_page_equals(live: usize, copy: usize) -> bool {
+    (0..WORDS).all(|i| {
+        // SAFETY: both are mapped pages and i < WORDS; `copy` is an immutable published copy.
+        unsafe {
+            std::ptr::read_volatile((live as *const u64).add(i))
+                == std::ptr::read_volatile((copy as *const u64).add(i))
+        }
+    })
+}
+
+/// Merges a run of COW-broken pages again. They live in store mappings, which `UFFDIO_MOVE` cannot
+/// freeze, so writers are held off with synchronous write-protection instead: the pages stay
+/// readable, any write blocks until the run is done, and the comparison reads bytes that cannot
+/// change. Equal subruns are replaced by mappings of the copies; the rest is un-protected.
+#[allow(clippy::too_many_arguments)]
+fn commit_broken(
+    sh: &Shared,
+    store: &mut Store,
+    region: &mut RegionState,
+    run: Run,
+    acts: &[Option<Action>],
+    config: &Config,
+    vmas: &mut usize,
+    budget: usize,
+) {
+    let Some(u2) = &sh.store_uffd else { return };
+    let Run {
+        start,
+        first_index,
+        n,
+    } = run;
+    if u2.writeprotect(start, n * PAGE, true).is_err() {
+        // Some page is not in a write-protectable mapping: leave the run alone this time.
+        let _ = u2.writeprotect(start, n * PAGE, false);
+        return;
+    }
+    let mut verdict: Vec<Option<KeyId>> = vec![None; n];
+    for k in 0..n {
+        let Some(Action::Merge(sid)) = acts[k] else {
+            continue;
+        };
+        if store.refs(sid) >= config.max_sharing {
+            store.retire(sid);
+        } else if live_page_equals(start + k * PAGE, store.addr(sid)) {
+            verdict[k] = Some(sid);
+            store.add_ref(sid);
+        } else {
+            sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let mut k = 0;
+    while k < n {
+        let Some(sid) = verdict[k] else {
+            region.pages[first_index + k].unchanged = 0;
+            k += 1;
+            continue;
+        };
+        let mut m = 1;
+        while k + m < n && verdict[k + m] == Some(sid + m as u32) {
+            m += 1;
+        }
+        let addr = start + k * PAGE;
+        let ok = *vmas + 2 <= budget && {
+            // SAFETY: the subrun's pages are held still and equal their copies, so replacing the
+            // mapping discards nothing.
+            unsafe {
+                sys::mmap_private_fixed(
+                    addr as *mut u8,
+                    m * PAGE,
+                    store.fd(),
+                    sid as u64 * PAGE as u64,
+                )
+            }
+            .is_ok()
+        };
+        for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
+            let p = &mut region.pages[first_index + q];
+            let copy = sid + (q - k) as u32;
+            if ok {
+                *p = Page {
+                    sid: copy,
+                    kind: MERGED,
+                    unchanged: 0,
+                    writes: 0,
+                    epoch: p.epoch,
+                };
+            } else {
+                store.undo_ref(copy);
+                p.unchanged = 0;
+                *v = None;
+            }
+        }
+        if ok {
+            *vmas += 2;
+            sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
+            watch_store_mapping(sh, addr, m);
+        } else {
+            sh.counters
+                .vma_limited
+                .fetch_add(m as u64, Ordering::Relaxed);
+        }
+        k += m;
+    }
+    // Let writers in: un-protect what was not replaced, then wake everyone who waited on the run
+    // (a wake needs no mapping, so it also reaches writers of the replaced pages).
+    for (k, v) in verdict.iter().enumerate() {
+        if v.is_none() {
+            let _ = u2.writeprotect(start + k * PAGE, PAGE, false);
+        }
+    }
+    let _ = u2.wake(start, n * PAGE);
 }
 
 /// Compares frozen pages: `(frozen, copy)` pairs, `copy == 0` meaning "is it all zero?", and
@@ -1180,6 +1396,14 @@ fn commit(
         zero,
         ..
     } = st;
+    let broken: Vec<bool> = todo
+        .iter()
+        .map(|&t| {
+            regions
+                .get(&cands[t].region)
+                .is_some_and(|r| r.pages[cands[t].index].kind == BROKEN)
+        })
+        .collect();
     let mut i = 0;
     let mut moved = [false; MAX_RUN];
     let mut tm = [0f64; 4];
@@ -1193,6 +1417,7 @@ fn commit(
             && j - i < MAX_RUN
             && cands[todo[j]].region == first.region
             && cands[todo[j]].index == first.index + (j - i)
+            && broken[j] == broken[i]
         {
             j += 1;
         }
@@ -1202,6 +1427,17 @@ fn commit(
             i = j;
             continue;
         };
+        if broken[i] {
+            let acts: Vec<Option<Action>> = (i..j).map(|t| actions[todo[t]]).collect();
+            let run = Run {
+                start,
+                first_index: first.index,
+                n,
+            };
+            commit_broken(sh, store, region, run, &acts, config, &mut vmas, budget);
+            i = j;
+            continue;
+        }
 
         let tf = Instant::now();
         // Freeze: from here until the wake, any access to the run blocks in the kernel.
@@ -1330,6 +1566,7 @@ fn commit(
             if ok {
                 vmas += cost;
                 sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
+                watch_store_mapping(sh, addr, m);
             }
             k += m;
         }

@@ -259,9 +259,10 @@ impl Store {
         if self.refs[id as usize] != 0 || !self.allocated[id as usize] {
             return;
         }
+        // Out of the index first: removal walks with the copy's own bytes, which the punch zeroes.
+        self.retire(id);
         let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
         self.allocated[id as usize] = false;
-        self.retire(id);
         // An id the tree may still read is reused only after its grace period
         // (StoreKeys::release, then collect_released).
         if !self.in_tree[id as usize] {

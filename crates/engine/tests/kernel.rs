@@ -145,11 +145,11 @@ fn merge_cow_and_zero(mode: WatchMode) {
     }
     assert_eq!(s[5 * PAGE + 100], 0xAB);
     assert_eq!(s[z + 7], 9);
-    // Registering again is accepted. Pages that were merged stay private (they live in mappings
-    // of the store now, which cannot be frozen); the released zero pages merge again.
+    // Registering again merges again, including the pages that are private copies inside
+    // mappings of the store now (frozen with write-protection instead of UFFDIO_MOVE).
     e.register(ptr, 4 * n * PAGE).unwrap();
-    let s = wait_for(&e, |s| s.full_scans >= 3);
-    assert_eq!(s.pages_sharing, 0, "{s:?}");
+    let s = wait_for(&e, |s| s.pages_sharing >= 3 * distinct - 1);
+    assert_eq!(s.pages_sharing, 3 * distinct - 1, "{s:?}");
     assert!(r
         .as_slice()
         .chunks(PAGE)
@@ -169,6 +169,41 @@ fn merge_cow_zero_unmerge_checksum_fallback() {
     merge_cow_and_zero(WatchMode::Checksum);
 }
 
+/// A merged page that was written (COW-broken) and later holds a duplicate's contents again is
+/// merged again, and writes racing with that are not lost.
+#[test]
+fn cow_broken_page_merges_again() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 64;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    let mem = r.as_mut_slice();
+    let saved = mem[7 * PAGE + 9];
+    mem[7 * PAGE + 9] = saved.wrapping_add(1);
+    let s = wait_for(&e, |s| s.cow_breaks >= 1);
+    assert_eq!((s.cow_breaks, s.pages_sharing), (1, n as u64 - 1), "{s:?}");
+    let mem = r.as_mut_slice();
+    mem[7 * PAGE + 9] = saved;
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(
+        s.pages_sharing, n as u64,
+        "the restored page did not merge again: {s:?}"
+    );
+    let mem = r.as_mut_slice();
+    assert!(mem
+        .chunks(PAGE)
+        .enumerate()
+        .all(|(i, p)| check(p, (i % n) as u64 + 1)));
+    // And it still copies on write.
+    mem[7 * PAGE] ^= 0xFF;
+    assert!(check(&mem[(n + 7) * PAGE..(n + 8) * PAGE], 8));
+}
+
 /// A page that matched nothing waits in the first-sighting map without being re-read; a
 /// duplicate written much later still finds it.
 #[test]
@@ -184,6 +219,64 @@ fn late_duplicate_finds_a_waiting_unique_page() {
     let s = wait_for(&e, |s| s.pages_sharing >= 1);
     assert_eq!((s.pages_shared, s.pages_sharing), (1, 1), "{s:?}");
     assert!(check(&r.as_slice()[..PAGE], 777) && check(&r.as_slice()[5 * PAGE..6 * PAGE], 777));
+}
+
+/// Transparent huge pages: duplicates inside huge pages merge, and a huge page with nothing to
+/// merge stays huge.
+#[test]
+fn huge_pages_merge_inside_and_unique_ones_stay_huge() {
+    let _g = serial();
+    const HUGE: usize = 2 << 20;
+    let raw = sys::mmap_anonymous(4 * HUGE).unwrap() as usize;
+    let base = (raw + HUGE - 1) & !(HUGE - 1); // three aligned huge pages inside
+                                               // SAFETY: the range lies inside the mapping made above, which this test owns.
+    unsafe { sys::madvise(base as *mut u8, 3 * HUGE, libc::MADV_HUGEPAGE).unwrap() };
+    // SAFETY: as above; nothing else references the mapping.
+    let mem = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, 3 * HUGE) };
+    let per = HUGE / PAGE;
+    // Huge page 0 and 2 hold the same 512 contents; huge page 1 holds unique ones.
+    let content = |i: usize| match i / per {
+        1 => (i + 100_000) as u64,
+        _ => (i % per) as u64 + 1,
+    };
+    for (i, p) in mem.chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    let huge_pages = |start: usize, len: usize| -> usize {
+        let pm = sys::Pagemap::open().unwrap();
+        let q = sys::ScanQuery {
+            category_mask: sys::uapi::PAGE_IS_HUGE,
+            return_mask: sys::uapi::PAGE_IS_HUGE,
+            ..Default::default()
+        };
+        let mut v = Vec::new();
+        pm.scan(start, start + len, &q, &mut v).unwrap();
+        v.iter().map(|r| (r.end - r.start) as usize / PAGE).sum()
+    };
+    if huge_pages(base, 3 * HUGE) < 3 * per {
+        eprintln!("skipped: transparent huge pages are not available here");
+        // SAFETY: unmapping the test's own mapping; `mem` is not used after this.
+        unsafe { sys::munmap(raw as *mut u8, 4 * HUGE).unwrap() };
+        return;
+    }
+    let e = engine(WatchMode::Auto);
+    e.register(base as *mut u8, 3 * HUGE).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= per as u64);
+    assert_eq!(s.pages_sharing, per as u64, "{s:?}");
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed");
+    }
+    assert_eq!(
+        huge_pages(base + HUGE, HUGE),
+        per,
+        "the huge page with nothing to merge was split"
+    );
+    e.unregister(base as *mut u8, 3 * HUGE).unwrap();
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed by unmerging");
+    }
+    // SAFETY: unmapping the test's own mapping; `mem` is not used after this.
+    unsafe { sys::munmap(raw as *mut u8, 4 * HUGE).unwrap() };
 }
 
 #[test]

@@ -12,6 +12,7 @@ const IOC_RW: u64 = 3;
 pub const UFFD_API: u64 = 0xAA;
 pub const UFFD_USER_MODE_ONLY: libc::c_int = 1;
 
+pub const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
 pub const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 pub const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 pub const UFFD_FEATURE_MOVE: u64 = 1 << 16;
