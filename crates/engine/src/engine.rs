@@ -546,19 +546,80 @@ impl Drop for Region<'_> {
 
 /// Makes every page of `r` private again and releases its copies.
 fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
-    if let Some(u2) = &sh.store_uffd {
-        unregister_range(u2, r.start, r.len());
+    let (start, end) = (r.start, r.start + r.len());
+    unregister_range(&sh.uffd, start, r.len());
+    // Merged and COW-broken pages live in mappings of the store: turn those back into anonymous
+    // memory, so the range behaves exactly as before registering (e.g. MADV_DONTNEED gives zeros).
+    let inode = st.store.inode();
+    let pieces: Vec<(usize, usize)> = sys::self_mappings()
+        .unwrap_or_default()
+        .iter()
+        .filter(|m| m.inode == inode && m.perms == "rw-p" && m.end > start && m.start < end)
+        .map(|m| (m.start.max(start), m.end.min(end)))
+        .collect();
+    let mut failed = Vec::new();
+    for &(s, e) in &pieces {
+        if !anonymize(sh, s, e) {
+            failed.push((s, e));
+        }
     }
-    unregister_range(&sh.uffd, r.start, r.len());
+    if let Some(u2) = &sh.store_uffd {
+        unregister_range(u2, start, r.len());
+    }
     for (i, p) in r.pages.iter().enumerate() {
+        let addr = start + i * PAGE;
         if p.kind == MERGED {
-            let addr = r.start + i * PAGE;
-            break_cow(addr);
+            if failed.iter().any(|&(s, e)| addr >= s && addr < e) {
+                // Still a store mapping: at least make the page private.
+                break_cow(addr);
+            }
             st.store.drop_ref(p.sid);
         } else if p.kind == ZERO {
             st.zero -= 1;
         }
     }
+}
+
+/// Replaces the store mapping `[s, e)` by anonymous memory with the same contents: writers are
+/// held off with write-protection, the pages are copied into a fresh anonymous mapping, and that
+/// mapping is moved over the old one in one step (`mremap`), then writers are woken. Returns false
+/// (changing nothing) if any step is not possible.
+fn anonymize(sh: &Shared, s: usize, e: usize) -> bool {
+    let Some(u2) = &sh.store_uffd else {
+        return false;
+    };
+    let len = e - s;
+    if u2.writeprotect(s, len, true).is_err() {
+        let _ = u2.writeprotect(s, len, false);
+        return false;
+    }
+    let ok = match sys::mmap_anonymous(len) {
+        Ok(tmp) => {
+            for w in 0..len / 8 {
+                // SAFETY: the source is mapped and held still (writers block on write-protect),
+                // read with volatile loads as someone else's memory; `tmp` is ours alone.
+                unsafe {
+                    let v = std::ptr::read_volatile((s as *const u64).add(w));
+                    std::ptr::write((tmp as *mut u64).add(w), v);
+                }
+            }
+            // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
+            // just copied and belongs to the registered region.
+            let moved = unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();
+            if !moved {
+                // SAFETY: `tmp` is ours and nothing refers to it.
+                let _ = unsafe { sys::munmap(tmp, len) };
+            }
+            moved
+        }
+        Err(_) => false,
+    };
+    if !ok {
+        let _ = u2.writeprotect(s, len, false);
+    }
+    // Writers blocked on the old mapping retry their fault in the new one.
+    let _ = u2.wake(s, len);
+    ok
 }
 
 /// Unregisters `[start, start+len)` from `uffd`, piece by piece if the owner unmapped parts of it.

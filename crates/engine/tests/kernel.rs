@@ -204,6 +204,42 @@ fn cow_broken_page_merges_again() {
     assert!(check(&mem[(n + 7) * PAGE..(n + 8) * PAGE], 8));
 }
 
+/// After unregister the range is plain anonymous memory again: no mapping of the store is left,
+/// and discarding a page gives zeros (not a stable copy's bytes).
+#[test]
+fn unregister_gives_back_anonymous_memory() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 256;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    r.as_mut_slice()[3 * PAGE] ^= 1; // one COW-broken page too
+    let s = wait_for(&e, |s| s.cow_breaks >= 1);
+    assert_eq!(s.cow_breaks, 1);
+    let (ptr, len) = (r.as_ptr(), r.len());
+    e.unregister(ptr, len).unwrap();
+    let (start, end) = (ptr as usize, ptr as usize + len);
+    for m in sys::self_mappings().unwrap() {
+        if m.end > start && m.start < end {
+            assert!(m.is_private_anonymous_rw(), "a mapping is left in the range: {m:?}");
+        }
+    }
+    let mem = r.as_mut_slice();
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        if i != 3 {
+            assert!(check(p, (i % n) as u64 + 1), "page {i} changed by unregister");
+        }
+    }
+    // SAFETY: discarding one page of the test's own region; no reference into it is live.
+    unsafe { sys::madvise(ptr.add(5 * PAGE), PAGE, libc::MADV_DONTNEED).unwrap() };
+    let mem = r.as_mut_slice();
+    assert!(mem[5 * PAGE..6 * PAGE].iter().all(|&b| b == 0), "a discarded page is not zero");
+}
+
 /// A page that matched nothing waits in the first-sighting map without being re-read; a
 /// duplicate written much later still finds it.
 #[test]

@@ -108,6 +108,29 @@ pub unsafe fn mmap_private_fixed(
     Ok(())
 }
 
+/// Moves the mapping `[old, old+len)` (one whole VMA) to `new`, replacing whatever was mapped
+/// there, in one step: no other thread can observe `new` unmapped.
+///
+/// # Safety
+/// Both ranges' contents change place: no reference into either may be live, and the caller must
+/// own what was mapped at `new`.
+pub unsafe fn mremap_fixed(old: *mut u8, len: usize, new: *mut u8) -> io::Result<()> {
+    // SAFETY: forwarded to the caller's contract.
+    let p = unsafe {
+        libc::mremap(
+            old.cast(),
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            new.cast::<libc::c_void>(),
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Unmaps `[addr, addr+len)`.
 ///
 /// # Safety
