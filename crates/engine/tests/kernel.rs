@@ -225,19 +225,28 @@ fn unregister_gives_back_anonymous_memory() {
     let (start, end) = (ptr as usize, ptr as usize + len);
     for m in sys::self_mappings().unwrap() {
         if m.end > start && m.start < end {
-            assert!(m.is_private_anonymous_rw(), "a mapping is left in the range: {m:?}");
+            assert!(
+                m.is_private_anonymous_rw(),
+                "a mapping is left in the range: {m:?}"
+            );
         }
     }
     let mem = r.as_mut_slice();
     for (i, p) in mem.chunks(PAGE).enumerate() {
         if i != 3 {
-            assert!(check(p, (i % n) as u64 + 1), "page {i} changed by unregister");
+            assert!(
+                check(p, (i % n) as u64 + 1),
+                "page {i} changed by unregister"
+            );
         }
     }
     // SAFETY: discarding one page of the test's own region; no reference into it is live.
     unsafe { sys::madvise(ptr.add(5 * PAGE), PAGE, libc::MADV_DONTNEED).unwrap() };
     let mem = r.as_mut_slice();
-    assert!(mem[5 * PAGE..6 * PAGE].iter().all(|&b| b == 0), "a discarded page is not zero");
+    assert!(
+        mem[5 * PAGE..6 * PAGE].iter().all(|&b| b == 0),
+        "a discarded page is not zero"
+    );
 }
 
 /// A page that matched nothing waits in the first-sighting map without being re-read; a
