@@ -1093,6 +1093,7 @@ fn classify(
     );
     {
         let (addrs, out, tree) = (addrs.clone(), out.clone(), st.store.tree.clone());
+        let store_base = st.store.addr(0);
         pool.run(
             parts,
             Arc::new(move |part| {
@@ -1106,10 +1107,14 @@ fn classify(
                         acts.push(Some(Action::Zero));
                         continue;
                     }
+                    // The tree names the only copy that can match; the full compare is done here
+                    // with plain word loads, faster than through the tree's key accessor.
                     let key = WordKey(|i| page_word(addr, i));
-                    if let Some(e) = tree.lookup(&key) {
-                        acts.push(Some(Action::Merge(e.key())));
-                        continue;
+                    if let Some(e) = tree.candidate(&key) {
+                        if live_page_equals(addr, store_base + e.key() as usize * PAGE) {
+                            acts.push(Some(Action::Merge(e.key())));
+                            continue;
+                        }
                     }
                     acts.push(None);
                     copy_page(addr, &mut buf);

@@ -186,3 +186,27 @@ fn hard_keys_read_each_word_once_and_misses_stop_at_the_distinguishing_prefix() 
     }
     assert!(misses > 1900);
 }
+
+#[test]
+fn candidate_names_every_present_key_and_nothing_for_an_empty_tree() {
+    let (pages, _) = hard_pages(2_000, 11);
+    let (probes, _) = hard_pages(500, 12);
+    let tree = SdTree::new(VecSource(pages.clone()), 4096).unwrap();
+    assert!(tree.candidate(pages[0].as_slice()).is_none());
+    for i in 0..pages.len() {
+        tree.insert_or_get(i as KeyId).unwrap();
+    }
+    for (i, p) in pages.iter().enumerate() {
+        let c = tree
+            .candidate(p.as_slice())
+            .expect("a present key has a candidate");
+        assert_eq!(c.key(), i as KeyId);
+        assert_eq!(tree.lookup(p.as_slice()), Some(c));
+    }
+    for p in &probes {
+        if let Some(c) = tree.candidate(p.as_slice()) {
+            // Not confirmed: an absent key's candidate is some other stored key.
+            assert_ne!(pages[c.key() as usize], *p);
+        }
+    }
+}

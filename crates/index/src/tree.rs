@@ -215,7 +215,7 @@ impl<S: KeySource> SdTree<S> {
         let mut node: Option<(u32, u64)> = None;
         let result = loop {
             let mut cur = Cursor::new(&key);
-            let walk = self.walk(&mut cur, &mut stats, Some(&guard));
+            let walk = self.walk(&mut cur, &mut stats, Some(&guard), true);
             stats.query_bytes += cur.loads * 8;
             let Some(walk) = walk else {
                 stats.retries += 1;
@@ -301,12 +301,27 @@ impl<S: KeySource> SdTree<S> {
         let mut stats = OpStats::default();
         let mut cur = Cursor::new(key);
         let walk = self
-            .walk(&mut cur, &mut stats, None)
+            .walk(&mut cur, &mut stats, None, true)
             .expect("lookups never restart");
         stats.query_bytes = cur.loads * 8;
         let found = (walk.edge != 0 && walk.diff.is_none() && walk.edge & DEL == 0)
             .then(|| self.entry_of(walk.edge));
         (found, stats)
+    }
+
+    /// The only entry that can equal `key`, without confirming the bytes the walk did not need:
+    /// the leaf that a lookup would compare in full. For callers that compare the whole key
+    /// themselves anyway (the engine does, faster, on frozen bytes); `None` means absent.
+    pub fn candidate<K: Key + ?Sized>(&self, key: &K) -> Option<Entry> {
+        let _guard = reclaim::pin();
+        key.prefetch(256);
+        let mut stats = OpStats::default();
+        let mut cur = Cursor::new(key);
+        let walk = self
+            .walk(&mut cur, &mut stats, None, false)
+            .expect("lookups never restart");
+        (walk.edge != 0 && walk.diff.is_none() && walk.edge & DEL == 0)
+            .then(|| self.entry_of(walk.edge))
     }
 
     /// Removes the entry named by `entry`. Returns false if it was not stored (already removed, or a
@@ -331,7 +346,7 @@ impl<S: KeySource> SdTree<S> {
         let mut stats = OpStats::default();
         loop {
             let mut cur = Cursor::new(&key);
-            let Some(walk) = self.walk(&mut cur, &mut stats, Some(&guard)) else {
+            let Some(walk) = self.walk(&mut cur, &mut stats, Some(&guard), true) else {
                 continue;
             };
             if walk.diff.is_some() || walk.edge & !FLAGS != target {
@@ -528,6 +543,7 @@ impl<S: KeySource> SdTree<S> {
         cur: &mut Cursor<'_, K>,
         stats: &mut OpStats,
         helper: Option<&Guard>,
+        verify_leaf: bool,
     ) -> Option<Walk<'t>> {
         let inner = &*self.inner;
         let first = inner.first_set(cur);
@@ -565,7 +581,11 @@ impl<S: KeySource> SdTree<S> {
                     }
                 }
                 let key = n.a.load(Ordering::Relaxed) as KeyId;
-                let diff = inner.mismatch(cur, key, bit.min(inner.key_bits), inner.key_bits);
+                let diff = if verify_leaf {
+                    inner.mismatch(cur, key, bit.min(inner.key_bits), inner.key_bits)
+                } else {
+                    None
+                };
                 return Some(Walk {
                     loc,
                     edge: e,
