@@ -1248,6 +1248,24 @@ fn classify(
     actions
 }
 
+/// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the
+/// reference counted for it is taken back. Returns `ok`.
+fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool) -> bool {
+    if ok {
+        *p = Page {
+            sid: copy,
+            kind: MERGED,
+            unchanged: 0,
+            writes: 0,
+            epoch: p.epoch,
+        };
+    } else {
+        store.undo_ref(copy);
+        p.unchanged = 0;
+    }
+    ok
+}
+
 /// Registers a new mapping of the store with the store mappings' userfaultfd, so that its pages
 /// can be frozen for a new merge if they are COW-broken later. Failing only costs that.
 fn watch_store_mapping(sh: &Shared, addr: usize, pages: usize) {
@@ -1343,19 +1361,12 @@ fn commit_broken(
             .is_ok()
         };
         for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
-            let p = &mut region.pages[first_index + q];
-            let copy = sid + (q - k) as u32;
-            if ok {
-                *p = Page {
-                    sid: copy,
-                    kind: MERGED,
-                    unchanged: 0,
-                    writes: 0,
-                    epoch: p.epoch,
-                };
-            } else {
-                store.undo_ref(copy);
-                p.unchanged = 0;
+            if !settle(
+                &mut region.pages[first_index + q],
+                store,
+                sid + (q - k) as u32,
+                ok,
+            ) {
                 *v = None;
             }
         }
@@ -1614,18 +1625,12 @@ fn commit(
                 }
             };
             for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
-                let copy = sid + (q - k) as u32;
-                if ok {
-                    let p = &mut region.pages[first.index + q];
-                    *p = Page {
-                        sid: copy,
-                        kind: MERGED,
-                        unchanged: 0,
-                        writes: 0,
-                        epoch: p.epoch,
-                    };
-                } else {
-                    store.undo_ref(copy);
+                if !settle(
+                    &mut region.pages[first.index + q],
+                    store,
+                    sid + (q - k) as u32,
+                    ok,
+                ) {
                     *v = None;
                 }
             }
