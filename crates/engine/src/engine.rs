@@ -547,6 +547,10 @@ impl Drop for Region<'_> {
 /// Makes every page of `r` private again and releases its copies.
 fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     let (start, end) = (r.start, r.start + r.len());
+    // First sightings in the range are forgotten: the range may be registered again later, with
+    // page epochs starting over.
+    st.unstable
+        .retain(|_, &mut (addr, _)| addr < start || addr >= end);
     unregister_range(&sh.uffd, start, r.len());
     // Merged and COW-broken pages live in mappings of the store: turn those back into anonymous
     // memory, so the range behaves exactly as before registering (e.g. MADV_DONTNEED gives zeros).
@@ -816,6 +820,7 @@ fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::
             break;
         }
     }
+    st.store.reclaim();
     Ok(())
 }
 

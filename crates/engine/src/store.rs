@@ -167,9 +167,20 @@ impl Store {
         for id in released {
             self.in_tree[id as usize] = false;
             if !self.allocated[id as usize] {
+                self.punch(id);
                 self.free.push(id);
             }
         }
+    }
+
+    /// Frees the copies whose grace period has ended (called every period, so memory comes back
+    /// even when no new copy is allocated).
+    pub(crate) fn reclaim(&mut self) {
+        // Let the epoch advance so that deferred releases run.
+        for _ in 0..2 {
+            crossbeam_epoch::pin().flush();
+        }
+        self.collect_released();
     }
 
     /// Records the outcome of inserting copy `id` (already written) into the tree. Returns the id
@@ -202,7 +213,7 @@ impl Store {
 
     /// Frees an unpublished, unmapped copy.
     fn discard(&mut self, id: KeyId) {
-        let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
+        self.punch(id);
         self.allocated[id as usize] = false;
         self.free.push(id);
     }
@@ -259,15 +270,20 @@ impl Store {
         if self.refs[id as usize] != 0 || !self.allocated[id as usize] {
             return;
         }
-        // Out of the index first: removal walks with the copy's own bytes, which the punch zeroes.
         self.retire(id);
-        let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
         self.allocated[id as usize] = false;
-        // An id the tree may still read is reused only after its grace period
-        // (StoreKeys::release, then collect_released).
+        // The tree may read a removed key until it releases it (walkers in flight, and inner
+        // nodes keep it as a representative until their generation check fails), so a copy it
+        // indexed is punched and reused only then (collect_released). Punching earlier made
+        // lookups of equal pages miss and duplicate copies appear.
         if !self.in_tree[id as usize] {
+            self.punch(id);
             self.free.push(id);
         }
+    }
+
+    fn punch(&self, id: KeyId) {
+        let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
     }
 
     /// Bytes of engine metadata attributable to the store (tree nodes and per-copy arrays).

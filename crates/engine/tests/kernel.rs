@@ -149,7 +149,12 @@ fn merge_cow_and_zero(mode: WatchMode) {
     // mappings of the store now (frozen with write-protection instead of UFFDIO_MOVE).
     e.register(ptr, 4 * n * PAGE).unwrap();
     let s = wait_for(&e, |s| s.pages_sharing >= 3 * distinct - 1);
-    assert_eq!(s.pages_sharing, 3 * distinct - 1, "{s:?}");
+    assert_eq!(
+        (s.pages_shared, s.pages_sharing),
+        (distinct, 3 * distinct - 1),
+        "{s:?}"
+    );
+    assert_eq!(s.compare_mismatches, 0, "{s:?}");
     assert!(r
         .as_slice()
         .chunks(PAGE)
