@@ -48,7 +48,24 @@ impl Node {
     }
 }
 
+/// Ids a thread takes from the bump counter at once, so that concurrent inserters do not bounce
+/// the counter's cache line on every node.
+#[cfg(not(loom))]
+const RESERVE: u32 = 64;
+
+#[cfg(not(loom))]
+static ARENA_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+#[cfg(not(loom))]
+thread_local! {
+    /// This thread's reserved ids: (arena serial, next, end). A serial, not an address, names the
+    /// arena: a new arena may be allocated where a dropped one was.
+    static RESERVED: std::cell::Cell<(u64, u32, u32)> = const { std::cell::Cell::new((0, 0, 0)) };
+}
+
 pub(crate) struct Arena {
+    #[cfg(not(loom))]
+    serial: u64,
     dir: Box<[AtomicPtr<Node>]>,
     /// Next never-used id; id 0 is reserved as "null".
     next: AtomicU32,
@@ -59,6 +76,9 @@ pub(crate) struct Arena {
 impl Arena {
     pub(crate) fn new() -> Self {
         Arena {
+            // Relaxed: only uniqueness matters.
+            #[cfg(not(loom))]
+            serial: ARENA_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             dir: (0..DIR_CHUNKS)
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
                 .collect(),
@@ -95,13 +115,36 @@ impl Arena {
             let gen = self.node(id).meta.load(Ordering::Relaxed) & GEN_MASK; // written by this thread's pop path's predecessor `free`, ordered by the free-list head Acquire
             return Some((id, gen));
         }
-        let id = self.next.fetch_add(1, Ordering::Relaxed); // uniqueness only; chunk publication below orders the memory
+        let id = self.bump();
         if id as usize > Self::capacity() {
             return None;
         }
         self.chunk_for(id);
         let gen = self.node(id).meta.load(Ordering::Relaxed) & GEN_MASK;
         Some((id, gen))
+    }
+
+    /// A never-used id: from this thread's reservation, refilled `RESERVE` at a time.
+    #[cfg(not(loom))]
+    fn bump(&self) -> u32 {
+        let (serial, next, end) = RESERVED.get();
+        if serial == self.serial && next < end {
+            RESERVED.set((serial, next + 1, end));
+            return next;
+        }
+        // Relaxed: uniqueness only; chunk publication in `chunk_for` orders the memory.
+        let start = self.next.fetch_add(RESERVE, Ordering::Relaxed);
+        RESERVED.set((
+            self.serial,
+            start.saturating_add(1),
+            start.saturating_add(RESERVE),
+        ));
+        start
+    }
+
+    #[cfg(loom)]
+    fn bump(&self) -> u32 {
+        self.next.fetch_add(1, Ordering::Relaxed) // uniqueness only
     }
 
     fn chunk_for(&self, id: u32) {
