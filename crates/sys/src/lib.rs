@@ -140,14 +140,15 @@ pub unsafe fn munmap(addr: *mut u8, len: usize) -> io::Result<()> {
     cvt(unsafe { libc::munmap(addr.cast(), len) } as libc::c_long).map(drop)
 }
 
-/// `madvise(addr, len, advice)`.
+/// `madvise(addr, len, advice)`, issued as a raw system call: the `LD_PRELOAD` shim interposes
+/// the C library's `madvise`, and the engine inside it must reach the kernel, not the shim.
 ///
 /// # Safety
 /// Advice that discards contents (`MADV_DONTNEED`, `MADV_REMOVE`, ...) must only be given for memory
 /// whose contents the caller owns and no longer needs.
 pub unsafe fn madvise(addr: *mut u8, len: usize, advice: libc::c_int) -> io::Result<()> {
-    // SAFETY: forwarded to the caller's contract.
-    cvt(unsafe { libc::madvise(addr.cast(), len, advice) } as libc::c_long).map(drop)
+    // SAFETY: forwarded to the caller's contract; the arguments are madvise(2)'s.
+    cvt(unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) }).map(drop)
 }
 
 /// Creates a memfd (close-on-exec) named `name` for diagnostics in `/proc/PID/maps`.
