@@ -1,6 +1,7 @@
 //! The `pageone` command: a thin binary over the engine and benchmark libraries.
 
 mod demo;
+mod scope;
 
 use std::time::Duration;
 
@@ -35,6 +36,36 @@ enum Command {
         /// Use the seed's "hard" data (values at random offsets) instead of "easy".
         #[arg(long)]
         hard: bool,
+    },
+    /// Share stable copies between the processes of each scope (foreground).
+    Daemon {
+        /// Socket path [default: $PAGEONE_SOCKET, /run/pageone/pageone.sock for root,
+        /// $XDG_RUNTIME_DIR/pageone.sock otherwise].
+        #[arg(long)]
+        socket: Option<std::path::PathBuf>,
+        /// Exit when the last client has left (a private daemon of one process tree).
+        #[arg(long)]
+        exit_when_idle: bool,
+    },
+    /// Per scope and client: pages shared, memory saved, merges per second, worker CPU.
+    Status {
+        #[arg(long)]
+        socket: Option<std::path::PathBuf>,
+        /// Print the daemon's JSON instead of a summary.
+        #[arg(long)]
+        json: bool,
+    },
+    /// (Tests and benchmarks) one process of seed data under an engine that joins the daemon.
+    #[command(hide = true)]
+    ScopeClient {
+        #[arg(long, default_value_t = 64)]
+        mib: usize,
+        #[arg(long)]
+        hard: bool,
+        #[arg(long, default_value_t = 100)]
+        period_ms: u64,
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
     },
     /// Benchmarks, each next to its baseline in the same run.
     Bench {
@@ -94,6 +125,17 @@ fn main() -> Result<()> {
             workers,
             hard,
         } => demo::run(mib, copies, workers, hard),
+        Command::Daemon {
+            socket,
+            exit_when_idle,
+        } => scope::daemon(socket, exit_when_idle),
+        Command::Status { socket, json } => scope::status(socket, json),
+        Command::ScopeClient {
+            mib,
+            hard,
+            period_ms,
+            workers,
+        } => scope::client(mib, hard, period_ms, workers),
         Command::Bench {
             which: Bench::Sdtree { quick, runs, json },
         } => bench_sdtree(quick, runs, json),

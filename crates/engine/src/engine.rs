@@ -1,6 +1,6 @@
 //! The engine thread (watcher + committer), its workers, and the fault thread.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -78,6 +78,8 @@ struct Shared {
     store_uffd: Option<sys::Uffd>,
     mode: WatchMode,
     reg_mode: u64,
+    /// Why there is no daemon link although one was configured ("unreachable"), else "none".
+    daemon_note: &'static str,
     state: Mutex<State>,
     config: Mutex<Config>,
     /// The run currently frozen, packed by [`pack_run`] into one word so the fault thread never
@@ -188,7 +190,20 @@ impl Engine {
             };
         // Capacity of the store: every page of RAM (virtual; only used copies cost memory).
         let ram = sys::meminfo_kib("MemTotal").unwrap_or(16 << 20) * 1024;
-        let store = Store::new((ram / PAGE as u64).min(u32::MAX as u64 - 1) as u32)?;
+        let local_capacity = (ram / PAGE as u64).min(u32::MAX as u64 - 1) as u32;
+        let mut daemon_note = "none";
+        let store = match &config.daemon {
+            Some(path) => match crate::remote::Remote::connect(path, &config.scope) {
+                Ok((remote, fd, capacity)) => Store::shared(fd, capacity, remote)?,
+                Err(e) => {
+                    // Service degrades (no sharing with other processes), memory stays correct.
+                    tracing::warn!(error = %e, socket = %path.display(), "running alone");
+                    daemon_note = "unreachable";
+                    Store::new(local_capacity)?
+                }
+            },
+            None => Store::new(local_capacity)?,
+        };
         // The scratch area receives frozen pages; UFFDIO_MOVE needs its destination registered
         // with the same context and the same protections as the source.
         let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).map_err(EngineError::Map)? as usize;
@@ -204,6 +219,7 @@ impl Engine {
             store_uffd,
             mode,
             reg_mode,
+            daemon_note,
             state: Mutex::new(State {
                 regions: BTreeMap::new(),
                 store,
@@ -383,33 +399,8 @@ impl Engine {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
-        let c = &self.shared.counters;
         let st = lock(&self.shared.state);
-        let registered: usize = st.regions.values().map(|r| r.len()).sum();
-        let shared = st.store.shared;
-        let sharing = st.store.sharing_refs.saturating_sub(shared);
-        let vmas = c.vmas.load(Ordering::Relaxed);
-        // Our costs: per-page state, the store's index, and each VMA (~200 bytes in the kernel).
-        let meta = (registered / PAGE) as u64 * 8 + st.store.metadata_bytes() + vmas * 200;
-        Stats {
-            pages_shared: shared,
-            pages_sharing: sharing,
-            pages_unshared: st.unshared,
-            pages_volatile: st.volatile,
-            pages_scanned: c.scanned.load(Ordering::Relaxed),
-            full_scans: *lock(&self.shared.periods),
-            zero_pages: st.zero,
-            general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
-            merges: c.merges.load(Ordering::Relaxed),
-            cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
-            compare_mismatches: c.mismatches.load(Ordering::Relaxed),
-            vmas_used: vmas,
-            vma_limit: c.vma_limit.load(Ordering::Relaxed),
-            vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
-            watch_mode: self.shared.mode.to_string(),
-            worker_cpu_ns: c.cpu_ns.load(Ordering::Relaxed),
-            registered_bytes: registered as u64,
-        }
+        stats_of(&self.shared, &st)
     }
 
     /// The current configuration.
@@ -711,6 +702,47 @@ fn fault_loop(sh: &Shared) {
     }
 }
 
+/// A snapshot of the counters, as the holder of the state lock sees them.
+fn stats_of(sh: &Shared, st: &State) -> Stats {
+    let c = &sh.counters;
+    let registered: usize = st.regions.values().map(|r| r.len()).sum();
+    let shared = st.store.shared;
+    let sharing = st.store.sharing_refs.saturating_sub(shared);
+    let vmas = c.vmas.load(Ordering::Relaxed);
+    // Our costs: per-page state, the store's index, and each VMA (~200 bytes in the kernel).
+    let meta = (registered / PAGE) as u64 * 8 + st.store.metadata_bytes() + vmas * 200;
+    Stats {
+        pages_shared: shared,
+        pages_sharing: sharing,
+        pages_unshared: st.unshared,
+        pages_volatile: st.volatile,
+        pages_scanned: c.scanned.load(Ordering::Relaxed),
+        full_scans: *lock(&sh.periods),
+        zero_pages: st.zero,
+        general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
+        merges: c.merges.load(Ordering::Relaxed),
+        cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
+        compare_mismatches: c.mismatches.load(Ordering::Relaxed),
+        vmas_used: vmas,
+        vma_limit: c.vma_limit.load(Ordering::Relaxed),
+        vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
+        watch_mode: sh.mode.to_string(),
+        worker_cpu_ns: c.cpu_ns.load(Ordering::Relaxed),
+        registered_bytes: registered as u64,
+        daemon: match st.store.daemon_state() {
+            "none" => sh.daemon_note,
+            s => s,
+        }
+        .into(),
+        scope: st
+            .store
+            .remote
+            .as_ref()
+            .map(|r| r.scope.clone())
+            .unwrap_or_default(),
+    }
+}
+
 fn engine_loop(sh: &Shared, mut pool: Pool) {
     let _ = sys::set_thread_idle_priority();
     let mut last_cpu = sys::thread_cpu_time_ns() + pool.cpu_ns();
@@ -735,6 +767,12 @@ fn engine_loop(sh: &Shared, mut pool: Pool) {
                 .cpu_ns
                 .fetch_add(cpu - last_cpu, Ordering::Relaxed);
             last_cpu = cpu;
+            if st.store.remote.is_some() {
+                let json = serde_json::to_string(&stats_of(sh, &st)).unwrap_or_default();
+                if let Some(r) = &mut st.store.remote {
+                    r.report(json);
+                }
+            }
         }
         {
             *lock(&sh.periods) += 1;
@@ -800,7 +838,13 @@ fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::
     // In batches: memory freed by one batch's merges is reused for the next batch's stable
     // copies, savings show up progressively, and first sightings pair up across batches through
     // the first-sighting map.
-    for batch in candidates.chunks(BATCH) {
+    // With a daemon, an empty batch still collects the copies other processes made for this one.
+    let empty: [Candidate; 0] = [];
+    let mut batches: Vec<&[Candidate]> = candidates.chunks(BATCH).collect();
+    if batches.is_empty() && st.store.remote.is_some() {
+        batches.push(&empty);
+    }
+    for batch in batches {
         let mut batch = batch.to_vec();
         let t0 = Instant::now();
         let actions = classify(st, config, &mut batch, pool);
@@ -1179,6 +1223,57 @@ fn classify(
         }
         first.insert(h, (i, false));
     }
+    // Across processes: ask the scope's daemon about this batch's first sightings. A hash with a
+    // copy is adopted (no copy made here); one another process noted is copied even when single
+    // here; the rest wait as before. Offers are copies made for content this process noted.
+    let mut adopted: Vec<(u32, KeyId)> = Vec::new();
+    if st.store.remote.is_some() {
+        let keys: Vec<(u128, u32, bool)> = first.iter().map(|(&h, &(i, g))| (h, i, g)).collect();
+        let hs: Vec<u128> = keys.iter().map(|k| k.0).collect();
+        if let Some((answers, offers)) = st.store.remote.as_mut().and_then(|r| r.lookup(&hs)) {
+            let mut taken: HashSet<u32> = HashSet::new();
+            for (&(h, i, grouped), &a) in keys.iter().zip(&answers) {
+                match a {
+                    crate::proto::NOTED => {}
+                    crate::proto::WANTED => {
+                        if !grouped {
+                            first.insert(h, (i, true));
+                            groups.push(i);
+                        }
+                    }
+                    slot => {
+                        first.insert(h, (i, true));
+                        taken.insert(i);
+                        adopted.push((i, slot));
+                    }
+                }
+            }
+            groups.retain(|g| !taken.contains(g));
+            for (h, slot) in offers {
+                let page = st
+                    .unstable
+                    .remove(&h)
+                    .and_then(|(addr, epoch)| Some((addr, unique_page(&st.regions, addr, epoch)?)));
+                match page {
+                    Some((addr, (region, index))) => {
+                        adopted.push((cands.len() as u32, slot));
+                        cands.push(Candidate {
+                            region,
+                            index,
+                            addr,
+                        });
+                        actions.push(None);
+                    }
+                    // Not usable any more: give the hold back (unless this process holds it anyway).
+                    None => {
+                        if st.store.adopt(slot) == Some(true) {
+                            st.store.unadopt(slot);
+                        }
+                    }
+                }
+            }
+        }
+    }
     for (&h, &(i, grouped)) in &first {
         if !grouped {
             let c = &cands[i as usize];
@@ -1194,56 +1289,56 @@ fn classify(
             }
         }
     }
-    if groups.is_empty() {
+    if groups.is_empty() && adopted.is_empty() {
         return actions;
     }
     groups.sort_unstable();
-    let Some(ids) = st.store.alloc(groups.len()) else {
-        tracing::warn!("stable store is full; first sightings are not merged this period");
-        return actions;
-    };
     let t_group = Instant::now();
-    // Write the new copies: the kernel reads the source pages (they may be changing; every merge
-    // is verified later on frozen bytes), one pwritev per run of consecutive ids.
-    let mut k = 0;
-    while k < ids.len() {
-        let mut m = 1;
-        while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
-            m += 1;
+    // New copies (consecutive ids for runs of pages where the store allows), then the adopted
+    // slots: (first candidate, id, new here).
+    let srcs: Vec<usize> = groups.iter().map(|&g| cands[g as usize].addr).collect();
+    let made = st.store.make_copies(&srcs);
+    let mut todo: Vec<(u32, KeyId, bool)> = Vec::with_capacity(groups.len() + adopted.len());
+    for (&g, m) in groups.iter().zip(made) {
+        if let Some((id, fresh)) = m {
+            todo.push((g, id, fresh));
         }
-        let srcs: Vec<usize> = groups[k..k + m]
-            .iter()
-            .map(|&g| cands[g as usize].addr)
-            .collect();
-        if let Err(e) = sys::pwrite_pages(st.store.fd(), &srcs, ids[k] as u64 * PAGE as u64) {
-            tracing::warn!(error = %e, "stable copies could not be written; not merging them");
-            for &id in &ids {
-                st.store.free_unmapped(id);
-            }
-            return actions;
+    }
+    for (i, slot) in adopted {
+        if let Some(fresh) = st.store.adopt(slot) {
+            todo.push((i, slot, fresh));
         }
-        k += m;
     }
     let t_copy = Instant::now();
-    // Index the new copies on the workers (the SD tree takes concurrent inserts), then record
-    // the outcomes serially.
-    let inserted = insert_parallel(pool, parts, &st.store.tree, &ids);
-    let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(groups.len());
-    for ((&g, &id), ins) in groups.iter().zip(&ids).zip(inserted) {
-        match st.store.record_insert(id, ins) {
-            Ok(used) => {
-                id_of_first.insert(g, used);
-                actions[g as usize] = Some(Action::Merge(used));
+    // Index the new ids on the workers (the SD tree takes concurrent inserts), then record the
+    // outcomes serially.
+    let fresh: Vec<KeyId> = todo.iter().filter(|t| t.2).map(|t| t.1).collect();
+    let mut inserted = insert_parallel(pool, parts, &st.store.tree, &fresh).into_iter();
+    let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(todo.len());
+    for &(g, id, is_new) in &todo {
+        let used = if is_new {
+            let ins = inserted
+                .next()
+                .unwrap_or(Err(pageone_index::IndexError::Full(0)));
+            st.new_copies.push(id);
+            match st.store.record_insert(id, ins) {
+                Ok(used) => used,
+                Err(e) => {
+                    tracing::warn!(error = %e, "stable copy not published");
+                    continue;
+                }
             }
-            Err(e) => tracing::warn!(error = %e, "stable copy not published"),
-        }
+        } else {
+            id
+        };
+        id_of_first.insert(g, used);
+        actions[g as usize] = Some(Action::Merge(used));
     }
     for (i, f) in member_of {
         if let Some(&id) = id_of_first.get(&f) {
             actions[i as usize] = Some(Action::Merge(id));
         }
     }
-    st.new_copies = ids;
     tracing::debug!(
         phase1_to_group_ms = (t_group - t_phase1).as_secs_f64() * 1e3,
         copy_ms = (t_copy - t_group).as_secs_f64() * 1e3,

@@ -39,6 +39,8 @@
 
 mod engine;
 mod pool;
+pub mod proto;
+mod remote;
 mod store;
 
 use std::time::Duration;
@@ -86,6 +88,9 @@ pub struct Config {
     pub watch: WatchMode,
     /// VMAs kept free below `vm.max_map_count`.
     pub vma_margin: usize,
+    /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
+    /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET`.
+    pub daemon: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -96,9 +101,12 @@ impl Default for Config {
             merge_periods: 2,
             max_backoff: 16,
             max_sharing: 256,
-            scope: "default".into(),
+            scope: std::env::var("PAGEONE_SCOPE").unwrap_or_else(|_| "default".into()),
             watch: WatchMode::Auto,
             vma_margin: 1024,
+            daemon: std::env::var_os("PAGEONE_SOCKET")
+                .filter(|s| !s.is_empty())
+                .map(Into::into),
         }
     }
 }
@@ -136,6 +144,11 @@ impl Builder {
     }
     pub fn vma_margin(mut self, n: usize) -> Self {
         self.config.vma_margin = n;
+        self
+    }
+    /// Joins the daemon at `socket` (`None`: run alone even if `$PAGEONE_SOCKET` is set).
+    pub fn daemon(mut self, socket: Option<std::path::PathBuf>) -> Self {
+        self.config.daemon = socket;
         self
     }
     /// Starts the engine.
@@ -180,6 +193,11 @@ pub struct Stats {
     pub worker_cpu_ns: u64,
     /// Registered bytes.
     pub registered_bytes: u64,
+    /// The daemon link: "none" (alone), "connected", "lost" (running unshared since it went away)
+    /// or "unreachable" (configured but could not be joined at start).
+    pub daemon: String,
+    /// The scope joined at the daemon (empty when alone).
+    pub scope: String,
 }
 
 /// Why an engine operation failed.
@@ -207,4 +225,6 @@ pub enum EngineError {
     Map(#[source] std::io::Error),
     #[error("the engine thread could not be started")]
     Thread(#[source] std::io::Error),
+    #[error("the pageone daemon could not be joined: {0}")]
+    Daemon(String),
 }

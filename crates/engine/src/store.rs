@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use pageone_index::{Insert, KeyId, KeySource, SdTree};
 use pageone_sys as sys;
 
+use crate::remote::Remote;
 use crate::EngineError;
 
 const PAGE: usize = sys::PAGE_SIZE;
@@ -75,6 +76,9 @@ pub(crate) struct Store {
     pub(crate) shared: u64,
     /// Sum of refs.
     pub(crate) sharing_refs: u64,
+    /// The daemon, when the store is a scope's shared store: it makes and frees the copies, and
+    /// ids are its slots.
+    pub(crate) remote: Option<Remote>,
 }
 
 impl Store {
@@ -84,6 +88,27 @@ impl Store {
         sys::ftruncate(fd.as_raw_fd(), bytes).map_err(EngineError::Store)?;
         let base = sys::mmap_shared(fd.as_raw_fd(), bytes as usize, 0)
             .map_err(EngineError::Store)? as usize;
+        Self::with_file(fd, base, capacity_pages, None)
+    }
+
+    /// The scope's store of a daemon (`fd` read-only), reached through `remote`.
+    pub(crate) fn shared(
+        fd: OwnedFd,
+        capacity_pages: u32,
+        remote: Remote,
+    ) -> Result<Self, EngineError> {
+        let bytes = capacity_pages as usize * PAGE;
+        let base =
+            sys::mmap_shared_readonly(fd.as_raw_fd(), bytes).map_err(EngineError::Store)? as usize;
+        Self::with_file(fd, base, capacity_pages, Some(remote))
+    }
+
+    fn with_file(
+        fd: OwnedFd,
+        base: usize,
+        capacity_pages: u32,
+        remote: Option<Remote>,
+    ) -> Result<Self, EngineError> {
         let file = Arc::new(StoreFile {
             fd,
             base,
@@ -104,6 +129,7 @@ impl Store {
             free: Vec::new(),
             shared: 0,
             sharing_refs: 0,
+            remote,
         })
     }
 
@@ -146,13 +172,8 @@ impl Store {
                 }
             }
         }
-        let need = self.bump as usize;
-        if self.refs.len() < need {
-            self.refs.resize(need, 0);
-            self.indexed.resize(need, false);
-            self.in_tree.resize(need, false);
-            self.allocated.resize(need, false);
-            self.entries.resize(need, None);
+        if self.bump > 0 {
+            self.ensure(self.bump - 1);
         }
         for &id in &out {
             self.allocated[id as usize] = true;
@@ -167,8 +188,7 @@ impl Store {
         for id in released {
             self.in_tree[id as usize] = false;
             if !self.allocated[id as usize] {
-                self.punch(id);
-                self.free.push(id);
+                self.give_back(id);
             }
         }
     }
@@ -181,6 +201,9 @@ impl Store {
             crossbeam_epoch::pin().flush();
         }
         self.collect_released();
+        if let Some(r) = &mut self.remote {
+            r.flush();
+        }
     }
 
     /// Records the outcome of inserting copy `id` (already written) into the tree. Returns the id
@@ -213,9 +236,10 @@ impl Store {
 
     /// Frees an unpublished, unmapped copy.
     fn discard(&mut self, id: KeyId) {
-        self.punch(id);
         self.allocated[id as usize] = false;
-        self.free.push(id);
+        if !self.in_tree[id as usize] {
+            self.give_back(id);
+        }
     }
 
     pub(crate) fn refs(&self, id: KeyId) -> u32 {
@@ -277,13 +301,113 @@ impl Store {
         // indexed is punched and reused only then (collect_released). Punching earlier made
         // lookups of equal pages miss and duplicate copies appear.
         if !self.in_tree[id as usize] {
-            self.punch(id);
-            self.free.push(id);
+            self.give_back(id);
         }
     }
 
-    fn punch(&self, id: KeyId) {
-        let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
+    /// Frees an id nothing maps or indexes: punched and reused here, or released to the daemon.
+    fn give_back(&mut self, id: KeyId) {
+        match &mut self.remote {
+            Some(r) => r.release(id),
+            None => {
+                let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
+                self.free.push(id);
+            }
+        }
+    }
+
+    fn ensure(&mut self, id: KeyId) {
+        let need = id as usize + 1;
+        if self.refs.len() < need {
+            self.refs.resize(need, 0);
+            self.indexed.resize(need, false);
+            self.in_tree.resize(need, false);
+            self.allocated.resize(need, false);
+            self.entries.resize(need, None);
+        }
+    }
+
+    /// Takes a slot the daemon holds for this process. `Some(true)`: new here, to be inserted in
+    /// the tree; `Some(false)`: already indexed here, usable as is; `None`: not usable now (it is
+    /// being retired here), and still held for the id's own life here.
+    pub(crate) fn adopt(&mut self, id: KeyId) -> Option<bool> {
+        if id >= self.file.capacity {
+            return None;
+        }
+        self.ensure(id);
+        if let Some(r) = &mut self.remote {
+            r.keep(id);
+        }
+        let i = id as usize;
+        match (self.allocated[i], self.indexed[i], self.in_tree[i]) {
+            (true, true, _) => Some(false),
+            (false, _, false) => {
+                self.allocated[i] = true;
+                Some(true)
+            }
+            (false, _, true) => {
+                // Removed from the tree but not released yet: the release would come after a
+                // new insertion and undo it. The hold stays until then.
+                None
+            }
+            (true, false, _) => None,
+        }
+    }
+
+    /// Gives back a slot adopted as new that will not be used.
+    pub(crate) fn unadopt(&mut self, id: KeyId) {
+        self.allocated[id as usize] = false;
+        if !self.in_tree[id as usize] {
+            self.give_back(id);
+        }
+    }
+
+    /// Makes stable copies of the pages at `srcs`; per page the copy's id and whether it is new
+    /// here (to be inserted in the tree), or `None` where no copy could be made.
+    pub(crate) fn make_copies(&mut self, srcs: &[usize]) -> Vec<Option<(KeyId, bool)>> {
+        if let Some(r) = &mut self.remote {
+            let slots = r.copy(srcs);
+            return slots
+                .into_iter()
+                .map(|s| {
+                    let id = s?;
+                    self.adopt(id).map(|fresh| (id, fresh))
+                })
+                .collect();
+        }
+        let Some(ids) = self.alloc(srcs.len()) else {
+            tracing::warn!("stable store is full; first sightings are not merged this period");
+            return vec![None; srcs.len()];
+        };
+        // One pwritev per run of consecutive ids; the kernel reads the source pages (they may be
+        // changing: every merge is verified later on frozen bytes).
+        let mut k = 0;
+        while k < ids.len() {
+            let mut m = 1;
+            while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
+                m += 1;
+            }
+            if let Err(e) =
+                sys::pwrite_pages(self.fd(), &srcs[k..k + m], ids[k] as u64 * PAGE as u64)
+            {
+                tracing::warn!(error = %e, "stable copies could not be written; not merging them");
+                for &id in &ids {
+                    self.free_unmapped(id);
+                }
+                return vec![None; srcs.len()];
+            }
+            k += m;
+        }
+        ids.into_iter().map(|id| Some((id, true))).collect()
+    }
+
+    /// Whether this store is a daemon's scope store that can no longer be reached.
+    pub(crate) fn daemon_state(&self) -> &'static str {
+        match &self.remote {
+            None => "none",
+            Some(r) if r.is_lost() => "lost",
+            Some(_) => "connected",
+        }
     }
 
     /// Bytes of engine metadata attributable to the store (tree nodes and per-copy arrays).

@@ -9,7 +9,7 @@
 //! Features are detected at run time (`Uffd::open`, [`pagemap_scan_supported`]); nothing here assumes
 //! a kernel version.
 
-use std::ffi::CStr;
+use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -678,4 +678,198 @@ fn read_kib(path: &str, field: &str) -> io::Result<u64> {
         io::ErrorKind::NotFound,
         format!("no field {field} in {path}"),
     ))
+}
+
+// ---- Cross-process sharing: sockets with descriptors, read-only views, sealed stores ----------
+
+/// Maps `len` bytes of `fd` shared and read-only anywhere (a client's view of a daemon's store,
+/// whose descriptor it holds read-only).
+pub fn mmap_shared_readonly(fd: RawFd, len: usize) -> io::Result<*const u8> {
+    // SAFETY: a non-fixed mapping cannot alias existing memory.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast_const().cast())
+}
+
+/// Creates a memfd that accepts seals (close-on-exec).
+pub fn memfd_create_sealable(name: &CStr) -> io::Result<OwnedFd> {
+    // SAFETY: name is a valid NUL-terminated string.
+    let fd = cvt(unsafe {
+        libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+    } as libc::c_long)?;
+    // SAFETY: fd was just returned by the kernel and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Adds `seals` (`F_SEAL_*`) to a memfd.
+pub fn add_seals(fd: RawFd, seals: libc::c_int) -> io::Result<()> {
+    // SAFETY: no memory is passed to the kernel.
+    cvt(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } as libc::c_long).map(drop)
+}
+
+/// Opens the file behind `fd` again, read-only (a new open file description: the holder of the
+/// new descriptor cannot write, truncate or seal the file, or map it shared and writable).
+pub fn reopen_readonly(fd: RawFd) -> io::Result<OwnedFd> {
+    let path = CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL in a path of digits");
+    // SAFETY: path is a valid NUL-terminated string.
+    let r = cvt(
+        unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) } as libc::c_long,
+    )?;
+    // SAFETY: r was just returned by the kernel and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as RawFd) })
+}
+
+/// Size in bytes and allocated bytes (`st_blocks * 512`) of the file behind `fd`, and whether it
+/// is a regular file (memfds are).
+pub fn file_usage(fd: RawFd) -> io::Result<(u64, u64, bool)> {
+    // SAFETY: stat is plain data; all-zero is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: st is a live, writable stat buffer.
+    cvt(unsafe { libc::fstat(fd, &mut st) } as libc::c_long)?;
+    let regular = st.st_mode & libc::S_IFMT == libc::S_IFREG;
+    Ok((st.st_size as u64, st.st_blocks as u64 * 512, regular))
+}
+
+/// Reads up to `len` bytes of `fd` at `offset` into the memory at `dst`; returns the bytes read
+/// (short at end of file: a file that shrank cannot fault the reader, as a mapping of it would).
+///
+/// # Safety
+/// `[dst, dst+len)` must be writable memory of this process that nothing else reads or writes
+/// meanwhile through Rust references.
+pub unsafe fn pread_into(fd: RawFd, dst: *mut u8, len: usize, offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < len {
+        // SAFETY: dst+done..dst+len is writable per the caller's contract.
+        let n = cvt(unsafe {
+            libc::pread(
+                fd,
+                dst.add(done).cast(),
+                len - done,
+                (offset + done as u64) as libc::off_t,
+            )
+        } as libc::c_long)? as usize;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(done)
+}
+
+/// Credentials of the process at the other end of a Unix socket (`SO_PEERCRED`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCred {
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The peer credentials of a connected Unix socket, as the kernel recorded them at `connect`.
+pub fn peer_cred(sock: RawFd) -> io::Result<PeerCred> {
+    // SAFETY: ucred is plain data; all-zero is a valid value.
+    let mut c: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: c and len are live and sized for SO_PEERCRED.
+    cvt(unsafe {
+        libc::getsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    } as libc::c_long)?;
+    Ok(PeerCred {
+        pid: c.pid,
+        uid: c.uid,
+        gid: c.gid,
+    })
+}
+
+/// Sends all of `data` on a stream socket, with `fd` attached (`SCM_RIGHTS`) to the first byte.
+pub fn send_with_fd(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Result<()> {
+    let mut sent = 0;
+    let mut fd = fd;
+    while sent < data.len() {
+        let mut iov = libc::iovec {
+            iov_base: data[sent..].as_ptr() as *mut libc::c_void,
+            iov_len: data.len() - sent,
+        };
+        // Room for one descriptor; u64 words keep the control buffer aligned for cmsghdr.
+        let mut cbuf = [0u64; 4];
+        // SAFETY: msghdr is plain data; all-zero is a valid value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if let Some(f) = fd {
+            // SAFETY: CMSG_SPACE is a pure computation.
+            let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+            msg.msg_control = cbuf.as_mut_ptr().cast();
+            msg.msg_controllen = space;
+            // SAFETY: msg_control points to `space` writable, aligned bytes, enough for one
+            // header carrying one descriptor.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&msg);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+                std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), f);
+            }
+        }
+        // SAFETY: msg points to live buffers; MSG_NOSIGNAL turns a closed peer into EPIPE.
+        let n = cvt(unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) } as libc::c_long)?;
+        fd = None;
+        sent += n as usize;
+    }
+    Ok(())
+}
+
+/// Receives up to `buf.len()` bytes (at least one unless the peer closed: then `Ok((0, None))`),
+/// with a descriptor if one was attached. Extra attached descriptors are closed.
+pub fn recv_with_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cbuf = [0u64; 16];
+    // SAFETY: msghdr is plain data; all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: msg points to live buffers; MSG_CMSG_CLOEXEC keeps received descriptors from leaking
+    // into children.
+    let n = cvt(unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) } as libc::c_long)?;
+    let mut got = None;
+    // SAFETY: the kernel filled msg_control with msg_controllen bytes of well-formed headers;
+    // CMSG_FIRSTHDR/NXTHDR stay inside them, and each received descriptor is new and ours alone.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / 4;
+                for k in 0..count {
+                    let f = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(k)));
+                    if got.is_none() {
+                        got = Some(f);
+                    } // else dropped: closed
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((n as usize, got))
 }

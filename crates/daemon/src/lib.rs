@@ -1,0 +1,634 @@
+//! `pageone daemon`: shares stable copies between the processes of one scope.
+//!
+//! # Design
+//!
+//! A process can only remap its own memory, so every process runs its own engine; what the
+//! daemon owns is what is shared. Per scope it keeps one store (a sealed memfd that only the daemon
+//! writes; clients get it re-opened read-only) and an index of the copies in it by xxh3-128 hash
+//! of the bytes *the daemon copied*. Clients ask in batches (one round trip per up to 64 Ki
+//! hashes or 1 Ki copied pages, never one per page):
+//!
+//! * `Lookup(hashes)`: per hash, a slot with that content (now *held* for the client), `WANTED`
+//!   (another client noted this content and no copy exists: send the bytes) or `NOTED`;
+//! * `Copy(n)`: copy pages `0..n` of the client's staging memfd into new slots (`pread`, so a
+//!   client that truncates its staging file cannot fault the daemon); identical content already
+//!   stored is answered with the existing slot. Clients that noted the content get it *offered*.
+//! * `Release(slots)`: the client neither maps nor indexes them any more.
+//!
+//! A slot is freed (hole punched, index entry removed) when no client holds it. Holds are a set
+//! per client, so a client can only drop its own; when a client's socket closes (exit or
+//! `kill -9`) its holds are dropped. If the daemon dies, clients keep their merged pages (their
+//! mappings keep the memfd alive) and run unshared.
+//!
+//! # Scopes and trust
+//!
+//! The scope a client joins is `(peer uid, requested name)` from `SO_PEERCRED`: clients of
+//! different users never share a copy, whatever name they ask for. Within a scope clients do not
+//! trust each other: a copy cannot be changed once stored (read-only descriptor; private mappings
+//! copy on write), every merge is verified by the merging client on frozen bytes, every count and
+//! slot a client sends is bounds-checked, and a malformed frame ends only that client's
+//! connection.
+
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use pageone_engine::proto::{self, ProtoError, Reply, Request};
+use pageone_sys as sys;
+
+const PAGE: usize = sys::PAGE_SIZE;
+/// First sightings remembered per scope (beyond this, new ones are not noted: fewer merges).
+const MAX_NOTED: usize = 1 << 24;
+/// Offers waiting for one client.
+const MAX_OFFERS: usize = 1 << 20;
+/// Connections served at once (each has a thread); more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("the socket {path} could not be bound")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("another daemon is serving {0}")]
+    InUse(PathBuf),
+    #[error("the scope's store could not be created")]
+    Store(#[source] io::Error),
+}
+
+/// Daemon settings.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    pub socket: PathBuf,
+    /// Store size per scope, in pages (virtual: only live copies use memory). Default: RAM.
+    pub capacity_pages: u32,
+    /// Exit once the last client has left (for a private daemon of one process tree).
+    pub exit_when_idle: bool,
+}
+
+impl DaemonConfig {
+    pub fn new(socket: PathBuf) -> Self {
+        let ram = sys::meminfo_kib("MemTotal").unwrap_or(16 << 20) * 1024;
+        Self {
+            socket,
+            capacity_pages: (ram / PAGE as u64).min(proto::MAX_SLOT as u64) as u32,
+            exit_when_idle: false,
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panicking client thread must not take the other clients' service down.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Client {
+    pid: i32,
+    held: HashSet<u32>,
+    offers: Vec<(u128, u32)>,
+    report: Option<serde_json::Value>,
+    /// (when, merges) of the previous report, and the merge rate it gave.
+    last: Option<(Instant, u64)>,
+    merges_per_sec: f64,
+}
+
+struct ScopeState {
+    index: HashMap<u128, u32>,
+    slot_hash: Vec<u128>,
+    holders: Vec<u32>,
+    free: Vec<u32>,
+    bump: u32,
+    live: u64,
+    noted: HashMap<u128, Vec<u64>>,
+    noted_entries: usize,
+    clients: HashMap<u64, Client>,
+    copies_made: u64,
+}
+
+struct Scope {
+    name: String,
+    uid: u32,
+    fd: OwnedFd,
+    base: usize,
+    capacity: u32,
+    state: Mutex<ScopeState>,
+}
+
+impl Scope {
+    fn new(name: String, uid: u32, capacity: u32) -> Result<Self, DaemonError> {
+        let fd = sys::memfd_create_sealable(c"pageone-scope").map_err(DaemonError::Store)?;
+        let bytes = capacity as u64 * PAGE as u64;
+        sys::ftruncate(fd.as_raw_fd(), bytes).map_err(DaemonError::Store)?;
+        // The size never changes again, and nobody may add seals (F_SEAL_WRITE would stop punching).
+        sys::add_seals(
+            fd.as_raw_fd(),
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        )
+        .map_err(DaemonError::Store)?;
+        let base = sys::mmap_shared(fd.as_raw_fd(), bytes as usize, 0)
+            .map_err(DaemonError::Store)? as usize;
+        Ok(Self {
+            name,
+            uid,
+            fd,
+            base,
+            capacity,
+            state: Mutex::new(ScopeState {
+                index: HashMap::new(),
+                slot_hash: Vec::new(),
+                holders: Vec::new(),
+                free: Vec::new(),
+                bump: 0,
+                live: 0,
+                noted: HashMap::new(),
+                noted_entries: 0,
+                clients: HashMap::new(),
+                copies_made: 0,
+            }),
+        })
+    }
+
+    fn slot_addr(&self, slot: u32) -> usize {
+        self.base + slot as usize * PAGE
+    }
+}
+
+impl ScopeState {
+    fn alloc(&mut self, capacity: u32) -> Option<u32> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        if self.bump >= capacity {
+            return None;
+        }
+        self.bump += 1;
+        self.slot_hash.push(0);
+        self.holders.push(0);
+        Some(self.bump - 1)
+    }
+
+    fn hold(&mut self, client: u64, slot: u32) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            if c.held.insert(slot) {
+                self.holders[slot as usize] += 1;
+            }
+        }
+    }
+
+    /// Drops one holder of `slot`; frees it when none is left.
+    fn unhold(&mut self, fd: i32, slot: u32) {
+        let h = &mut self.holders[slot as usize];
+        *h -= 1;
+        if *h == 0 {
+            let hash = self.slot_hash[slot as usize];
+            if self.index.get(&hash) == Some(&slot) {
+                self.index.remove(&hash);
+            }
+            self.live -= 1;
+            let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
+            self.free.push(slot);
+        }
+    }
+}
+
+struct Inner {
+    config: DaemonConfig,
+    scopes: Mutex<HashMap<(u32, String), Arc<Scope>>>,
+    next_client: AtomicU64,
+    connections: AtomicUsize,
+    started: Instant,
+}
+
+/// A bound daemon; [`Daemon::run`] serves it.
+pub struct Daemon {
+    listener: UnixListener,
+    inner: Arc<Inner>,
+}
+
+impl Daemon {
+    /// Binds the socket (creating its directory; a stale socket of a dead daemon is replaced, a
+    /// live daemon's is not).
+    pub fn bind(config: DaemonConfig) -> Result<Self, DaemonError> {
+        let path = config.socket.clone();
+        let bind_err = |source| DaemonError::Bind {
+            path: path.clone(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(bind_err)?;
+        }
+        if path.exists() {
+            if UnixStream::connect(&path).is_ok() {
+                return Err(DaemonError::InUse(path));
+            }
+            std::fs::remove_file(&path).map_err(bind_err)?;
+        }
+        let listener = UnixListener::bind(&path).map_err(bind_err)?;
+        // Any user may connect: the scope is decided from the peer's uid.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))
+            .map_err(bind_err)?;
+        tracing::info!(socket = %path.display(), "pageone daemon listening");
+        Ok(Self {
+            listener,
+            inner: Arc::new(Inner {
+                config,
+                scopes: Mutex::new(HashMap::new()),
+                next_client: AtomicU64::new(1),
+                connections: AtomicUsize::new(0),
+                started: Instant::now(),
+            }),
+        })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.inner.config.socket
+    }
+
+    /// Serves clients until the process ends (or, with `exit_when_idle`, until the last client
+    /// left).
+    pub fn run(self) -> io::Result<()> {
+        let served = Arc::new(AtomicU64::new(0));
+        for conn in self.listener.incoming() {
+            let sock = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    // Out of descriptors or memory: serve the others, retry shortly.
+                    tracing::warn!(error = %e, "could not accept a client");
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    continue;
+                }
+            };
+            // Relaxed: a count compared against a soft limit.
+            if self.inner.connections.load(Ordering::Relaxed) >= MAX_CONNECTIONS {
+                let _ = proto::write_frame(
+                    &sock,
+                    &Reply::Error("the daemon serves too many clients".into()).encode(),
+                    None,
+                );
+                continue;
+            }
+            self.inner.connections.fetch_add(1, Ordering::Relaxed);
+            let inner = self.inner.clone();
+            let served = served.clone();
+            let listener_fd = self.listener.as_raw_fd();
+            let spawned = std::thread::Builder::new()
+                .name("pageone-client".into())
+                .spawn(move || {
+                    let joined = serve(&inner, sock);
+                    let left = inner.connections.fetch_sub(1, Ordering::AcqRel) - 1;
+                    if joined {
+                        served.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if inner.config.exit_when_idle
+                        && left == 0
+                        && served.load(Ordering::Relaxed) > 0
+                    {
+                        tracing::info!("last client left; exiting");
+                        let _ = std::fs::remove_file(&inner.config.socket);
+                        // SAFETY: shutting the listening socket down only makes accept fail.
+                        unsafe { libc::shutdown(listener_fd, libc::SHUT_RDWR) };
+                        std::process::exit(0);
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "could not start a client thread");
+                self.inner.connections.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves one connection; returns whether a client joined a scope on it.
+fn serve(inner: &Inner, sock: UnixStream) -> bool {
+    let mut joined: Option<(Arc<Scope>, u64, OwnedFd)> = None;
+    let result = (|| -> Result<(), ProtoError> {
+        loop {
+            let (body, fd) = proto::read_frame(&sock)?;
+            let req = match Request::decode(&body) {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = reply(&sock, Reply::Error(e.to_string()), None);
+                    return Err(e);
+                }
+            };
+            let answer = match (&joined, req) {
+                (_, Request::Status) => Reply::Text(status_json(inner).to_string()),
+                (None, Request::Hello { version, scope }) => {
+                    match join(inner, &sock, version, &scope, fd) {
+                        Ok((sc, id, staging, store_ro)) => {
+                            let r = Reply::Welcome {
+                                capacity: sc.capacity,
+                                client: id,
+                                scope: sc.name.clone(),
+                            };
+                            joined = Some((sc, id, staging));
+                            reply(&sock, r, Some(&store_ro))?;
+                            continue;
+                        }
+                        Err(msg) => Reply::Error(msg),
+                    }
+                }
+                (None, _) => Reply::Error("say hello first".into()),
+                (Some(_), Request::Hello { .. }) => Reply::Error("already joined".into()),
+                (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs),
+                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n),
+                (Some((sc, id, _)), Request::Release(slots)) => {
+                    let mut st = lock(&sc.state);
+                    for s in slots {
+                        let held = st.clients.get_mut(id).is_some_and(|c| c.held.remove(&s));
+                        if held {
+                            st.unhold(sc.fd.as_raw_fd(), s);
+                        }
+                    }
+                    Reply::Ok
+                }
+                (Some((sc, id, _)), Request::Report(json)) => {
+                    let mut st = lock(&sc.state);
+                    if let (Some(c), Ok(v)) = (
+                        st.clients.get_mut(id),
+                        serde_json::from_str::<serde_json::Value>(&json),
+                    ) {
+                        let merges = v["merges"].as_u64().unwrap_or(0);
+                        let now = Instant::now();
+                        if let Some((t, m)) = c.last {
+                            let dt = (now - t).as_secs_f64();
+                            if dt > 0.0 {
+                                c.merges_per_sec = merges.saturating_sub(m) as f64 / dt;
+                            }
+                        }
+                        c.last = Some((now, merges));
+                        c.report = Some(v);
+                    }
+                    Reply::Ok
+                }
+            };
+            reply(&sock, answer, None)?;
+        }
+    })();
+    if let Err(e) = &result {
+        if !matches!(e, ProtoError::Closed) {
+            tracing::info!(error = %e, "client connection ended");
+        }
+    }
+    let was_joined = joined.is_some();
+    if let Some((sc, id, _)) = joined {
+        // Exit, crash or protocol error: the client's holds go (its mappings went with it).
+        let mut st = lock(&sc.state);
+        if let Some(c) = st.clients.remove(&id) {
+            for s in c.held {
+                st.unhold(sc.fd.as_raw_fd(), s);
+            }
+            tracing::info!(client = id, pid = c.pid, scope = %sc.name, "client left");
+        }
+    }
+    was_joined
+}
+
+fn reply(sock: &UnixStream, r: Reply, fd: Option<&OwnedFd>) -> Result<(), ProtoError> {
+    proto::write_frame(sock, &r.encode(), fd)
+}
+
+fn valid_scope_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+type Joined = (Arc<Scope>, u64, OwnedFd, OwnedFd);
+
+fn join(
+    inner: &Inner,
+    sock: &UnixStream,
+    version: u32,
+    scope: &str,
+    staging: Option<OwnedFd>,
+) -> Result<Joined, String> {
+    if version != proto::VERSION {
+        return Err(format!(
+            "protocol version {version} is not {}",
+            proto::VERSION
+        ));
+    }
+    if !valid_scope_name(scope) {
+        return Err("a scope name is 1 to 64 of [A-Za-z0-9._-]".into());
+    }
+    let staging = staging.ok_or("the greeting carries no staging file")?;
+    match sys::file_usage(staging.as_raw_fd()) {
+        Ok((_, _, true)) => {}
+        _ => return Err("the staging descriptor is not a regular file".into()),
+    }
+    let cred = sys::peer_cred(sock.as_raw_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
+    let sc = {
+        let mut scopes = lock(&inner.scopes);
+        let key = (cred.uid, scope.to_string());
+        match scopes.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                let name = if cred.uid == 0 {
+                    scope.to_string()
+                } else {
+                    format!("{}@uid{}", scope, cred.uid)
+                };
+                let s = Arc::new(
+                    Scope::new(name, cred.uid, inner.config.capacity_pages)
+                        .map_err(|e| format!("{e}"))?,
+                );
+                scopes.insert(key, s.clone());
+                s
+            }
+        }
+    };
+    let store_ro =
+        sys::reopen_readonly(sc.fd.as_raw_fd()).map_err(|e| format!("store not shareable: {e}"))?;
+    // Relaxed: a unique counter.
+    let id = inner.next_client.fetch_add(1, Ordering::Relaxed);
+    lock(&sc.state).clients.insert(
+        id,
+        Client {
+            pid: cred.pid,
+            held: HashSet::new(),
+            offers: Vec::new(),
+            report: None,
+            last: None,
+            merges_per_sec: 0.0,
+        },
+    );
+    tracing::info!(client = id, pid = cred.pid, uid = cred.uid, scope = %sc.name, "client joined");
+    Ok((sc, id, staging, store_ro))
+}
+
+fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
+    let mut st = lock(&sc.state);
+    let mut answers = Vec::with_capacity(hashes.len());
+    for &h in hashes {
+        if let Some(&slot) = st.index.get(&h) {
+            st.hold(id, slot);
+            answers.push(slot);
+            continue;
+        }
+        let others = match st.noted.get(&h) {
+            Some(list) => list.iter().any(|c| *c != id && st.clients.contains_key(c)),
+            None => false,
+        };
+        if others {
+            answers.push(proto::WANTED);
+            continue;
+        }
+        if st.noted_entries < MAX_NOTED {
+            let list = st.noted.entry(h).or_default();
+            if !list.contains(&id) {
+                list.push(id);
+                st.noted_entries += 1;
+            }
+        }
+        answers.push(proto::NOTED);
+    }
+    let offers = st
+        .clients
+        .get_mut(&id)
+        .map(|c| std::mem::take(&mut c.offers))
+        .unwrap_or_default();
+    Reply::Answers { answers, offers }
+}
+
+fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
+    let n = n as usize;
+    if n > proto::STAGING_PAGES {
+        return Reply::Error(format!("at most {} pages per copy", proto::STAGING_PAGES));
+    }
+    // Slots are taken under the lock, filled outside it (nobody else can see them yet), then
+    // published under the lock.
+    let slots: Vec<Option<u32>> = {
+        let mut st = lock(&sc.state);
+        (0..n).map(|_| st.alloc(sc.capacity)).collect()
+    };
+    let mut hashes: Vec<Option<u128>> = vec![None; n];
+    for (k, slot) in slots.iter().enumerate() {
+        let Some(slot) = *slot else { continue };
+        let dst = sc.slot_addr(slot) as *mut u8;
+        // SAFETY: the slot was just allocated to this thread and lies inside the daemon's
+        // mapping of the store; no reference to it exists.
+        let got = unsafe { sys::pread_into(staging.as_raw_fd(), dst, PAGE, (k * PAGE) as u64) };
+        if matches!(got, Ok(PAGE)) {
+            // SAFETY: the page is inside the mapping and only this thread writes it (clients hold
+            // the store read-only), so a shared slice of it is sound while it is read here.
+            let bytes = unsafe { std::slice::from_raw_parts(dst, PAGE) };
+            hashes[k] = Some(xxhash_rust::xxh3::xxh3_128(bytes));
+        }
+    }
+    let mut st = lock(&sc.state);
+    let fd = sc.fd.as_raw_fd();
+    let mut out = Vec::with_capacity(n);
+    for (k, slot) in slots.into_iter().enumerate() {
+        let Some(slot) = slot else {
+            out.push(proto::FAILED);
+            continue;
+        };
+        let Some(h) = hashes[k] else {
+            let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
+            st.free.push(slot);
+            out.push(proto::FAILED);
+            continue;
+        };
+        if let Some(&existing) = st.index.get(&h) {
+            let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
+            st.free.push(slot);
+            st.hold(id, existing);
+            out.push(existing);
+            continue;
+        }
+        st.index.insert(h, slot);
+        st.slot_hash[slot as usize] = h;
+        st.live += 1;
+        st.copies_made += 1;
+        st.hold(id, slot);
+        out.push(slot);
+        if let Some(list) = st.noted.remove(&h) {
+            st.noted_entries -= list.len();
+            for c in list {
+                if c == id {
+                    continue;
+                }
+                let take = st
+                    .clients
+                    .get(&c)
+                    .is_some_and(|cl| cl.offers.len() < MAX_OFFERS);
+                if take {
+                    st.hold(c, slot);
+                    if let Some(cl) = st.clients.get_mut(&c) {
+                        cl.offers.push((h, slot));
+                    }
+                }
+            }
+        }
+    }
+    if !st.clients.contains_key(&id) {
+        // Unreachable while this connection is served; kept for the accounting's sake.
+        return Reply::Error("client left".into());
+    }
+    Reply::Slots(out)
+}
+
+/// The daemon's view, per scope and per client, as JSON (for `pageone status`).
+fn status_json(inner: &Inner) -> serde_json::Value {
+    let scopes: Vec<Arc<Scope>> = lock(&inner.scopes).values().cloned().collect();
+    let mut out = Vec::new();
+    for sc in scopes {
+        let resident = sys::file_usage(sc.fd.as_raw_fd()).map(|u| u.1).unwrap_or(0);
+        let st = lock(&sc.state);
+        let mut mapped = 0u64;
+        let mut zero = 0u64;
+        let mut rate = 0.0;
+        let mut cpu = 0u64;
+        let mut clients = Vec::new();
+        let mut ids: Vec<&u64> = st.clients.keys().collect();
+        ids.sort();
+        for id in ids {
+            let c = &st.clients[id];
+            if let Some(r) = &c.report {
+                mapped += r["pages_shared"].as_u64().unwrap_or(0)
+                    + r["pages_sharing"].as_u64().unwrap_or(0);
+                zero += r["zero_pages"].as_u64().unwrap_or(0);
+                cpu += r["worker_cpu_ns"].as_u64().unwrap_or(0);
+            }
+            rate += c.merges_per_sec;
+            clients.push(serde_json::json!({
+                "client": id,
+                "pid": c.pid,
+                "held": c.held.len(),
+                "merges_per_sec": c.merges_per_sec,
+                "stats": c.report,
+            }));
+        }
+        let sharing = mapped.saturating_sub(st.live);
+        out.push(serde_json::json!({
+            "scope": sc.name,
+            "uid": sc.uid,
+            "clients": clients,
+            "pages_shared": st.live,
+            "pages_sharing": sharing,
+            "zero_pages": zero,
+            "saved_bytes": (sharing + zero) * PAGE as u64,
+            "copies_made": st.copies_made,
+            "store_resident_bytes": resident,
+            "merges_per_sec": rate,
+            "worker_cpu_ns": cpu,
+        }));
+    }
+    serde_json::json!({
+        "pid": std::process::id(),
+        "socket": inner.config.socket,
+        "uptime_secs": inner.started.elapsed().as_secs(),
+        "scopes": out,
+    })
+}

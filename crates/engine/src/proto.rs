@@ -1,0 +1,448 @@
+//! The wire protocol between engines (clients) and `pageone daemon`.
+//!
+//! Frames on a Unix stream socket: `u32 length` (little-endian, of what follows), `u32 tag`, body.
+//! Every request gets exactly one reply. Bodies are fixed-size records behind counts, so a decoder
+//! checks one bound per frame; a frame over [`MAX_FRAME`] or with inconsistent counts is an error
+//! and ends the connection. Two frames carry a descriptor (`SCM_RIGHTS`): `Hello` (the client's
+//! staging memfd, through which it hands page contents to copy) and `Welcome` (the scope's store,
+//! re-opened read-only for the client).
+//!
+//! The daemon trusts nothing a client says: it hashes the bytes it copied itself, clients can only
+//! release their own holds, and every merge is verified by the client on frozen bytes anyway.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use pageone_sys as sys;
+
+pub const VERSION: u32 = 1;
+/// Most records in one request.
+pub const MAX_ITEMS: usize = 1 << 16;
+/// Largest frame either side accepts.
+pub const MAX_FRAME: usize = 16 + MAX_ITEMS * 20 + (1 << 20);
+/// Pages of a client's staging memfd: contents of at most this many pages are copied per request.
+pub const STAGING_PAGES: usize = 1024;
+
+/// Lookup answers other than a slot number.
+pub const NOTED: u32 = u32::MAX;
+/// Another client of the scope has this content and no copy exists yet: send the bytes.
+pub const WANTED: u32 = u32::MAX - 1;
+/// A copy could not be made (store full or unreadable staging page).
+pub const FAILED: u32 = u32::MAX - 2;
+/// Slot numbers are below this.
+pub const MAX_SLOT: u32 = u32::MAX - 16;
+
+const T_HELLO: u32 = 1;
+const T_LOOKUP: u32 = 2;
+const T_COPY: u32 = 3;
+const T_RELEASE: u32 = 4;
+const T_REPORT: u32 = 5;
+const T_STATUS: u32 = 6;
+const T_WELCOME: u32 = 101;
+const T_ANSWERS: u32 = 102;
+const T_SLOTS: u32 = 103;
+const T_OK: u32 = 104;
+const T_TEXT: u32 = 105;
+const T_ERROR: u32 = 199;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// First message of a client (with its staging memfd attached): the scope it asks to join.
+    Hello { version: u32, scope: String },
+    /// Contents hashes (xxh3-128) of first sightings: which have a copy, which are wanted.
+    Lookup(Vec<u128>),
+    /// Copy staging pages `0..n` into the store.
+    Copy(u32),
+    /// Slots this client no longer indexes or maps.
+    Release(Vec<u32>),
+    /// The client's counters as JSON, for `pageone status`.
+    Report(String),
+    /// `pageone status`: the daemon's view as JSON (no `Hello` needed).
+    Status,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Joined (store descriptor attached): store size in pages, client id, scope name.
+    Welcome {
+        capacity: u32,
+        client: u64,
+        scope: String,
+    },
+    /// Per hash: a slot (held for the client now), [`NOTED`] or [`WANTED`]; and copies made for
+    /// content this client noted earlier (already held for it): `(hash, slot)`.
+    Answers {
+        answers: Vec<u32>,
+        offers: Vec<(u128, u32)>,
+    },
+    /// Per copied page: its slot (held for the client) or [`FAILED`].
+    Slots(Vec<u32>),
+    Ok,
+    Text(String),
+    Error(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("the connection failed")]
+    Io(#[from] io::Error),
+    #[error("malformed frame: {0}")]
+    Malformed(&'static str),
+    #[error("the peer closed the connection")]
+    Closed,
+    #[error("the daemon refused: {0}")]
+    Refused(String),
+}
+
+struct Enc(Vec<u8>);
+
+impl Enc {
+    fn new(tag: u32) -> Self {
+        let mut v = Vec::with_capacity(64);
+        v.extend_from_slice(&0u32.to_le_bytes());
+        v.extend_from_slice(&tag.to_le_bytes());
+        Enc(v)
+    }
+    fn u32(&mut self, x: u32) -> &mut Self {
+        self.0.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+    fn u64(&mut self, x: u64) -> &mut Self {
+        self.0.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+    fn u128(&mut self, x: u128) -> &mut Self {
+        self.0.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+    fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
+        self
+    }
+    fn finish(mut self) -> Vec<u8> {
+        let n = (self.0.len() - 4) as u32;
+        self.0[..4].copy_from_slice(&n.to_le_bytes());
+        self.0
+    }
+}
+
+struct Dec<'a>(&'a [u8]);
+
+impl Dec<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], ProtoError> {
+        if self.0.len() < n {
+            return Err(ProtoError::Malformed("frame shorter than its contents"));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u32(&mut self) -> Result<u32, ProtoError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, ProtoError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn u128(&mut self) -> Result<u128, ProtoError> {
+        Ok(u128::from_le_bytes(
+            self.take(16)?.try_into().expect("16 bytes"),
+        ))
+    }
+    fn count(&mut self, record: usize) -> Result<usize, ProtoError> {
+        let n = self.u32()? as usize;
+        if n > MAX_ITEMS || n * record > self.0.len() {
+            return Err(ProtoError::Malformed("count beyond the frame or the limit"));
+        }
+        Ok(n)
+    }
+    fn string(&mut self) -> Result<String, ProtoError> {
+        let n = self.count(1)?;
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| ProtoError::Malformed("not UTF-8"))
+    }
+    fn end(&self) -> Result<(), ProtoError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(ProtoError::Malformed("trailing bytes"))
+        }
+    }
+}
+
+impl Request {
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Request::Hello { version, scope } => {
+                let mut e = Enc::new(T_HELLO);
+                e.u32(*version).bytes(scope.as_bytes());
+                e.finish()
+            }
+            Request::Lookup(hs) => {
+                let mut e = Enc::new(T_LOOKUP);
+                e.u32(hs.len() as u32);
+                for &h in hs {
+                    e.u128(h);
+                }
+                e.finish()
+            }
+            Request::Copy(n) => {
+                let mut e = Enc::new(T_COPY);
+                e.u32(*n);
+                e.finish()
+            }
+            Request::Release(ids) => {
+                let mut e = Enc::new(T_RELEASE);
+                e.u32(ids.len() as u32);
+                for &i in ids {
+                    e.u32(i);
+                }
+                e.finish()
+            }
+            Request::Report(s) => {
+                let mut e = Enc::new(T_REPORT);
+                e.bytes(s.as_bytes());
+                e.finish()
+            }
+            Request::Status => Enc::new(T_STATUS).finish(),
+        }
+    }
+
+    /// Decodes a frame body (after the length word).
+    pub fn decode(frame: &[u8]) -> Result<Self, ProtoError> {
+        let mut d = Dec(frame);
+        let r = match d.u32()? {
+            T_HELLO => Request::Hello {
+                version: d.u32()?,
+                scope: d.string()?,
+            },
+            T_LOOKUP => {
+                let n = d.count(16)?;
+                Request::Lookup((0..n).map(|_| d.u128()).collect::<Result<_, _>>()?)
+            }
+            T_COPY => Request::Copy(d.u32()?),
+            T_RELEASE => {
+                let n = d.count(4)?;
+                Request::Release((0..n).map(|_| d.u32()).collect::<Result<_, _>>()?)
+            }
+            T_REPORT => Request::Report(d.string()?),
+            T_STATUS => Request::Status,
+            _ => return Err(ProtoError::Malformed("unknown request")),
+        };
+        d.end()?;
+        Ok(r)
+    }
+}
+
+impl Reply {
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Reply::Welcome {
+                capacity,
+                client,
+                scope,
+            } => {
+                let mut e = Enc::new(T_WELCOME);
+                e.u32(*capacity).u64(*client).bytes(scope.as_bytes());
+                e.finish()
+            }
+            Reply::Answers { answers, offers } => {
+                let mut e = Enc::new(T_ANSWERS);
+                e.u32(answers.len() as u32);
+                for &a in answers {
+                    e.u32(a);
+                }
+                e.u32(offers.len() as u32);
+                for &(h, s) in offers {
+                    e.u128(h).u32(s);
+                }
+                e.finish()
+            }
+            Reply::Slots(s) => {
+                let mut e = Enc::new(T_SLOTS);
+                e.u32(s.len() as u32);
+                for &x in s {
+                    e.u32(x);
+                }
+                e.finish()
+            }
+            Reply::Ok => Enc::new(T_OK).finish(),
+            Reply::Text(s) => {
+                let mut e = Enc::new(T_TEXT);
+                e.bytes(s.as_bytes());
+                e.finish()
+            }
+            Reply::Error(s) => {
+                let mut e = Enc::new(T_ERROR);
+                e.bytes(s.as_bytes());
+                e.finish()
+            }
+        }
+    }
+
+    pub fn decode(frame: &[u8]) -> Result<Self, ProtoError> {
+        let mut d = Dec(frame);
+        let r = match d.u32()? {
+            T_WELCOME => Reply::Welcome {
+                capacity: d.u32()?,
+                client: d.u64()?,
+                scope: d.string()?,
+            },
+            T_ANSWERS => {
+                let n = d.count(4)?;
+                let answers = (0..n).map(|_| d.u32()).collect::<Result<_, _>>()?;
+                let m = d.count(20)?;
+                let offers = (0..m)
+                    .map(|_| Ok((d.u128()?, d.u32()?)))
+                    .collect::<Result<_, ProtoError>>()?;
+                Reply::Answers { answers, offers }
+            }
+            T_SLOTS => {
+                let n = d.count(4)?;
+                Reply::Slots((0..n).map(|_| d.u32()).collect::<Result<_, _>>()?)
+            }
+            T_OK => Reply::Ok,
+            T_TEXT => Reply::Text(d.string()?),
+            T_ERROR => Reply::Error(d.string()?),
+            _ => return Err(ProtoError::Malformed("unknown reply")),
+        };
+        d.end()?;
+        Ok(r)
+    }
+}
+
+/// Writes one encoded frame, with `fd` attached when given.
+pub fn write_frame(
+    sock: &UnixStream,
+    frame: &[u8],
+    fd: Option<&OwnedFd>,
+) -> Result<(), ProtoError> {
+    match fd {
+        Some(f) => sys::send_with_fd(sock.as_raw_fd(), frame, Some(f.as_raw_fd()))?,
+        None => (&*sock).write_all(frame)?,
+    }
+    Ok(())
+}
+
+/// Reads one frame body (tag and contents) and the descriptor attached to it, if any.
+pub fn read_frame(sock: &UnixStream) -> Result<(Vec<u8>, Option<OwnedFd>), ProtoError> {
+    let mut len = [0u8; 4];
+    let (n, fd) = sys::recv_with_fd(sock.as_raw_fd(), &mut len)?;
+    if n == 0 {
+        return Err(ProtoError::Closed);
+    }
+    (&*sock).read_exact(&mut len[n..]).map_err(eof)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if !(4..=MAX_FRAME).contains(&len) {
+        return Err(ProtoError::Malformed("frame length out of bounds"));
+    }
+    let mut body = vec![0u8; len];
+    (&*sock).read_exact(&mut body).map_err(eof)?;
+    Ok((body, fd))
+}
+
+fn eof(e: io::Error) -> ProtoError {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        ProtoError::Closed
+    } else {
+        ProtoError::Io(e)
+    }
+}
+
+/// Sends a request and reads its reply (an `Error` reply becomes [`ProtoError::Refused`]).
+pub fn call(
+    sock: &UnixStream,
+    req: &Request,
+    fd: Option<&OwnedFd>,
+) -> Result<(Reply, Option<OwnedFd>), ProtoError> {
+    write_frame(sock, &req.encode(), fd)?;
+    let (body, fd) = read_frame(sock)?;
+    match Reply::decode(&body)? {
+        Reply::Error(s) => Err(ProtoError::Refused(s)),
+        r => Ok((r, fd)),
+    }
+}
+
+/// The default daemon socket: `/run/pageone/pageone.sock` for root, else
+/// `$XDG_RUNTIME_DIR/pageone.sock` (or `/tmp/pageone-UID.sock`).
+pub fn default_socket() -> std::path::PathBuf {
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    if uid == 0 {
+        return "/run/pageone/pageone.sock".into();
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => std::path::PathBuf::from(d).join("pageone.sock"),
+        _ => format!("/tmp/pageone-{uid}.sock").into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_and_replies_round_trip() {
+        let reqs = [
+            Request::Hello {
+                version: VERSION,
+                scope: "vm".into(),
+            },
+            Request::Lookup(vec![1, u128::MAX, 7]),
+            Request::Copy(12),
+            Request::Release(vec![3, 4]),
+            Request::Report("{}".into()),
+            Request::Status,
+        ];
+        for r in reqs {
+            let f = r.encode();
+            assert_eq!(
+                u32::from_le_bytes(f[..4].try_into().unwrap()) as usize,
+                f.len() - 4
+            );
+            assert_eq!(Request::decode(&f[4..]).unwrap(), r);
+        }
+        let reps = [
+            Reply::Welcome {
+                capacity: 9,
+                client: 3,
+                scope: "s".into(),
+            },
+            Reply::Answers {
+                answers: vec![NOTED, 5, WANTED],
+                offers: vec![(9, 1)],
+            },
+            Reply::Slots(vec![1, FAILED]),
+            Reply::Ok,
+            Reply::Text("x".into()),
+            Reply::Error("no".into()),
+        ];
+        for r in reps {
+            let f = r.encode();
+            assert_eq!(Reply::decode(&f[4..]).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+        for _ in 0..20000 {
+            let n = rng.gen_range(0..64);
+            let mut f: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+            if n >= 4 && rng.gen_bool(0.5) {
+                f[..4].copy_from_slice(&rng.gen_range(1u32..7).to_le_bytes());
+            }
+            let _ = Request::decode(&f);
+            let _ = Reply::decode(&f);
+        }
+        // A count claiming more records than the frame holds is refused before allocating.
+        let mut f = T_LOOKUP.to_le_bytes().to_vec();
+        f.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Request::decode(&f).is_err());
+    }
+}

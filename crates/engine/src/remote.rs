@@ -1,0 +1,202 @@
+//! The client side of `pageone daemon`: a scope's store shared by several processes.
+//!
+//! The daemon writes stable copies; this process only reads the store (its descriptor is
+//! read-only, and a private mapping of it still copies on write). To add content it writes the
+//! pages into its own staging memfd and asks the daemon to copy them; lookups of content other
+//! processes may have are by xxh3-128 hash, answered with a slot that the daemon then *holds* for
+//! this process (never freed or reused while held). Every merge is still verified byte for byte
+//! on frozen bytes, so a wrong answer costs a merge, never a write.
+//!
+//! If the daemon goes away, the process keeps its merged pages (its mappings keep the store
+//! alive) and runs unshared: no new copies, releases are dropped, [`Remote::is_lost`] says so.
+
+use std::collections::HashSet;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use pageone_sys as sys;
+
+use crate::proto::{self, ProtoError, Reply, Request};
+use crate::EngineError;
+
+const PAGE: usize = sys::PAGE_SIZE;
+
+/// Copies made for content this process noted: `(hash, slot)`, each held for it.
+pub(crate) type Offers = Vec<(u128, u32)>;
+
+pub(crate) struct Remote {
+    sock: UnixStream,
+    staging: OwnedFd,
+    client: u64,
+    pub(crate) scope: String,
+    lost: bool,
+    /// Slots to release at the next flush (a set, so that a slot granted again before the flush
+    /// is simply kept: the daemon's holds are a set per client, not a count).
+    releases: HashSet<u32>,
+    capacity: u32,
+}
+
+impl Remote {
+    /// Joins the daemon at `path` asking for `scope`. Returns the connection, the store's
+    /// read-only descriptor and its size in pages.
+    pub(crate) fn connect(path: &Path, scope: &str) -> Result<(Self, OwnedFd, u32), EngineError> {
+        let refused = |e: ProtoError| EngineError::Daemon(e.to_string());
+        let sock = UnixStream::connect(path).map_err(|e| EngineError::Daemon(e.to_string()))?;
+        let staging = sys::memfd_create(c"pageone-staging").map_err(EngineError::Store)?;
+        sys::ftruncate(staging.as_raw_fd(), (proto::STAGING_PAGES * PAGE) as u64)
+            .map_err(EngineError::Store)?;
+        let hello = Request::Hello {
+            version: proto::VERSION,
+            scope: scope.to_string(),
+        };
+        let (reply, fd) = proto::call(&sock, &hello, Some(&staging)).map_err(refused)?;
+        let (
+            Reply::Welcome {
+                capacity,
+                client,
+                scope,
+            },
+            Some(store),
+        ) = (reply, fd)
+        else {
+            return Err(EngineError::Daemon(
+                "the daemon answered the greeting without a store".into(),
+            ));
+        };
+        if capacity == 0 || capacity > proto::MAX_SLOT {
+            return Err(EngineError::Daemon(
+                "the daemon offered an unusable store".into(),
+            ));
+        }
+        tracing::info!(client, %scope, capacity, "joined the pageone daemon");
+        Ok((
+            Self {
+                sock,
+                staging,
+                client,
+                scope,
+                lost: false,
+                releases: HashSet::new(),
+                capacity,
+            },
+            store,
+            capacity,
+        ))
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost
+    }
+
+    fn call(&mut self, req: &Request) -> Option<Reply> {
+        if self.lost {
+            return None;
+        }
+        match proto::call(&self.sock, req, None) {
+            Ok((r, _)) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, client = self.client, "lost the pageone daemon; running unshared (merged pages stay merged)");
+                self.lost = true;
+                None
+            }
+        }
+    }
+
+    fn valid(&self, slot: u32) -> bool {
+        slot < self.capacity
+    }
+
+    /// Answers per hash (a held slot, [`proto::NOTED`] or [`proto::WANTED`]) and offers. `None`
+    /// when the daemon is gone.
+    pub(crate) fn lookup(&mut self, hashes: &[u128]) -> Option<(Vec<u32>, Offers)> {
+        let mut answers = Vec::with_capacity(hashes.len());
+        let mut offers = Vec::new();
+        // Even with nothing to look up, one call fetches the offers.
+        let mut chunks: Vec<&[u128]> = hashes.chunks(proto::MAX_ITEMS).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        for chunk in chunks {
+            match self.call(&Request::Lookup(chunk.to_vec()))? {
+                Reply::Answers {
+                    answers: a,
+                    offers: o,
+                } if a.len() == chunk.len() => {
+                    answers.extend(a.into_iter().map(|s| {
+                        if s == proto::NOTED || s == proto::WANTED || self.valid(s) {
+                            s
+                        } else {
+                            proto::NOTED
+                        }
+                    }));
+                    offers.extend(o.into_iter().filter(|&(_, s)| self.valid(s)));
+                }
+                _ => return self.protocol_error(),
+            }
+        }
+        Some((answers, offers))
+    }
+
+    /// Copies the pages at `srcs` into the store; per page its held slot or `None`.
+    pub(crate) fn copy(&mut self, srcs: &[usize]) -> Vec<Option<u32>> {
+        let mut out = Vec::with_capacity(srcs.len());
+        for chunk in srcs.chunks(proto::STAGING_PAGES) {
+            let slots = (|| {
+                // The kernel reads the sources (they may be changing: the daemon hashes what it
+                // copied, and merges are verified on frozen bytes).
+                if let Err(e) = sys::pwrite_pages(self.staging.as_raw_fd(), chunk, 0) {
+                    tracing::warn!(error = %e, "pages could not be staged for the daemon");
+                    return None;
+                }
+                match self.call(&Request::Copy(chunk.len() as u32))? {
+                    Reply::Slots(s) if s.len() == chunk.len() => Some(s),
+                    _ => self.protocol_error(),
+                }
+            })();
+            match slots {
+                Some(s) => out.extend(s.into_iter().map(|s| self.valid(s).then_some(s))),
+                None => out.extend(chunk.iter().map(|_| None)),
+            }
+        }
+        out
+    }
+
+    /// A slot granted again before its release was sent stays held.
+    pub(crate) fn keep(&mut self, slot: u32) {
+        self.releases.remove(&slot);
+    }
+
+    pub(crate) fn release(&mut self, slot: u32) {
+        if !self.lost {
+            self.releases.insert(slot);
+        }
+    }
+
+    /// Sends the pending releases.
+    pub(crate) fn flush(&mut self) {
+        if self.releases.is_empty() {
+            return;
+        }
+        let all: Vec<u32> = self.releases.drain().collect();
+        for chunk in all.chunks(proto::MAX_ITEMS) {
+            if !matches!(
+                self.call(&Request::Release(chunk.to_vec())),
+                Some(Reply::Ok)
+            ) {
+                return;
+            }
+        }
+    }
+
+    /// Hands the daemon this process's counters (JSON) for `pageone status`.
+    pub(crate) fn report(&mut self, json: String) {
+        let _ = self.call(&Request::Report(json));
+    }
+
+    fn protocol_error<T>(&mut self) -> Option<T> {
+        tracing::warn!("the pageone daemon answered out of protocol; running unshared");
+        self.lost = true;
+        None
+    }
+}
