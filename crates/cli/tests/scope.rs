@@ -1,0 +1,385 @@
+//! Cross-process sharing through `pageone daemon`, with real processes: sharing within a scope,
+//! none across scopes, `kill -9` of clients and of the daemon, and clients that lie.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_pageone");
+const PAGE: u64 = 4096;
+
+/// The tests start daemons and fill memory: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn sock_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("pageone-test-{}-{name}.sock", std::process::id()))
+}
+
+struct Daemon(Child);
+
+impl Daemon {
+    fn start(path: &Path) -> Self {
+        let child = Command::new(BIN)
+            .args(["daemon", "--socket"])
+            .arg(path)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the daemon");
+        let t0 = Instant::now();
+        while UnixStream::connect(path).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "daemon never listened"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Daemon(child)
+    }
+    fn kill(&mut self) {
+        let _ = self.0.kill(); // SIGKILL
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Client {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    pid: u32,
+}
+
+impl Client {
+    fn start(path: &Path, scope: &str, mib: usize) -> Self {
+        let mut child = Command::new(BIN)
+            .args(["scope-client", "--period-ms", "50", "--mib"])
+            .arg(mib.to_string())
+            .env("PAGEONE_SOCKET", path)
+            .env("PAGEONE_SCOPE", scope)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start a client");
+        let stdin = child.stdin.take();
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("READY line");
+        assert!(line.starts_with("READY"), "client said {line:?}");
+        let pid = child.id();
+        Client {
+            child,
+            stdin,
+            stdout,
+            pid,
+        }
+    }
+    fn ask(&mut self, cmd: &str) -> String {
+        let stdin = self.stdin.as_mut().expect("client input open");
+        writeln!(stdin, "{cmd}").expect("client alive");
+        stdin.flush().expect("client alive");
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).expect("client answers");
+        line.trim().to_string()
+    }
+    fn stats(&mut self) -> serde_json::Value {
+        serde_json::from_str(&self.ask("STATS")).expect("stats JSON")
+    }
+    fn verify(&mut self) {
+        assert_eq!(self.ask("VERIFY"), "OK", "client {} lost data", self.pid);
+    }
+    fn pss_kib(&self) -> u64 {
+        smaps_pss(self.pid)
+    }
+    fn finish(mut self) {
+        drop(self.stdin.take());
+        let st = self.child.wait().expect("client exit");
+        assert!(st.success(), "client {} failed its final check", self.pid);
+    }
+    fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn smaps_pss(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn status(path: &Path) -> serde_json::Value {
+    let out = Command::new(BIN)
+        .args(["status", "--json", "--socket"])
+        .arg(path)
+        .output()
+        .expect("run pageone status");
+    assert!(out.status.success(), "status failed: {out:?}");
+    serde_json::from_slice(&out.stdout).expect("status JSON")
+}
+
+fn scope<'a>(st: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    st["scopes"]
+        .as_array()?
+        .iter()
+        .find(|s| s["scope"].as_str() == Some(name))
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "timed out: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn four_processes_in_one_scope_keep_one_copy_per_distinct_page() {
+    let _g = serial();
+    let path = sock_path("four");
+    let daemon = Daemon::start(&path);
+    let mib = 32;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut clients: Vec<Client> = (0..4).map(|_| Client::start(&path, "vm", mib)).collect();
+    let pss_before: u64 = clients.iter().map(|c| c.pss_kib()).sum();
+    wait_for("every page of every client merged", 60, || {
+        clients
+            .iter_mut()
+            .all(|c| c.stats()["pages_shared"].as_u64() == Some(pages))
+    });
+    let st = status(&path);
+    let sc = scope(&st, "vm").expect("scope vm");
+    // One copy per distinct page in the store, as the kernel counts the memfd's blocks.
+    assert_eq!(sc["pages_shared"].as_u64(), Some(pages), "{sc}");
+    assert_eq!(sc["store_resident_bytes"].as_u64(), Some(pages * PAGE));
+    let pss_after: u64 =
+        clients.iter().map(|c| c.pss_kib()).sum::<u64>() + smaps_pss(daemon.0.id());
+    // 4 x 32 MiB private became one 32 MiB copy mapped by 5 processes: at least 2.5 copies' worth
+    // of Pss is gone (the kernel's accounting, not ours).
+    let saved_kib = pss_before.saturating_sub(pss_after);
+    assert!(
+        saved_kib >= (mib as u64) * 1024 * 5 / 2,
+        "Pss {pss_before} KiB -> {pss_after} KiB"
+    );
+    for c in &mut clients {
+        c.verify();
+    }
+    for c in clients {
+        c.finish();
+    }
+    // Everyone left: every copy is freed.
+    wait_for("the store emptied", 10, || {
+        let st = status(&path);
+        let sc = scope(&st, "vm").expect("scope vm");
+        sc["pages_shared"].as_u64() == Some(0) && sc["store_resident_bytes"].as_u64() == Some(0)
+    });
+}
+
+#[test]
+fn scopes_do_not_share() {
+    let _g = serial();
+    let path = sock_path("scopes");
+    let _daemon = Daemon::start(&path);
+    let mib = 16;
+    let pages = (mib as u64) << 20 >> 12;
+    // Two processes in scope a (they share), one with the same data in scope b (alone).
+    let mut a1 = Client::start(&path, "a", mib);
+    let mut a2 = Client::start(&path, "a", mib);
+    let mut b = Client::start(&path, "b", mib);
+    wait_for("scope a merged", 60, || {
+        a1.stats()["pages_shared"].as_u64() == Some(pages)
+            && a2.stats()["pages_shared"].as_u64() == Some(pages)
+    });
+    // Give b several more periods to (wrongly) find a's copies.
+    b.ask("KICK");
+    b.ask("KICK");
+    b.ask("KICK");
+    assert_eq!(b.stats()["pages_shared"].as_u64(), Some(0));
+    let st = status(&path);
+    assert_eq!(
+        scope(&st, "a").unwrap()["pages_shared"].as_u64(),
+        Some(pages)
+    );
+    assert_eq!(scope(&st, "b").unwrap()["pages_shared"].as_u64(), Some(0));
+    assert_eq!(
+        scope(&st, "b").unwrap()["store_resident_bytes"].as_u64(),
+        Some(0)
+    );
+    for c in [&mut a1, &mut a2, &mut b] {
+        c.verify();
+    }
+    a1.finish();
+    a2.finish();
+    b.finish();
+}
+
+/// A tiny deterministic generator, so a failing iteration can be replayed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+#[test]
+fn kill_9_of_clients_and_daemon_leaves_every_survivor_correct() {
+    let _g = serial();
+    let iterations: u64 = std::env::var("PAGEONE_CRASH_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let path = sock_path("crash");
+    let mut daemon = Daemon::start(&path);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut clients: Vec<Client> = Vec::new();
+    // Clients that outlived a daemon: they run unshared, and must stay correct.
+    let mut orphans: Vec<Client> = Vec::new();
+    for it in 0..iterations {
+        while clients.len() < 3 {
+            clients.push(Client::start(&path, "crash", 8));
+        }
+        // Let merging run for a random while, then kill someone at that moment.
+        std::thread::sleep(Duration::from_millis(50 + rng.next(600)));
+        if rng.next(4) == 0 {
+            daemon.kill();
+            orphans.append(&mut clients);
+            daemon = Daemon::start(&path);
+        } else {
+            let k = rng.next(clients.len() as u64) as usize;
+            clients.swap_remove(k).kill9();
+        }
+        for c in clients.iter_mut().chain(orphans.iter_mut()) {
+            c.verify();
+        }
+        for c in orphans.iter_mut() {
+            // It notices at its next period's call to the daemon.
+            c.ask("KICK");
+            let s = c.stats();
+            assert_eq!(s["daemon"], "lost", "iteration {it}: {s}");
+        }
+        // Survivors still merge, and the daemon's books match the memfd: once merging settled,
+        // every live copy is resident and nothing else is.
+        for c in clients.iter_mut() {
+            c.ask("KICK");
+        }
+        // (Copies in flight are resident before they are live: retry until merging settles.)
+        let t0 = Instant::now();
+        loop {
+            let st = status(&path);
+            let Some(sc) = scope(&st, "crash") else { break };
+            let live = sc["pages_shared"].as_u64().unwrap();
+            if sc["store_resident_bytes"].as_u64() == Some(live * PAGE) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "iteration {it}: the daemon's books do not match the store: {sc}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if orphans.len() > 3 {
+            for c in orphans.drain(..) {
+                c.finish();
+            }
+        }
+    }
+    for c in clients.drain(..).chain(orphans.drain(..)) {
+        c.finish();
+    }
+    wait_for("the dead clients' copies freed", 10, || {
+        let st = status(&path);
+        match scope(&st, "crash") {
+            None => true,
+            Some(sc) => {
+                sc["pages_shared"].as_u64() == Some(0)
+                    && sc["store_resident_bytes"].as_u64() == Some(0)
+            }
+        }
+    });
+}
+
+fn raw_frame(tag: u32, body: &[u8]) -> Vec<u8> {
+    let mut f = ((body.len() + 4) as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(&tag.to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+#[test]
+fn lying_and_garbage_clients_cannot_affect_others() {
+    let _g = serial();
+    let path = sock_path("liars");
+    let _daemon = Daemon::start(&path);
+    let mib = 8;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut c1 = Client::start(&path, "x", mib);
+    let mut c2 = Client::start(&path, "x", mib);
+    wait_for("honest clients merged", 60, || {
+        c1.stats()["pages_shared"].as_u64() == Some(pages)
+    });
+    let garbage: Vec<Vec<u8>> = vec![
+        b"\xff\xff\xff\xffhello".to_vec(),       // length beyond the limit
+        raw_frame(77, b"what"),                  // unknown request
+        raw_frame(2, &u32::MAX.to_le_bytes()),   // lookup claiming 4G hashes
+        raw_frame(3, &5u32.to_le_bytes()),       // copy before hello
+        raw_frame(4, &[1, 0, 0, 0, 0, 0, 0, 0]), // release before hello
+        raw_frame(1, &[1, 0, 0, 0, 2, 0, 0, 0, b'x', b'x']), // hello without a staging file
+    ];
+    for g in garbage {
+        let mut s = UnixStream::connect(&path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = s.write_all(&g);
+        let mut buf = [0u8; 256];
+        let n = std::io::Read::read(&mut s, &mut buf).unwrap_or(0);
+        // An error reply (tag 199) or a closed connection; never a hang.
+        assert!(n == 0 || (n >= 8 && buf[4] == 199), "reply {:?}", &buf[..n]);
+    }
+    // A client that joined properly and then releases every slot it does not hold, and asks for
+    // copies beyond its staging file: the others keep their copies.
+    {
+        use pageone_engine::proto::{self, Reply, Request};
+        let s = UnixStream::connect(&path).unwrap();
+        let staging = pageone_sys::memfd_create(c"liar").unwrap();
+        let hello = Request::Hello {
+            version: proto::VERSION,
+            scope: "x".into(),
+        };
+        let (r, fd) = proto::call(&s, &hello, Some(&staging)).unwrap();
+        assert!(matches!(r, Reply::Welcome { .. }) && fd.is_some());
+        let (r, _) =
+            proto::call(&s, &Request::Release((0..pages as u32 * 2).collect()), None).unwrap();
+        assert_eq!(r, Reply::Ok);
+        // Its staging file is empty: every copy fails, nothing is published.
+        let (r, _) = proto::call(&s, &Request::Copy(8), None).unwrap();
+        assert_eq!(r, Reply::Slots(vec![proto::FAILED; 8]));
+        assert!(proto::call(&s, &Request::Copy(1 << 20), None).is_err());
+    }
+    let st = status(&path);
+    let sc = scope(&st, "x").unwrap();
+    assert_eq!(sc["pages_shared"].as_u64(), Some(pages), "{sc}");
+    assert_eq!(sc["store_resident_bytes"].as_u64(), Some(pages * PAGE));
+    c1.verify();
+    c2.verify();
+    c1.finish();
+    c2.finish();
+}
