@@ -78,21 +78,27 @@ pub fn ksmd_cpu_ns() -> u64 {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0;
     };
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     for e in dir.flatten() {
         let p = e.path();
         if std::fs::read_to_string(p.join("comm")).is_ok_and(|c| c.trim() == "ksmd") {
-            let Ok(stat) = std::fs::read_to_string(p.join("stat")) else {
-                return 0;
-            };
-            // Fields after the command name: state is field 3; utime and stime are 14 and 15.
-            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let ticks = f.get(11).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
-                + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
-            return ticks * 1_000_000_000 / hz;
+            let pid = p.file_name().and_then(|n| n.to_str()?.parse().ok());
+            return pid.map_or(0, process_cpu_ns);
         }
     }
     0
+}
+
+/// CPU time (user + system) a process has used, in nanoseconds (0 if it is gone).
+pub fn process_cpu_ns(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    // Fields after the command name: state is field 3; utime and stime are 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+    ticks * 1_000_000_000 / hz
 }

@@ -66,6 +66,9 @@ enum Command {
         period_ms: u64,
         #[arg(long, default_value_t = 1)]
         workers: usize,
+        /// Register only when told `GO` on standard input.
+        #[arg(long)]
+        defer: bool,
     },
     /// Benchmarks, each next to its baseline in the same run.
     Bench {
@@ -106,6 +109,10 @@ enum Bench {
         #[arg(long, default_value_t = 100)]
         period_ms: u64,
         #[arg(long)]
+        /// Run pageone as one process per region sharing through `pageone daemon` (issue #4's
+        /// measurement) instead of one process with all regions.
+        #[arg(long)]
+        processes: bool,
         json: Option<std::path::PathBuf>,
     },
 }
@@ -135,7 +142,8 @@ fn main() -> Result<()> {
             hard,
             period_ms,
             workers,
-        } => scope::client(mib, hard, period_ms, workers),
+            defer,
+        } => scope::client(mib, hard, period_ms, workers, defer),
         Command::Bench {
             which: Bench::Sdtree { quick, runs, json },
         } => bench_sdtree(quick, runs, json),
@@ -148,6 +156,7 @@ fn main() -> Result<()> {
                     region_mib,
                     workers,
                     period_ms,
+                    processes,
                     json,
                 },
         } => {
@@ -158,7 +167,12 @@ fn main() -> Result<()> {
                 merge_period: Duration::from_millis(period_ms),
                 timeout: Duration::from_secs(300),
             };
-            bench_ksm(&p, runs.unwrap_or(if quick { 1 } else { 3 }), json)
+            bench_ksm(
+                &p,
+                runs.unwrap_or(if quick { 1 } else { 3 }),
+                processes,
+                json,
+            )
         }
     }
 }
@@ -255,16 +269,43 @@ fn bench_sdtree(quick: bool, runs: Option<usize>, json: Option<std::path::PathBu
 /// One side of the engine-vs-KSM benchmark.
 type Side = fn(&dedup::Params, dedup::Data) -> Result<dedup::Sample, String>;
 
-fn bench_ksm(p: &dedup::Params, runs: usize, json: Option<std::path::PathBuf>) -> Result<()> {
+/// The pageone side with one process per region, sharing through a daemon.
+fn run_pageone_processes(p: &dedup::Params, data: dedup::Data) -> Result<dedup::Sample, String> {
+    scope::bench_side(
+        p.regions,
+        p.region_mib,
+        data,
+        p.merge_period.as_millis() as u64,
+        p.workers,
+    )
+    .map_err(|e| format!("{e:#}"))
+}
+
+fn bench_ksm(
+    p: &dedup::Params,
+    runs: usize,
+    processes: bool,
+    json: Option<std::path::PathBuf>,
+) -> Result<()> {
+    let pageone_side: Side = if processes {
+        run_pageone_processes
+    } else {
+        dedup::run_pageone
+    };
     if !ksm::available() {
         bail!("KSM is not available or not writable here (needs root and /sys/kernel/mm/ksm)");
     }
     println!(
         "engine vs KSM: {} regions x {} MiB, identical across regions, unique within; \
-         pageone {} workers, {} ms periods; KSM sleep_millisecs=0 pages_to_scan=100000; \
+         pageone {}{} workers, {} ms periods; KSM sleep_millisecs=0 pages_to_scan=100000; \
          {runs} runs",
         p.regions,
         p.region_mib,
+        if processes {
+            "one process per region through the daemon, "
+        } else {
+            ""
+        },
         p.workers,
         p.merge_period.as_millis()
     );
@@ -273,9 +314,9 @@ fn bench_ksm(p: &dedup::Params, runs: usize, json: Option<std::path::PathBuf>) -
         for run in 0..runs {
             // Alternate which side goes first, so neither always gets the warmer machine.
             let order: [Side; 2] = if run % 2 == 0 {
-                [dedup::run_pageone, dedup::run_ksm]
+                [pageone_side, dedup::run_ksm]
             } else {
-                [dedup::run_ksm, dedup::run_pageone]
+                [dedup::run_ksm, pageone_side]
             };
             for f in order {
                 let s = f(p, data).map_err(anyhow::Error::msg)?;

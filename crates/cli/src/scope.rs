@@ -4,7 +4,7 @@
 use std::io::{BufRead, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use pageone_bench::dedup::{fill_page, Data};
@@ -85,7 +85,8 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
 /// an engine that joins the daemon (`$PAGEONE_SOCKET`), prints `READY`, then serves stdin:
 /// `STATS` prints the engine's counters as one JSON line, `VERIFY` checks every byte and prints
 /// `OK` or `BAD <page>`. At end of input it verifies, unregisters and exits (1 if data was wrong).
-pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize) -> Result<()> {
+/// With `defer`, registration waits for a `GO` line (so a benchmark times merging, not filling).
+pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize, defer: bool) -> Result<()> {
     let data = if hard { Data::Hard } else { Data::Easy };
     let len = mib << 20;
     let engine = Engine::builder()
@@ -97,11 +98,15 @@ pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize) -> Result<
         // SAFETY: page i of a fresh private mapping owned by this function.
         unsafe { fill_page(r.add(i * PAGE), data, i as u64) };
     }
-    engine.register(r, len)?;
+    if !defer {
+        engine.register(r, len)?;
+    }
     let verify = || -> Option<usize> {
         let mut want = [0u8; PAGE];
         let mut got = [0u8; PAGE];
         for i in 0..len / PAGE {
+            // (Hard pages set a few words: the rest must be zero as in the fresh mapping.)
+            want.fill(0);
             // SAFETY: `want` is a local page.
             unsafe { fill_page(want.as_mut_ptr(), data, i as u64) };
             // SAFETY: the page is mapped; only this thread writes the region (the engine never
@@ -123,6 +128,10 @@ pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize) -> Result<
                 None => writeln!(out, "OK")?,
                 Some(i) => writeln!(out, "BAD {i}")?,
             },
+            "GO" if defer => {
+                engine.register(r, len)?;
+                writeln!(out, "GOING")?
+            }
             "KICK" => {
                 engine.wait_periods(1, Duration::from_secs(10));
                 writeln!(out, "KICKED")?
@@ -138,4 +147,133 @@ pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize) -> Result<
         bail!("page {i} does not hold what was written");
     }
     Ok(())
+}
+
+/// Starts `pageone daemon` on `socket` and waits until it listens.
+fn spawn_daemon(socket: &std::path::Path) -> Result<std::process::Child> {
+    let child = std::process::Command::new(std::env::current_exe()?)
+        .args(["daemon", "--socket"])
+        .arg(socket)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("could not start the daemon")?;
+    let t0 = Instant::now();
+    while UnixStream::connect(socket).is_err() {
+        if t0.elapsed() > Duration::from_secs(10) {
+            bail!("the daemon did not listen on {}", socket.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(child)
+}
+
+fn process_cpu_seconds(pid: u32) -> f64 {
+    pageone_bench::ksm::process_cpu_ns(pid) as f64 / 1e9
+}
+
+/// One pageone measurement across processes: a daemon and `procs` clients of `mib` MiB of seed
+/// data (identical across processes, unique within). Time from registration to 99% of the
+/// possible saving, and CPU of the clients' engines plus the daemon.
+pub fn bench_side(
+    procs: usize,
+    mib: usize,
+    data: Data,
+    period_ms: u64,
+    workers: usize,
+) -> Result<pageone_bench::dedup::Sample> {
+    use std::process::{Command, Stdio};
+    let socket = std::env::temp_dir().join(format!("pageone-bench-{}.sock", std::process::id()));
+    let mut daemon = spawn_daemon(&socket)?;
+    let mut clients = Vec::new();
+    for _ in 0..procs {
+        let mut c = Command::new(std::env::current_exe()?)
+            .args(["scope-client", "--defer", "--mib"])
+            .arg(mib.to_string())
+            .args(["--period-ms", &period_ms.to_string()])
+            .args(["--workers", &workers.to_string()])
+            .args(if data == Data::Hard {
+                &["--hard"][..]
+            } else {
+                &[]
+            })
+            .env("PAGEONE_SOCKET", &socket)
+            .env("PAGEONE_SCOPE", "bench")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("could not start a client")?;
+        let stdin = c.stdin.take().context("client stdin")?;
+        let mut out = std::io::BufReader::new(c.stdout.take().context("client stdout")?);
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        if !line.starts_with("READY") {
+            bail!("a client failed to start: {line:?}");
+        }
+        clients.push((c, stdin, out));
+    }
+    let mut ask = |k: usize, cmd: &str| -> Result<String> {
+        let (_, i, o) = &mut clients[k];
+        writeln!(i, "{cmd}")?;
+        i.flush()?;
+        let mut line = String::new();
+        o.read_line(&mut line)?;
+        Ok(line.trim().to_string())
+    };
+    let pages = (mib << 20) / PAGE;
+    let possible = ((procs - 1) * pages) as u64;
+    let target = possible * 99 / 100;
+    let cpu0 = process_cpu_seconds(daemon.id());
+    let t0 = Instant::now();
+    for k in 0..procs {
+        ask(k, "GO")?;
+    }
+    let sock = UnixStream::connect(&socket)?;
+    let saved = |sock: &UnixStream| -> Result<(u64, f64)> {
+        let (Reply::Text(t), _) = proto::call(sock, &Request::Status, None)? else {
+            bail!("the daemon answered out of protocol");
+        };
+        let v: serde_json::Value = serde_json::from_str(&t)?;
+        let sc = v["scopes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["scope"] == "bench"));
+        Ok(sc.map_or((0, 0.0), |s| {
+            (
+                s["pages_sharing"].as_u64().unwrap_or(0),
+                s["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9,
+            )
+        }))
+    };
+    let mut reached = None;
+    let mut last = (0, 0.0);
+    while t0.elapsed() < Duration::from_secs(300) {
+        last = saved(&sock)?;
+        if last.0 >= target {
+            reached = Some(t0.elapsed().as_secs_f64());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The clients' CPU as of their last report (each reports every period), plus the daemon's.
+    std::thread::sleep(Duration::from_millis(3 * period_ms));
+    let cpu = saved(&sock)?.1 + process_cpu_seconds(daemon.id()) - cpu0;
+    for k in 0..procs {
+        let v = ask(k, "VERIFY")?;
+        if v != "OK" {
+            bail!("client {k} lost data ({v}): this is a bug, please report it");
+        }
+    }
+    for (mut c, i, _) in clients {
+        drop(i);
+        c.wait()?;
+    }
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    Ok(pageone_bench::dedup::Sample {
+        side: "pageone",
+        data,
+        seconds_to_99: reached,
+        cpu_seconds: cpu,
+        pages_saved: last.0,
+        possible,
+    })
 }
