@@ -47,6 +47,8 @@ const PAGE: usize = sys::PAGE_SIZE;
 const MAX_NOTED: usize = 1 << 24;
 /// Offers waiting for one client.
 const MAX_OFFERS: usize = 1 << 20;
+/// How long a client asked for a copy has to make it before another client is asked.
+const WANTED_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 /// Connections served at once (each has a thread); more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 1024;
 
@@ -100,6 +102,15 @@ struct Client {
     merges_per_sec: f64,
 }
 
+/// Clients that saw one content (by hash) while no copy existed.
+#[derive(Default)]
+struct Noted {
+    clients: Vec<u64>,
+    /// The client asked to send the bytes, and when: others are told `NOTED` meanwhile (and get
+    /// the copy offered), so one copy is made, not one per client.
+    wanted: Option<(u64, Instant)>,
+}
+
 struct ScopeState {
     index: HashMap<u128, u32>,
     slot_hash: Vec<u128>,
@@ -107,7 +118,7 @@ struct ScopeState {
     free: Vec<u32>,
     bump: u32,
     live: u64,
-    noted: HashMap<u128, Vec<u64>>,
+    noted: HashMap<u128, Noted>,
     noted_entries: usize,
     clients: HashMap<u64, Client>,
     copies_made: u64,
@@ -476,20 +487,36 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
             answers.push(slot);
             continue;
         }
-        let others = match st.noted.get(&h) {
-            Some(list) => list.iter().any(|c| *c != id && st.clients.contains_key(c)),
-            None => false,
+        let ScopeState {
+            noted,
+            clients,
+            noted_entries,
+            ..
+        } = &mut *st;
+        let full = *noted_entries >= MAX_NOTED;
+        let entry = match noted.get_mut(&h) {
+            Some(e) => e,
+            None if full => {
+                answers.push(proto::NOTED);
+                continue;
+            }
+            None => noted.entry(h).or_default(),
         };
-        if others {
+        let copy_pending = entry.wanted.is_some_and(|(w, t)| {
+            w != id && clients.contains_key(&w) && t.elapsed() < WANTED_GRACE
+        });
+        let others = entry
+            .clients
+            .iter()
+            .any(|c| *c != id && clients.contains_key(c));
+        if !copy_pending && others {
+            entry.wanted = Some((id, Instant::now()));
             answers.push(proto::WANTED);
             continue;
         }
-        if st.noted_entries < MAX_NOTED {
-            let list = st.noted.entry(h).or_default();
-            if !list.contains(&id) {
-                list.push(id);
-                st.noted_entries += 1;
-            }
+        if !entry.clients.contains(&id) {
+            entry.clients.push(id);
+            *noted_entries += 1;
         }
         answers.push(proto::NOTED);
     }
@@ -553,9 +580,9 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
         st.copies_made += 1;
         st.hold(id, slot);
         out.push(slot);
-        if let Some(list) = st.noted.remove(&h) {
-            st.noted_entries -= list.len();
-            for c in list {
+        if let Some(n) = st.noted.remove(&h) {
+            st.noted_entries -= n.clients.len();
+            for c in n.clients {
                 if c == id {
                     continue;
                 }
