@@ -255,7 +255,10 @@ pub fn bench_side(
     }
     // The clients' CPU as of their last report (each reports every period), plus the daemon's.
     std::thread::sleep(Duration::from_millis(3 * period_ms));
-    let cpu = saved(&sock)?.1 + process_cpu_seconds(daemon.id()) - cpu0;
+    let clients_cpu = saved(&sock)?.1;
+    let daemon_cpu = process_cpu_seconds(daemon.id()) - cpu0;
+    eprintln!("    (clients' engines {clients_cpu:.2} CPU-s, daemon {daemon_cpu:.2} CPU-s)");
+    let cpu = clients_cpu + daemon_cpu;
     for k in 0..procs {
         let v = ask(k, "VERIFY")?;
         if v != "OK" {

@@ -128,7 +128,6 @@ struct Scope {
     name: String,
     uid: u32,
     fd: OwnedFd,
-    base: usize,
     capacity: u32,
     state: Mutex<ScopeState>,
 }
@@ -144,13 +143,10 @@ impl Scope {
             libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
         )
         .map_err(DaemonError::Store)?;
-        let base = sys::mmap_shared(fd.as_raw_fd(), bytes as usize, 0)
-            .map_err(DaemonError::Store)? as usize;
         Ok(Self {
             name,
             uid,
             fd,
-            base,
             capacity,
             state: Mutex::new(ScopeState {
                 index: HashMap::new(),
@@ -165,10 +161,6 @@ impl Scope {
                 copies_made: 0,
             }),
         })
-    }
-
-    fn slot_addr(&self, slot: u32) -> usize {
-        self.base + slot as usize * PAGE
     }
 }
 
@@ -321,6 +313,7 @@ impl Daemon {
 /// Serves one connection; returns whether a client joined a scope on it.
 fn serve(inner: &Inner, sock: UnixStream) -> bool {
     let mut joined: Option<(Arc<Scope>, u64, OwnedFd)> = None;
+    let mut buf: Vec<u64> = Vec::new();
     let result = (|| -> Result<(), ProtoError> {
         loop {
             let (body, fd) = proto::read_frame(&sock)?;
@@ -351,7 +344,7 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (None, _) => Reply::Error("say hello first".into()),
                 (Some(_), Request::Hello { .. }) => Reply::Error("already joined".into()),
                 (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs),
-                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n),
+                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n, &mut buf),
                 (Some((sc, id, _)), Request::Release(slots)) => {
                     let mut st = lock(&sc.state);
                     for s in slots {
@@ -528,50 +521,74 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     Reply::Answers { answers, offers }
 }
 
-fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
+fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, buf: &mut Vec<u64>) -> Reply {
     let n = n as usize;
     if n > proto::STAGING_PAGES {
         return Reply::Error(format!("at most {} pages per copy", proto::STAGING_PAGES));
     }
-    // Slots are taken under the lock, filled outside it (nobody else can see them yet), then
-    // published under the lock.
-    let slots: Vec<Option<u32>> = {
+    // One read of the staging pages into the daemon's own memory (the client may write its
+    // staging file meanwhile: what is hashed and stored is this copy).
+    // Reused across requests: fresh memory would cost a page fault per page.
+    buf.resize(proto::STAGING_PAGES * PAGE / 8, 0);
+    // SAFETY: buf is a live, exclusively owned allocation of n pages.
+    let got = unsafe { sys::pread_into(staging.as_raw_fd(), buf.as_mut_ptr().cast(), n * PAGE, 0) }
+        .unwrap_or(0);
+    let whole = got / PAGE;
+    // SAFETY: u64s reinterpret as bytes; the slice covers buf exactly.
+    let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), n * PAGE) };
+    let page = |k: usize| &bytes[k * PAGE..(k + 1) * PAGE];
+    let hashes: Vec<u128> = (0..whole)
+        .map(|k| xxhash_rust::xxh3::xxh3_128(page(k)))
+        .collect();
+    let fd = sc.fd.as_raw_fd();
+    let mut out = vec![proto::FAILED; n];
+    // Content already stored is answered at once; new content gets a slot, written outside the
+    // lock (nobody can see an unpublished slot) and published after.
+    let mut new: Vec<(usize, u32)> = Vec::new();
+    {
         let mut st = lock(&sc.state);
-        (0..n).map(|_| st.alloc(sc.capacity)).collect()
-    };
-    let mut hashes: Vec<Option<u128>> = vec![None; n];
-    for (k, slot) in slots.iter().enumerate() {
-        let Some(slot) = *slot else { continue };
-        let dst = sc.slot_addr(slot) as *mut u8;
-        // SAFETY: the slot was just allocated to this thread and lies inside the daemon's
-        // mapping of the store; no reference to it exists.
-        let got = unsafe { sys::pread_into(staging.as_raw_fd(), dst, PAGE, (k * PAGE) as u64) };
-        if matches!(got, Ok(PAGE)) {
-            // SAFETY: the page is inside the mapping and only this thread writes it (clients hold
-            // the store read-only), so a shared slice of it is sound while it is read here.
-            let bytes = unsafe { std::slice::from_raw_parts(dst, PAGE) };
-            hashes[k] = Some(xxhash_rust::xxh3::xxh3_128(bytes));
+        let mut seen: HashMap<u128, usize> = HashMap::new();
+        for (k, &h) in hashes.iter().enumerate() {
+            if let Some(&existing) = st.index.get(&h) {
+                st.hold(id, existing);
+                out[k] = existing;
+            } else if seen.insert(h, k).is_none() {
+                if let Some(slot) = st.alloc(sc.capacity) {
+                    new.push((k, slot));
+                }
+            }
         }
     }
+    // One pwritev per run of consecutive slots: the pages go into the page cache without being
+    // zeroed first, as faulting them in through a mapping would.
+    let mut written = vec![true; new.len()];
+    let mut i = 0;
+    while i < new.len() {
+        let mut m = 1;
+        while i + m < new.len() && new[i + m].1 == new[i].1 + m as u32 {
+            m += 1;
+        }
+        let srcs: Vec<usize> = new[i..i + m]
+            .iter()
+            .map(|&(k, _)| page(k).as_ptr() as usize)
+            .collect();
+        if sys::pwrite_pages(fd, &srcs, new[i].1 as u64 * PAGE as u64).is_err() {
+            written[i..i + m].fill(false);
+        }
+        i += m;
+    }
     let mut st = lock(&sc.state);
-    let fd = sc.fd.as_raw_fd();
-    let mut out = Vec::with_capacity(n);
-    for (k, slot) in slots.into_iter().enumerate() {
-        let Some(slot) = slot else {
-            out.push(proto::FAILED);
-            continue;
-        };
-        let Some(h) = hashes[k] else {
+    for (&(k, slot), ok) in new.iter().zip(written) {
+        let h = hashes[k];
+        let existing = st.index.get(&h).copied();
+        if !ok || existing.is_some() {
+            // Failed, or another client published the same content meanwhile.
             let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
             st.free.push(slot);
-            out.push(proto::FAILED);
-            continue;
-        };
-        if let Some(&existing) = st.index.get(&h) {
-            let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
-            st.free.push(slot);
-            st.hold(id, existing);
-            out.push(existing);
+            if let Some(e) = existing {
+                st.hold(id, e);
+                out[k] = e;
+            }
             continue;
         }
         st.index.insert(h, slot);
@@ -579,7 +596,7 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
         st.live += 1;
         st.copies_made += 1;
         st.hold(id, slot);
-        out.push(slot);
+        out[k] = slot;
         if let Some(n) = st.noted.remove(&h) {
             st.noted_entries -= n.clients.len();
             for c in n.clients {
@@ -599,9 +616,14 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
             }
         }
     }
-    if !st.clients.contains_key(&id) {
-        // Unreachable while this connection is served; kept for the accounting's sake.
-        return Reply::Error("client left".into());
+    // Pages of this request with the same content as an earlier one get its slot.
+    for (k, &h) in hashes.iter().enumerate() {
+        if out[k] == proto::FAILED {
+            if let Some(&s) = st.index.get(&h) {
+                st.hold(id, s);
+                out[k] = s;
+            }
+        }
     }
     Reply::Slots(out)
 }

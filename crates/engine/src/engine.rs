@@ -838,10 +838,11 @@ fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::
     // In batches: memory freed by one batch's merges is reused for the next batch's stable
     // copies, savings show up progressively, and first sightings pair up across batches through
     // the first-sighting map.
-    // With a daemon, an empty batch still collects the copies other processes made for this one.
+    // With a daemon, an empty batch still collects the copies other processes made for pages
+    // waiting here.
     let empty: [Candidate; 0] = [];
     let mut batches: Vec<&[Candidate]> = candidates.chunks(BATCH).collect();
-    if batches.is_empty() && st.store.remote.is_some() {
+    if batches.is_empty() && st.store.remote.is_some() && !st.unstable.is_empty() {
         batches.push(&empty);
     }
     for batch in batches {
