@@ -6,6 +6,7 @@
 //! kept by the committer thread alone, so they need no atomics.
 
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pageone_index::{Insert, KeyId, KeySource, SdTree};
@@ -15,6 +16,28 @@ use crate::remote::Remote;
 use crate::EngineError;
 
 const PAGE: usize = sys::PAGE_SIZE;
+
+/// Set at the first `fork` of this process. A child inherits the private mappings of stable
+/// copies, which this engine does not count, so from then on no copy is freed here (nor released
+/// to the daemon, which keeps a client's holds until every process sharing its socket has exited
+/// or exec'd). Memory of copies freed later is retained instead: correct, not lean.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn note_fork() {
+    // Relaxed: read by the engine thread of this process (parent) or not at all (child, where the
+    // engine's threads do not exist); the fork itself orders it for the child.
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+fn watch_forks() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Err(e) = sys::on_fork(note_fork) {
+            // Without the hook, forks would be unsafe to combine with merging: say so loudly.
+            tracing::error!(error = %e, "cannot watch for fork(); copies may be freed under children");
+        }
+    });
+}
 
 /// The memfd and this process's shared view of it.
 pub(crate) struct StoreFile {
@@ -109,6 +132,7 @@ impl Store {
         capacity_pages: u32,
         remote: Option<Remote>,
     ) -> Result<Self, EngineError> {
+        watch_forks();
         let file = Arc::new(StoreFile {
             fd,
             base,
@@ -307,6 +331,10 @@ impl Store {
 
     /// Frees an id nothing maps or indexes: punched and reused here, or released to the daemon.
     fn give_back(&mut self, id: KeyId) {
+        // Relaxed: see note_fork. A copy freed just before a fork is not mapped by anyone.
+        if FORKED.load(Ordering::Relaxed) {
+            return;
+        }
         match &mut self.remote {
             Some(r) => r.release(id),
             None => {

@@ -873,3 +873,13 @@ pub fn recv_with_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<Ow
     }
     Ok((n as usize, got))
 }
+
+/// Runs `prepare` in the forking thread before every `fork` of this process (`pthread_atfork`).
+pub fn on_fork(prepare: extern "C" fn()) -> io::Result<()> {
+    // SAFETY: `prepare` is a plain function valid for the life of the program.
+    let r = unsafe { libc::pthread_atfork(Some(prepare), None, None) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
