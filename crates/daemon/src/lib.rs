@@ -285,6 +285,9 @@ impl Daemon {
             let spawned = std::thread::Builder::new()
                 .name("pageone-client".into())
                 .spawn(move || {
+                    // Copies and lookups are done for clients' engines, which run at idle
+                    // priority: so does this work (spare CPU only).
+                    let _ = sys::set_thread_idle_priority();
                     let joined = serve(&inner, sock);
                     let left = inner.connections.fetch_sub(1, Ordering::AcqRel) - 1;
                     if joined {
