@@ -62,9 +62,14 @@ struct Client {
 
 impl Client {
     fn start(path: &Path, scope: &str, mib: usize) -> Self {
+        Self::start_with(path, scope, mib, false)
+    }
+    /// With `defer`, the client registers its memory only when told `GO`.
+    fn start_with(path: &Path, scope: &str, mib: usize, defer: bool) -> Self {
         let mut child = Command::new(BIN)
             .args(["scope-client", "--period-ms", "50", "--mib"])
             .arg(mib.to_string())
+            .args(if defer { &["--defer"][..] } else { &[] })
             .env("PAGEONE_SOCKET", path)
             .env("PAGEONE_SCOPE", scope)
             .stdin(Stdio::piped())
@@ -157,8 +162,13 @@ fn four_processes_in_one_scope_keep_one_copy_per_distinct_page() {
     let daemon = Daemon::start(&path);
     let mib = 32;
     let pages = (mib as u64) << 20 >> 12;
-    let mut clients: Vec<Client> = (0..4).map(|_| Client::start(&path, "vm", mib)).collect();
+    let mut clients: Vec<Client> = (0..4)
+        .map(|_| Client::start_with(&path, "vm", mib, true))
+        .collect();
     let pss_before: u64 = clients.iter().map(|c| c.pss_kib()).sum();
+    for c in &mut clients {
+        assert_eq!(c.ask("GO"), "GOING");
+    }
     wait_for("every page of every client merged", 60, || {
         clients
             .iter_mut()

@@ -327,6 +327,10 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                     return Err(e);
                 }
             };
+            if !matches!(req, Request::Copy(_)) {
+                // The copy buffer (4 MiB) is kept through a run of copies only.
+                buf = Vec::new();
+            }
             let answer = match (&joined, req) {
                 (_, Request::Status) => Reply::Text(status_json(inner).to_string()),
                 (None, Request::Hello { version, scope }) => {
