@@ -1061,29 +1061,19 @@ fn insert_parallel(
     tree: &Arc<pageone_index::SdTree<crate::store::StoreKeys>>,
     ids: &[KeyId],
 ) -> Vec<Result<pageone_index::Insert, pageone_index::IndexError>> {
+    let tree = tree.clone();
     let n = ids.len();
-    let chunk = n.div_ceil(parts).max(1);
-    type Out = Vec<Result<pageone_index::Insert, pageone_index::IndexError>>;
-    let out: Arc<Vec<Mutex<Out>>> = Arc::new((0..parts).map(|_| Mutex::new(Vec::new())).collect());
-    {
-        let (ids, out, tree) = (Arc::new(ids.to_vec()), out.clone(), tree.clone());
-        pool.run(
-            parts,
-            Arc::new(move |part| {
-                let lo = (part * chunk).min(n);
-                let hi = ((part + 1) * chunk).min(n);
-                let r: Out = ids[lo..hi]
-                    .iter()
-                    .map(|&id| tree.insert_or_get(id))
-                    .collect();
-                *out[part].lock().unwrap_or_else(|e| e.into_inner()) = r;
-            }),
-        );
-    }
-    let mut all = Vec::with_capacity(n);
-    for slot in out.iter() {
-        all.append(&mut slot.lock().unwrap_or_else(|e| e.into_inner()));
-    }
+    let mut all: Vec<_> = pool
+        .map_parts(parts, Arc::new(ids.to_vec()), move |_, ids| {
+            ids.iter()
+                .map(|&id| tree.insert_or_get(id))
+                .collect::<Vec<_>>()
+        })
+        .into_iter()
+        .flatten()
+        .flatten()
+        .collect();
+    // A part that did not report publishes nothing.
     while all.len() < n {
         all.push(Err(pageone_index::IndexError::Full(0)));
     }
@@ -1133,47 +1123,33 @@ fn classify(
     let t_start = Instant::now();
     let parts = config.workers.clamp(1, pool.size());
     let addrs: Arc<Vec<usize>> = Arc::new(cands.iter().map(|c| c.addr).collect());
-    let chunk = addrs.len().div_ceil(parts).max(1);
-    // Phase 1: zero check, stable index, hash of first sightings. One output slot per part.
-    type Part = (Vec<Option<Action>>, Vec<(u128, u32)>);
-    let out: Arc<Vec<Mutex<Part>>> = Arc::new(
-        (0..parts)
-            .map(|_| Mutex::new((Vec::new(), Vec::new())))
-            .collect(),
-    );
-    {
-        let (addrs, out, tree) = (addrs.clone(), out.clone(), st.store.tree.clone());
-        let store_base = st.store.addr(0);
-        pool.run(
-            parts,
-            Arc::new(move |part| {
-                let lo = (part * chunk).min(addrs.len());
-                let hi = ((part + 1) * chunk).min(addrs.len());
-                let mut acts = Vec::with_capacity(hi - lo);
-                let mut hs = Vec::new();
-                let mut buf = Box::new([0u64; WORDS]);
-                for (k, &addr) in addrs[lo..hi].iter().enumerate() {
-                    if (0..WORDS).all(|i| page_word(addr, i) == 0) {
-                        acts.push(Some(Action::Zero));
-                        continue;
-                    }
-                    // The tree names the only copy that can match; the full compare is done here
-                    // with plain word loads, faster than through the tree's key accessor.
-                    let key = WordKey(|i| page_word(addr, i));
-                    if let Some(e) = tree.candidate(&key) {
-                        if live_page_equals(addr, store_base + e.key() as usize * PAGE) {
-                            acts.push(Some(Action::Merge(e.key())));
-                            continue;
-                        }
-                    }
-                    acts.push(None);
-                    copy_page(addr, &mut buf);
-                    hs.push((xxhash_rust::xxh3::xxh3_128(as_bytes(&buf)), (lo + k) as u32));
+    // Phase 1: zero check, stable index, hash of first sightings.
+    let tree = st.store.tree.clone();
+    let store_base = st.store.addr(0);
+    let parts_out = pool.map_parts(parts, addrs, move |lo, addrs| {
+        let mut acts = Vec::with_capacity(addrs.len());
+        let mut hs = Vec::new();
+        let mut buf = Box::new([0u64; WORDS]);
+        for (k, &addr) in addrs.iter().enumerate() {
+            if (0..WORDS).all(|i| page_word(addr, i) == 0) {
+                acts.push(Some(Action::Zero));
+                continue;
+            }
+            // The tree names the only copy that can match; the full compare is done here with
+            // plain word loads, faster than through the tree's key accessor.
+            let key = WordKey(|i| page_word(addr, i));
+            if let Some(e) = tree.candidate(&key) {
+                if live_page_equals(addr, store_base + e.key() as usize * PAGE) {
+                    acts.push(Some(Action::Merge(e.key())));
+                    continue;
                 }
-                *out[part].lock().unwrap_or_else(|e| e.into_inner()) = (acts, hs);
-            }),
-        );
-    }
+            }
+            acts.push(None);
+            copy_page(addr, &mut buf);
+            hs.push((xxhash_rust::xxh3::xxh3_128(as_bytes(&buf)), (lo + k) as u32));
+        }
+        (acts, hs)
+    });
     let t_phase1 = Instant::now();
     tracing::debug!(
         phase1_ms = (t_phase1 - t_start).as_secs_f64() * 1e3,
@@ -1181,8 +1157,7 @@ fn classify(
     );
     let mut actions: Vec<Option<Action>> = Vec::with_capacity(cands.len());
     let mut hashes: Vec<(u128, u32)> = Vec::new();
-    for slot in out.iter() {
-        let (mut a, mut h) = std::mem::take(&mut *slot.lock().unwrap_or_else(|e| e.into_inner()));
+    for (mut a, mut h) in parts_out.into_iter().flatten() {
         actions.append(&mut a);
         hashes.append(&mut h);
     }
@@ -1515,28 +1490,18 @@ fn verify_pages(pool: &Pool, workers: usize, jobs: Vec<(usize, usize)>) -> Vec<b
         return jobs.iter().map(|&(f, c)| check(f, c)).collect();
     }
     let n = jobs.len();
-    let chunk = n.div_ceil(parts);
-    let jobs = Arc::new(jobs);
-    let out: Arc<Vec<Mutex<Vec<bool>>>> =
-        Arc::new((0..parts).map(|_| Mutex::new(Vec::new())).collect());
-    {
-        let (jobs, out) = (jobs.clone(), out.clone());
-        pool.run(
-            parts,
-            Arc::new(move |part| {
-                let lo = (part * chunk).min(n);
-                let hi = ((part + 1) * chunk).min(n);
-                let r: Vec<bool> = jobs[lo..hi].iter().map(|&(f, c)| check(f, c)).collect();
-                *out[part].lock().unwrap_or_else(|e| e.into_inner()) = r;
-            }),
-        );
-    }
-    let mut equal = Vec::with_capacity(n);
-    for slot in out.iter() {
-        equal.append(&mut slot.lock().unwrap_or_else(|e| e.into_inner()));
-    }
+    let mut equal: Vec<bool> = pool
+        .map_parts(parts, Arc::new(jobs), |_, jobs| {
+            jobs.iter().map(|&(f, c)| check(f, c)).collect::<Vec<_>>()
+        })
+        .into_iter()
+        .flatten()
+        .flatten()
+        .collect();
     // A part that did not report (a bug) verifies nothing: nothing is merged.
-    equal.resize(n, false);
+    if equal.len() != n {
+        equal = vec![false; n];
+    }
     equal
 }
 

@@ -90,6 +90,42 @@ impl Pool {
         st.job = None;
     }
 
+    /// Splits `items` into `parts` consecutive chunks and runs `f(first index, chunk)` for each on
+    /// the workers; returns the results in chunk order (`None` for a part that did not report,
+    /// which only a bug can cause: callers then act on nothing).
+    pub(crate) fn map_parts<T, R, F>(
+        &self,
+        parts: usize,
+        items: Arc<Vec<T>>,
+        f: F,
+    ) -> Vec<Option<R>>
+    where
+        T: Send + Sync + 'static,
+        R: Send + 'static,
+        F: Fn(usize, &[T]) -> R + Send + Sync + 'static,
+    {
+        let parts = parts.clamp(1, self.threads.len());
+        let n = items.len();
+        let chunk = n.div_ceil(parts).max(1);
+        let out: Arc<Vec<Mutex<Option<R>>>> =
+            Arc::new((0..parts).map(|_| Mutex::new(None)).collect());
+        {
+            let out = out.clone();
+            self.run(
+                parts,
+                Arc::new(move |part| {
+                    let lo = (part * chunk).min(n);
+                    let hi = ((part + 1) * chunk).min(n);
+                    let r = f(lo, &items[lo..hi]);
+                    *out[part].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                }),
+            );
+        }
+        out.iter()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).take())
+            .collect()
+    }
+
     /// CPU time the workers spent in jobs so far, in nanoseconds.
     pub(crate) fn cpu_ns(&self) -> u64 {
         // Relaxed: a statistic; each worker's add happens before it reports the job done.
