@@ -4,12 +4,13 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pageone_engine::{Engine, EngineError, WatchMode};
 use pageone_sys as sys;
 
-const PAGE: usize = 4096;
+mod common;
+use common::{check, fill, wait_for, PAGE};
 
 /// The tests run one at a time: the Pss test measures the whole process.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -26,39 +27,12 @@ fn engine(mode: WatchMode) -> Engine {
         .expect("the engine starts on this kernel")
 }
 
-/// Fills page `i` with content number `c` (0 = zero page): an 8-byte value at a content-dependent
-/// offset, so contents differ early or late in the page.
-fn fill(page: &mut [u8], c: u64) {
-    page.fill(0);
-    if c != 0 {
-        let off = (c as usize * 56) % (PAGE - 8);
-        page[off..off + 8].copy_from_slice(&c.to_le_bytes());
-    }
-}
-
-fn check(page: &[u8], c: u64) -> bool {
-    let mut want = [0u8; PAGE];
-    fill(&mut want, c);
-    page == want
-}
-
 /// Whether the page at `addr` is mapped from the stable store (present and file-backed).
 fn file_backed(addr: usize) -> bool {
     let pm = sys::Pagemap::open().unwrap();
     let mut e = Vec::new();
     pm.entries(addr, 1, &mut e).unwrap();
     e[0] & sys::uapi::PM_PRESENT != 0 && e[0] & sys::uapi::PM_FILE != 0
-}
-
-fn wait_for(e: &Engine, what: impl Fn(&pageone_engine::Stats) -> bool) -> pageone_engine::Stats {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        e.wait_periods(1, Duration::from_secs(10));
-        let s = e.stats();
-        if what(&s) || Instant::now() > deadline {
-            return s;
-        }
-    }
 }
 
 fn merge_cow_and_zero(mode: WatchMode) {

@@ -1,35 +1,13 @@
 //! The VMA-limit path, in its own test binary because it lowers `vm.max_map_count`, which
 //! applies to every thread of the process.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pageone_engine::Engine;
 use pageone_sys as sys;
 
-const PAGE: usize = 4096;
-
-fn fill(page: &mut [u8], c: u64) {
-    page.fill(0);
-    let off = (c as usize * 56) % (PAGE - 8);
-    page[off..off + 8].copy_from_slice(&c.to_le_bytes());
-}
-
-fn check(page: &[u8], c: u64) -> bool {
-    let mut want = [0u8; PAGE];
-    fill(&mut want, c);
-    page == want
-}
-
-fn wait_for(e: &Engine, what: impl Fn(&pageone_engine::Stats) -> bool) -> pageone_engine::Stats {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        e.wait_periods(1, Duration::from_secs(10));
-        let s = e.stats();
-        if what(&s) || Instant::now() > deadline {
-            return s;
-        }
-    }
-}
+mod common;
+use common::{check, fill, wait_for, PAGE};
 
 /// Restores `vm.max_map_count` when dropped, even if the test fails.
 struct MapCountGuard(usize);
