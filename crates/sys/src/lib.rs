@@ -41,11 +41,65 @@ pub fn page_size() -> usize {
     }
 }
 
+// Memory-map calls are raw system calls: an `LD_PRELOAD` shim interposes the C library's
+// `mmap`/`munmap`/`mremap` to see the program's own mappings, and the engine's calls must neither
+// reach it nor be mistaken for the program's.
+
+/// `mmap(2)` as a raw system call; returns `MAP_FAILED` with `errno` set on error.
+///
+/// # Safety
+/// As `mmap(2)`: a fixed mapping replaces whatever was mapped there.
+unsafe fn raw_mmap(
+    addr: *mut libc::c_void,
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: RawFd,
+    off: libc::off_t,
+) -> *mut libc::c_void {
+    // SAFETY: forwarded to the caller's contract.
+    let r = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
+    if r == -1 {
+        libc::MAP_FAILED
+    } else {
+        r as *mut libc::c_void
+    }
+}
+
+/// `munmap(2)` as a raw system call.
+///
+/// # Safety
+/// As `munmap(2)`.
+unsafe fn raw_munmap(addr: *mut libc::c_void, len: usize) -> libc::c_int {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { libc::syscall(libc::SYS_munmap, addr, len) as libc::c_int }
+}
+
+/// `mremap(2)` as a raw system call; returns `MAP_FAILED` with `errno` set on error.
+///
+/// # Safety
+/// As `mremap(2)`.
+unsafe fn raw_mremap(
+    old: *mut libc::c_void,
+    old_len: usize,
+    new_len: usize,
+    flags: libc::c_int,
+    new: *mut libc::c_void,
+) -> *mut libc::c_void {
+    // SAFETY: forwarded to the caller's contract.
+    let r = unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new) };
+    if r == -1 {
+        libc::MAP_FAILED
+    } else {
+        r as *mut libc::c_void
+    }
+}
+
 /// Maps `len` bytes of fresh private anonymous memory (read/write) anywhere.
 pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
     // SAFETY: a non-fixed anonymous mapping cannot alias existing memory.
     let p = unsafe {
-        libc::mmap(
+        raw_mmap(
             std::ptr::null_mut(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
@@ -65,7 +119,7 @@ pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
 pub fn mmap_shared(fd: RawFd, len: usize, offset: u64) -> io::Result<*mut u8> {
     // SAFETY: a non-fixed mapping cannot alias existing memory.
     let p = unsafe {
-        libc::mmap(
+        raw_mmap(
             std::ptr::null_mut(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
@@ -93,7 +147,7 @@ pub unsafe fn mmap_private_fixed(
 ) -> io::Result<()> {
     // SAFETY: the caller owns the range (see the function's contract).
     let p = unsafe {
-        libc::mmap(
+        raw_mmap(
             addr.cast(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
@@ -117,7 +171,7 @@ pub unsafe fn mmap_private_fixed(
 pub unsafe fn mremap_fixed(old: *mut u8, len: usize, new: *mut u8) -> io::Result<()> {
     // SAFETY: forwarded to the caller's contract.
     let p = unsafe {
-        libc::mremap(
+        raw_mremap(
             old.cast(),
             len,
             len,
@@ -137,7 +191,7 @@ pub unsafe fn mremap_fixed(old: *mut u8, len: usize, new: *mut u8) -> io::Result
 /// No reference into the range may outlive the call.
 pub unsafe fn munmap(addr: *mut u8, len: usize) -> io::Result<()> {
     // SAFETY: the caller guarantees nothing refers to the range any more.
-    cvt(unsafe { libc::munmap(addr.cast(), len) } as libc::c_long).map(drop)
+    cvt(unsafe { raw_munmap(addr.cast(), len) } as libc::c_long).map(drop)
 }
 
 /// `madvise(addr, len, advice)`, issued as a raw system call: the `LD_PRELOAD` shim interposes
@@ -687,7 +741,7 @@ fn read_kib(path: &str, field: &str) -> io::Result<u64> {
 pub fn mmap_shared_readonly(fd: RawFd, len: usize) -> io::Result<*const u8> {
     // SAFETY: a non-fixed mapping cannot alias existing memory.
     let p = unsafe {
-        libc::mmap(
+        raw_mmap(
             std::ptr::null_mut(),
             len,
             libc::PROT_READ,

@@ -1,0 +1,116 @@
+/* Run under LD_PRELOAD=libpageone_preload.so: madvise(MADV_MERGEABLE) and
+ * prctl(PR_SET_MEMORY_MERGE) must save memory (KSM is off), every byte must stay what the
+ * program wrote, and MADV_DONTNEED must still give zeros. Exits non-zero on any failure. */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#define PAGE 4096UL
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#define PR_GET_MEMORY_MERGE 68
+#endif
+
+static long pss_kib(void) {
+    FILE *f = fopen("/proc/self/smaps_rollup", "r");
+    char line[256];
+    long v = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "Pss: %ld kB", &v) == 1) break;
+    if (f) fclose(f);
+    return v;
+}
+
+static uint64_t content(size_t i) { return (i % 256) + 1; }
+
+static void fill(unsigned char *p, size_t pages) {
+    for (size_t i = 0; i < pages; i++) {
+        uint64_t c = content(i);
+        memcpy(p + i * PAGE + (c * 8) % (PAGE - 8), &c, 8);
+    }
+}
+
+static int check(const unsigned char *p, size_t from, size_t pages, const char *what) {
+    static unsigned char want[PAGE];
+    for (size_t i = from; i < pages; i++) {
+        memset(want, 0, PAGE);
+        uint64_t c = content(i);
+        memcpy(want + (c * 8) % (PAGE - 8), &c, 8);
+        if (memcmp(p + i * PAGE, want, PAGE) != 0) {
+            printf("FAIL %s: page %zu differs\n", what, i);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Waits up to $PAGEONE_TEST_WAIT (default 30) seconds for Pss to drop by `kib`. */
+static int wait_saved(long before, long kib, const char *what) {
+    const char *w = getenv("PAGEONE_TEST_WAIT");
+    int tenths = (w ? atoi(w) : 30) * 10;
+    for (int t = 0; t < tenths; t++) {
+        long now = pss_kib();
+        if (before - now >= kib) {
+            printf("%s: Pss %ld -> %ld KiB\n", what, before, now);
+            return 0;
+        }
+        usleep(100000);
+    }
+    printf("FAIL %s: Pss %ld -> %ld KiB, wanted -%ld\n", what, before, pss_kib(), kib);
+    return 1;
+}
+
+int main(void) {
+    size_t pages = (64UL << 20) / PAGE;
+    unsigned char *p = mmap(NULL, pages * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return 2;
+    fill(p, pages);
+    long before = pss_kib();
+    if (madvise(p, pages * PAGE, MADV_MERGEABLE) != 0) { perror("FAIL madvise"); return 1; }
+    /* 16384 pages of 256 contents: nearly all of 64 MiB can go. */
+    if (wait_saved(before, 48 << 10, "madvise(MADV_MERGEABLE)")) return 1;
+    if (check(p, 0, pages, "after merging")) return 1;
+    /* Discarded pages read as zeros, as anonymous memory does. */
+    if (madvise(p, 1 << 20, MADV_DONTNEED) != 0) { perror("FAIL DONTNEED"); return 1; }
+    for (size_t i = 0; i < (1 << 20); i++)
+        if (p[i] != 0) { printf("FAIL DONTNEED: byte %zu is %d\n", i, p[i]); return 1; }
+    fill(p, 256); /* the first MiB again */
+    if (check(p, 0, pages, "after DONTNEED and refill")) return 1;
+    /* Writes to merged pages are private. */
+    p[5 * PAGE + 100] = 0x5a;
+    if (p[5 * PAGE + 100] != 0x5a || p[(5 + 256) * PAGE + 100] != 0) { printf("FAIL COW\n"); return 1; }
+    p[5 * PAGE + 100] = 0;
+    if (madvise(p, pages * PAGE, MADV_UNMERGEABLE) != 0) { perror("FAIL UNMERGEABLE"); return 1; }
+    if (check(p, 0, pages, "after MADV_UNMERGEABLE")) return 1;
+    munmap(p, pages * PAGE);
+
+    /* prctl: large anonymous mappings, existing and new, are merged. */
+    size_t big = (96UL << 20) / PAGE;
+    unsigned char *q = mmap(NULL, big * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (q == MAP_FAILED) return 2;
+    fill(q, big);
+    before = pss_kib();
+    if (prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) != 0) { perror("FAIL prctl"); return 1; }
+    if (prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0) != 1) { printf("FAIL PR_GET_MEMORY_MERGE\n"); return 1; }
+    if (wait_saved(before, 72 << 10, "prctl(PR_SET_MEMORY_MERGE)")) return 1;
+    if (check(q, 0, big, "after prctl merging")) return 1;
+    /* Unmapping part of a registered mapping leaves the rest correct (and registered). */
+    if (munmap(q, 8 << 20) != 0) { perror("FAIL munmap"); return 1; }
+    if (check(q, (8 << 20) / PAGE, big, "after partial munmap")) return 1;
+    unsigned char *r = mmap(NULL, big * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) return 2;
+    fill(r, big);
+    before = pss_kib();
+    if (wait_saved(before, 72 << 10, "a new mapping after prctl")) return 1;
+    if (check(r, 0, big, "new mapping")) return 1;
+    printf("OK\n");
+    return 0;
+}
