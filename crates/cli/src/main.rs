@@ -1,6 +1,7 @@
 //! The `pageone` command: a thin binary over the engine and benchmark libraries.
 
 mod demo;
+mod run;
 mod scope;
 
 use std::time::Duration;
@@ -46,6 +47,19 @@ enum Command {
         /// Exit when the last client has left (a private daemon of one process tree).
         #[arg(long)]
         exit_when_idle: bool,
+    },
+    /// Run a command with pageone answering its madvise(MADV_MERGEABLE) / PR_SET_MEMORY_MERGE.
+    Run {
+        /// Scope (tenant) for the command's processes [default: $PAGEONE_SCOPE or "default"].
+        #[arg(long)]
+        scope: Option<String>,
+        /// Daemon socket to join [default: the default socket if a daemon serves it, else a
+        /// private daemon for this process tree].
+        #[arg(long)]
+        daemon: Option<std::path::PathBuf>,
+        /// The command and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        cmd: Vec<std::ffi::OsString>,
     },
     /// Per scope and client: pages shared, memory saved, merges per second, worker CPU.
     Status {
@@ -137,6 +151,10 @@ fn main() -> Result<()> {
             exit_when_idle,
         } => scope::daemon(socket, exit_when_idle),
         Command::Status { socket, json } => scope::status(socket, json),
+        Command::Run { scope, daemon, cmd } => {
+            let code = run::run(scope, daemon, cmd)?;
+            std::process::exit(code);
+        }
         Command::ScopeClient {
             mib,
             hard,

@@ -150,7 +150,7 @@ pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize, defer: boo
 }
 
 /// Starts `pageone daemon` on `socket` and waits until it listens.
-fn spawn_daemon(socket: &std::path::Path) -> Result<std::process::Child> {
+pub fn spawn_daemon(socket: &std::path::Path) -> Result<std::process::Child> {
     let child = std::process::Command::new(std::env::current_exe()?)
         .args(["daemon", "--socket"])
         .arg(socket)

@@ -86,7 +86,9 @@ pub(crate) struct Store {
     /// Whether the copy's id is published in the tree.
     indexed: Vec<bool>,
     /// Whether the tree may still read the id (published, or removed but not yet released).
-    in_tree: Vec<bool>,
+    /// (A count: with a daemon, a slot released by the tree can be adopted and inserted again
+    /// before the tree's release of the earlier removal arrives.)
+    in_tree: Vec<u32>,
     /// Whether the id holds a live copy (allocated and not yet freed).
     allocated: Vec<bool>,
     /// Entries of published copies, to remove them by handle.
@@ -210,8 +212,9 @@ impl Store {
         let released =
             std::mem::take(&mut *self.file.released.lock().unwrap_or_else(|e| e.into_inner()));
         for id in released {
-            self.in_tree[id as usize] = false;
-            if !self.allocated[id as usize] {
+            let t = &mut self.in_tree[id as usize];
+            *t = t.saturating_sub(1);
+            if *t == 0 && !self.allocated[id as usize] {
                 self.give_back(id);
             }
         }
@@ -247,7 +250,7 @@ impl Store {
         match result {
             Insert::Inserted(e) => {
                 self.indexed[id as usize] = true;
-                self.in_tree[id as usize] = true;
+                self.in_tree[id as usize] += 1;
                 self.entries[id as usize] = Some(e);
                 Ok(id)
             }
@@ -261,7 +264,7 @@ impl Store {
     /// Frees an unpublished, unmapped copy.
     fn discard(&mut self, id: KeyId) {
         self.allocated[id as usize] = false;
-        if !self.in_tree[id as usize] {
+        if self.in_tree[id as usize] == 0 {
             self.give_back(id);
         }
     }
@@ -324,7 +327,7 @@ impl Store {
         // nodes keep it as a representative until their generation check fails), so a copy it
         // indexed is punched and reused only then (collect_released). Punching earlier made
         // lookups of equal pages miss and duplicate copies appear.
-        if !self.in_tree[id as usize] {
+        if self.in_tree[id as usize] == 0 {
             self.give_back(id);
         }
     }
@@ -349,7 +352,7 @@ impl Store {
         if self.refs.len() < need {
             self.refs.resize(need, 0);
             self.indexed.resize(need, false);
-            self.in_tree.resize(need, false);
+            self.in_tree.resize(need, 0);
             self.allocated.resize(need, false);
             self.entries.resize(need, None);
         }
@@ -367,25 +370,23 @@ impl Store {
             r.keep(id);
         }
         let i = id as usize;
-        match (self.allocated[i], self.indexed[i], self.in_tree[i]) {
-            (true, true, _) => Some(false),
-            (false, _, false) => {
+        match (self.allocated[i], self.indexed[i]) {
+            (true, true) => Some(false),
+            // Retired (sharing limit) and still mapped here: not for new merges.
+            (true, false) => None,
+            // New here, or removed from the tree and not yet released (in_tree counts both
+            // insertions, so the copy is given back only after both releases).
+            (false, _) => {
                 self.allocated[i] = true;
                 Some(true)
             }
-            (false, _, true) => {
-                // Removed from the tree but not released yet: the release would come after a
-                // new insertion and undo it. The hold stays until then.
-                None
-            }
-            (true, false, _) => None,
         }
     }
 
     /// Gives back a slot adopted as new that will not be used.
     pub(crate) fn unadopt(&mut self, id: KeyId) {
         self.allocated[id as usize] = false;
-        if !self.in_tree[id as usize] {
+        if self.in_tree[id as usize] == 0 {
             self.give_back(id);
         }
     }
