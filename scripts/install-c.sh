@@ -2,9 +2,9 @@
 # Installs the pageone C library into PREFIX (default /usr/local):
 #   PREFIX/lib/libpageone.so, PREFIX/lib/libpageone.a, PREFIX/include/pageone.h,
 #   PREFIX/lib/pkgconfig/pageone.pc
-# Then: cc my.c $(pkg-config --cflags --libs pageone)            (shared)
-#       cc my.c $(pkg-config --cflags --libs --static pageone) -static-libgcc   (static: remove
-#       or hide libpageone.so, or name PREFIX/lib/libpageone.a explicitly)
+# Then: cc my.c $(pkg-config --cflags --libs pageone)                              (shared)
+#       cc my.c $(pkg-config --cflags pageone) PREFIX/lib/libpageone.a -lpthread -ldl -lm -lrt
+#                                                                                  (static)
 # Usage: scripts/install-c.sh [PREFIX]      (set NO_BUILD=1 to skip `cargo build --release`)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -791,6 +791,12 @@ mod tests {
     }
 
     #[test]
+    fn a_panic_becomes_a_status() {
+        assert_eq!(guard(|| panic!("boom")), PAGEONE_PANIC);
+        assert_eq!(with_engine(None, |_| unreachable!()), PAGEONE_NULL_ARGUMENT);
+    }
+
+    #[test]
     fn version_is_the_crate_version() {
         // SAFETY: a static NUL-terminated string.
         let v = unsafe { CStr::from_ptr(pageone_version()) };

@@ -1,9 +1,9 @@
 //! Builds `examples/c/dedup.c` with the system C compiler against the library cargo just built
 //! (the static and the shared one) and runs it: the C ABI end to end.
 //!
-//! Cargo builds every crate type of `pageone-ffi` (cdylib, staticlib, rlib) to link this test, and
-//! puts them in the profile's directory, the parent of this test binary's `deps/`; so no nested
-//! `cargo build` is needed and the profile (debug or release) always matches.
+//! To link this test, cargo builds every crate type of `pageone-ffi` (cdylib, staticlib, rlib) into
+//! `deps/`, the directory of this test binary; so no nested `cargo build` is needed and the
+//! profile (debug or release) always matches. (`cargo build` also copies them one level up.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,7 +16,7 @@ fn repo_root() -> PathBuf {
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("own path");
     let deps = exe.parent().expect("deps/");
-    for dir in [deps.parent().expect("profile dir"), deps] {
+    for dir in [deps, deps.parent().expect("profile dir")] {
         if dir.join("libpageone.a").exists() && dir.join("libpageone.so").exists() {
             return dir.to_path_buf();
         }
@@ -67,7 +67,7 @@ fn run(exe: &Path, mib: &str) {
 #[test]
 fn c_example_links_statically_and_merges() {
     let dir = lib_dir();
-    let exe = dir.join("pageone-dedup-static");
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pageone-dedup-static");
     let lib = dir.join("libpageone.a");
     let lib = lib.to_str().expect("UTF-8 path");
     // `rustc --print native-static-libs` for this target.
@@ -90,7 +90,7 @@ fn c_example_links_statically_and_merges() {
 #[test]
 fn c_example_links_dynamically_and_merges() {
     let dir = lib_dir();
-    let exe = dir.join("pageone-dedup-shared");
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pageone-dedup-shared");
     let d = dir.to_str().expect("UTF-8 path");
     compile(
         &exe,

@@ -1,0 +1,210 @@
+//! The C ABI called as C would call it: NULL and malformed arguments, each engine error as its
+//! status code, stats, waits.
+
+use std::ffi::{c_void, CStr};
+use std::ptr;
+
+use pageone::*;
+use pageone_status::*;
+
+const PAGE: usize = 4096;
+
+fn config() -> *mut pageone_config {
+    let mut cfg = ptr::null_mut();
+    // SAFETY: `cfg` is a valid out pointer.
+    assert_eq!(unsafe { pageone_config_new(&mut cfg) }, PAGEONE_OK);
+    assert!(!cfg.is_null());
+    cfg
+}
+
+/// A quick engine of its own (50 ms periods, no daemon).
+fn engine() -> *mut pageone_engine {
+    let cfg = config();
+    let mut e = ptr::null_mut();
+    // SAFETY: `cfg` is live until freed below; `e` is a valid out pointer.
+    unsafe {
+        assert_eq!(pageone_config_set_merge_period_ms(cfg, 50), PAGEONE_OK);
+        assert_eq!(pageone_config_set_daemon(cfg, ptr::null()), PAGEONE_OK);
+        assert_eq!(pageone_engine_new(cfg, &mut e), PAGEONE_OK);
+        pageone_config_free(cfg);
+    }
+    assert!(!e.is_null());
+    e
+}
+
+fn mmap(len: usize, flags: i32) -> *mut c_void {
+    // SAFETY: a fresh mapping chosen by the kernel.
+    let p = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    p
+}
+
+#[test]
+fn null_arguments_are_refused() {
+    let e = engine();
+    let cfg = config();
+    let mut page = [0u8; 8];
+    let p = page.as_mut_ptr().cast::<c_void>();
+    // SAFETY: every pointer is NULL or live.
+    unsafe {
+        assert_eq!(pageone_config_new(ptr::null_mut()), PAGEONE_NULL_ARGUMENT);
+        assert_eq!(
+            pageone_config_set_workers(ptr::null_mut(), 1),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_config_set_scope(cfg, ptr::null()),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_new(cfg, ptr::null_mut()),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_register(ptr::null(), p, PAGE),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_register(e, ptr::null_mut(), PAGE),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_unregister(ptr::null(), p, PAGE),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_stats(ptr::null(), &mut pageone_stats::default()),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_stats(e, ptr::null_mut()),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_wait_periods(ptr::null(), 1, 10),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(pageone_engine_kick(ptr::null()), PAGEONE_NULL_ARGUMENT);
+        pageone_engine_free(ptr::null_mut());
+        pageone_config_free(ptr::null_mut());
+        pageone_config_free(cfg);
+        pageone_engine_free(e);
+    }
+}
+
+#[test]
+fn malformed_arguments_are_refused() {
+    let cfg = config();
+    // SAFETY: `cfg` is live until freed; the strings are NUL-terminated.
+    unsafe {
+        assert_eq!(pageone_config_set_watch(cfg, 7), PAGEONE_INVALID_ARGUMENT);
+        assert_eq!(
+            pageone_config_set_watch(cfg, pageone_watch_mode::PAGEONE_WATCH_CHECKSUM as u32),
+            PAGEONE_OK
+        );
+        let not_utf8 = b"sc\xffope\0";
+        assert_eq!(
+            pageone_config_set_scope(cfg, not_utf8.as_ptr().cast()),
+            PAGEONE_INVALID_ARGUMENT
+        );
+        assert_eq!(pageone_config_set_scope(cfg, c"vms".as_ptr()), PAGEONE_OK);
+        assert_eq!(
+            pageone_config_set_daemon(cfg, c"".as_ptr()),
+            PAGEONE_INVALID_ARGUMENT
+        );
+        pageone_config_free(cfg);
+    }
+}
+
+#[test]
+fn an_invalid_configuration_is_a_config_error() {
+    let cfg = config();
+    let mut e = ptr::dangling_mut();
+    // SAFETY: `cfg` is live until freed; `e` is a valid out pointer.
+    unsafe {
+        assert_eq!(pageone_config_set_workers(cfg, 0), PAGEONE_OK);
+        assert_eq!(pageone_engine_new(cfg, &mut e), PAGEONE_CONFIG);
+        pageone_config_free(cfg);
+    }
+    assert!(e.is_null(), "*out is NULL on failure");
+}
+
+#[test]
+fn engine_errors_map_to_their_status() {
+    let e = engine();
+    let len = 16 * PAGE;
+    let private = mmap(len, libc::MAP_PRIVATE);
+    let shared = mmap(len, libc::MAP_SHARED);
+    // SAFETY: `e` is live until freed; the mappings are ours and unregistered before unmapping.
+    unsafe {
+        let odd = private.cast::<u8>().add(1).cast();
+        assert_eq!(pageone_engine_register(e, odd, PAGE), PAGEONE_UNALIGNED);
+        assert_eq!(pageone_engine_register(e, private, 0), PAGEONE_UNALIGNED);
+        assert_eq!(
+            pageone_engine_register(e, shared, len),
+            PAGEONE_NOT_ANONYMOUS
+        );
+        assert_eq!(
+            pageone_engine_unregister(e, private, len),
+            PAGEONE_NOT_REGISTERED
+        );
+        assert_eq!(pageone_engine_register(e, private, len), PAGEONE_OK);
+        let inner = private.cast::<u8>().add(PAGE).cast();
+        assert_eq!(pageone_engine_register(e, inner, PAGE), PAGEONE_OVERLAP);
+        // A part of a region cannot be unregistered.
+        assert_eq!(pageone_engine_unregister(e, private, PAGE), PAGEONE_OVERLAP);
+
+        let mut s = pageone_stats::default();
+        assert_eq!(pageone_engine_stats(e, &mut s), PAGEONE_OK);
+        assert_eq!(s.registered_bytes, len as u64);
+        assert_eq!(
+            s.daemon,
+            pageone_daemon_link::PAGEONE_DAEMON_LINK_NONE as u32
+        );
+        assert!(
+            s.watch_mode == pageone_watch_mode::PAGEONE_WATCH_UFFD_WP as u32
+                || s.watch_mode == pageone_watch_mode::PAGEONE_WATCH_CHECKSUM as u32
+        );
+
+        assert_eq!(pageone_engine_unregister(e, private, len), PAGEONE_OK);
+        assert_eq!(pageone_engine_stats(e, &mut s), PAGEONE_OK);
+        assert_eq!(s.registered_bytes, 0);
+        pageone_engine_free(e);
+        libc::munmap(private, len);
+        libc::munmap(shared, len);
+    }
+}
+
+#[test]
+fn waits_complete_or_time_out() {
+    let e = engine();
+    // SAFETY: `e` is live until freed.
+    unsafe {
+        assert_eq!(pageone_engine_kick(e), PAGEONE_OK);
+        assert_eq!(pageone_engine_wait_periods(e, 2, u64::MAX), PAGEONE_OK);
+        assert_eq!(
+            pageone_engine_wait_periods(e, u64::MAX, 20),
+            PAGEONE_TIMEOUT
+        );
+        let mut s = pageone_stats::default();
+        assert_eq!(pageone_engine_stats(e, &mut s), PAGEONE_OK);
+        assert!(s.full_scans >= 2);
+        pageone_engine_free(e);
+    }
+}
+
+#[test]
+fn messages_are_static_strings() {
+    // SAFETY: pageone_status_message returns static NUL-terminated strings.
+    let m = unsafe { CStr::from_ptr(pageone_status_message(PAGEONE_OVERLAP as i32)) };
+    assert!(m.to_str().unwrap().contains("overlaps"));
+}
