@@ -22,10 +22,16 @@ fi
 need_pkgs=()
 command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 command -v python3 >/dev/null 2>&1 || need_pkgs+=(python3)
+# The unmodified-QEMU test: TCG guests booting the distribution kernel with a busybox initramfs.
+command -v qemu-system-x86_64 >/dev/null 2>&1 || need_pkgs+=(qemu-system-x86)
+ls /boot/vmlinuz-* >/dev/null 2>&1 || need_pkgs+=(linux-image-amd64)
+[ -x /bin/busybox ] && file -L /bin/busybox 2>/dev/null | grep -q static || need_pkgs+=(busybox-static)
+command -v cpio >/dev/null 2>&1 || need_pkgs+=(cpio)
+command -v file >/dev/null 2>&1 || need_pkgs+=(file)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}"
 fi
 
 step() { printf '\n=== %s\n' "$*"; }
@@ -41,6 +47,10 @@ cargo test --workspace --locked
 
 step "tests (release: stress and kernel paths)"
 cargo test --workspace --release --locked
+
+step "unmodified QEMU guests under pageone run, next to KSM"
+cargo build --release --locked -p pageone -p pageone-preload
+python3 tests/qemu/run.py
 
 step "loom models of the SD tree's lock-free races"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target-loom LOOM_MAX_PREEMPTIONS=3 \

@@ -156,6 +156,11 @@ fn register(s: &Shim, start: usize, end: usize) -> bool {
     }
     match s.engine.register(start as *mut u8, end - start) {
         Ok(()) => {
+            // Merging works on 4 KiB pages: a huge page that is partly merged or released keeps
+            // all its memory until the kernel splits it under memory pressure, so registered
+            // memory gets no new huge pages (KSM splits them too).
+            // SAFETY: MADV_NOHUGEPAGE changes no contents.
+            let _ = unsafe { sys::madvise(start as *mut u8, end - start, libc::MADV_NOHUGEPAGE) };
             let mut regions = lock(&s.regions);
             regions.insert(start, end);
             ACTIVE.store(regions.len(), Ordering::Relaxed);
@@ -210,6 +215,23 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
                 return raw_madvise(addr, len, advice);
             };
             return around(a, e, true, || raw_madvise(addr, len, advice));
+        }
+        libc::MADV_HUGEPAGE => {
+            // Registered memory stays on small pages (see register); elsewhere, as asked.
+            if let Some((a, e)) = page_range(addr, len) {
+                // Relaxed: a hint; the map under its lock is the truth.
+                let covered = ACTIVE.load(Ordering::Relaxed) > 0
+                    && guarded(|| {
+                        SHIM.get()
+                            .and_then(|o| o.as_ref())
+                            .is_some_and(|s| lock(&s.regions).range(..e).any(|(_, &re)| re > a))
+                    })
+                    .unwrap_or(false);
+                if covered {
+                    return 0;
+                }
+            }
+            return raw_madvise(addr, len, advice);
         }
         _ => return raw_madvise(addr, len, advice),
     }

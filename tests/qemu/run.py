@@ -1,0 +1,370 @@
+#!/usr/bin/env python3
+"""Unmodified QEMU under `pageone run`, next to the same guests under the kernel's KSM.
+
+Boots two TCG guests (the distribution kernel and a busybox initramfs built here) whose initramfs
+holds the same data file (identical across guests, every 4 KiB page distinct within). Each guest
+prints the md5 of its data, idles while the host measures, then prints the md5 again. QEMU itself
+asks for merging (`-machine mem-merge=on`: madvise(MADV_MERGEABLE) on guest RAM); under
+`pageone run` the shim answers it, with both QEMU processes in one scope of one daemon.
+
+Asserts: every checksum is the expected one (before and after merging), and host memory was saved
+(the QEMU processes' Pss, MemAvailable, and the daemon's stats). Prints the saving with pageone
+next to KSM's for the same guests and data. Needs root (KSM knobs), qemu-system-x86,
+linux-image-amd64, busybox-static, cpio (installed by the caller, scripts/test.sh).
+"""
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGEONE = os.path.join(ROOT, "target", "release", "pageone")
+DATA_MIB = int(os.environ.get("PAGEONE_QEMU_DATA_MIB", "96"))
+GUEST_MIB = 2 * DATA_MIB + 160
+GUESTS = 2
+SETTLE_SECS = int(os.environ.get("PAGEONE_QEMU_SETTLE_SECS", "60"))
+KSM = "/sys/kernel/mm/ksm"
+
+
+def log(msg):
+    print(f"[qemu-test] {msg}", flush=True)
+
+
+def data_bytes():
+    # Page i: its number as text, repeated: distinct pages, the same in every guest.
+    out = bytearray()
+    for i in range(DATA_MIB * 256):
+        out += (b"%08d" % i) * 512
+    return bytes(out)
+
+
+INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+echo "CHECKSUM $(md5sum /data | cut -d' ' -f1)"
+# Idle while the host measures: it types a line on the serial console when done (or the
+# timeout passes).
+read -t {wait} -r go
+echo "CHECK2 $(md5sum /data | cut -d' ' -f1)"
+echo "GUEST-DONE"
+poweroff -f
+"""
+
+
+def build_initramfs(work, data, wait_secs):
+    root = os.path.join(work, "root")
+    os.makedirs(os.path.join(root, "bin"))
+    for d in ("proc", "sys", "dev"):
+        os.makedirs(os.path.join(root, d))
+    shutil.copy("/bin/busybox", os.path.join(root, "bin", "busybox"))
+    with open(os.path.join(root, "init"), "w") as f:
+        f.write(INIT.format(wait=wait_secs))
+    os.chmod(os.path.join(root, "init"), 0o755)
+    with open(os.path.join(root, "data"), "wb") as f:
+        f.write(data)
+    img = os.path.join(work, "initramfs.cpio")
+    subprocess.run(
+        # The small files first: if unpacking ran short of memory, /init would still be there.
+        f"cd {root} && (find . ! -name data; echo ./data) | cpio -o -H newc --quiet > {img}",
+        shell=True,
+        check=True,
+    )
+    return img
+
+
+def kernel():
+    ks = sorted(glob.glob("/boot/vmlinuz-*"))
+    if not ks:
+        sys.exit("no /boot/vmlinuz-*: install linux-image-amd64")
+    return ks[-1]
+
+
+def qemu_cmd(initrd):
+    return [
+        "qemu-system-x86_64", "-accel", "tcg", "-machine", "pc,mem-merge=on",
+        "-m", str(GUEST_MIB), "-smp", "1", "-nographic", "-no-reboot",
+        "-kernel", kernel(), "-initrd", initrd,
+        "-append", "console=ttyS0 quiet panic=-1 rdinit=/init rootfstype=ramfs",
+    ]
+
+
+def mem_available_kib():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    return 0
+
+
+def pss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def qemu_pids(parent_pids):
+    """QEMU processes among the descendants of `parent_pids`."""
+    out = []
+    for p in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(p + "/comm") as f:
+                if f.read().strip() != "qemu-system-x86":
+                    continue
+            pid = int(p.split("/")[-1])
+            if pid in parent_pids:
+                out.append(pid)
+                continue
+            ppid = pid
+            for _ in range(10):
+                with open(f"/proc/{ppid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                if ppid in parent_pids:
+                    out.append(pid)
+                    break
+                if ppid <= 1:
+                    break
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+class Guests:
+    """Starts the guests (through `launcher` + QEMU) and collects their console lines."""
+
+    def __init__(self, launcher, initrd, env):
+        self.procs = []
+        self.lines = []
+        self.lock = threading.Lock()
+        for g in range(GUESTS):
+            p = subprocess.Popen(
+                launcher + qemu_cmd(initrd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE, env=env,
+            )
+            self.procs.append(p)
+            threading.Thread(target=self._read, args=(g, p), daemon=True).start()
+
+    def _read(self, g, p):
+        for raw in p.stdout:
+            # Strip terminal control sequences (SeaBIOS and the kernel reset the console).
+            line = re.sub(r"\x1b(\[[0-9;?]*[A-Za-z]|.)", "", raw.decode(errors="replace")).strip()
+            with self.lock:
+                self.lines.append((g, line))
+
+    def values(self, tag):
+        with self.lock:
+            found = ((g, re.search(tag + r" ([0-9a-f]{32})", l)) for g, l in self.lines)
+            return {g: m.group(1) for g, m in found if m}
+
+    def wait_for(self, tag, timeout):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            v = self.values(tag)
+            if len(v) == GUESTS:
+                return v
+            if all(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.5)
+        with self.lock:
+            tail = "\n".join(f"  guest{g}: {l}" for g, l in self.lines[-40:])
+        codes = [p.poll() for p in self.procs]
+        raise SystemExit(
+            f"timed out waiting for {tag} from every guest (exit codes {codes}); console:\n{tail}"
+        )
+
+    def go(self):
+        """Types a line on every guest's serial console: they check their data again and stop."""
+        for p in self.procs:
+            try:
+                p.stdin.write(b"go\n")
+                p.stdin.flush()
+            except OSError:
+                pass
+
+    def pids(self):
+        return qemu_pids({p.pid for p in self.procs})
+
+    def finish(self, timeout=120):
+        for p in self.procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def settle(guests, status=None):
+    """Polls until the QEMU processes' Pss stops changing (or SETTLE_SECS); returns
+    (Pss KiB, MemAvailable KiB, seconds)."""
+    t0 = time.time()
+    last, stable = None, 0
+    while time.time() - t0 < SETTLE_SECS:
+        time.sleep(2)
+        now = sum(pss_kib(p) for p in guests.pids())
+        if status:
+            status()
+        if last is not None and abs(now - last) < 1024:
+            stable += 1
+            if stable >= 4:
+                break
+        else:
+            stable = 0
+        last = now
+    return sum(pss_kib(p) for p in guests.pids()), mem_available_kib(), time.time() - t0
+
+
+def run_side(name, launcher, initrd, env, expected, status=None):
+    """Boots the guests, checks their data, lets memory settle; returns (Pss KiB of the QEMU
+    processes, host memory used since before the boot in KiB by MemAvailable)."""
+    log(f"{name}: booting {GUESTS} guests of {GUEST_MIB} MiB")
+    avail0 = mem_available_kib()
+    t0 = time.time()
+    guests = Guests(launcher, initrd, env)
+    sums = guests.wait_for("CHECKSUM", 240)
+    log(f"{name}: guests printed their checksums after {time.time() - t0:.1f} s")
+    for g, v in sums.items():
+        if v != expected:
+            raise SystemExit(f"{name}: guest {g} checksum {v} != expected {expected}")
+    pids = guests.pids()
+    if len(pids) != GUESTS:
+        raise SystemExit(f"{name}: found QEMU pids {pids}")
+    pss, avail, secs = settle(guests, status)
+    used = avail0 - avail
+    log(
+        f"{name}: QEMU Pss {pss / 1024:.0f} MiB, host memory used {used / 1024:.0f} MiB "
+        f"(MemAvailable), settled {secs:.0f} s after the checksums"
+    )
+    guests.go()
+    again = guests.wait_for("CHECK2", 240)
+    for g, v in again.items():
+        if v != expected:
+            raise SystemExit(f"{name}: guest {g} checksum after merging {v} != expected {expected}")
+    log(f"{name}: every guest's data is still intact")
+    guests.finish()
+    return pss, used
+
+
+class KsmKnobs:
+    """Saves KSM's knobs, sets them for the run, and restores them, leaving `run` at 0 or 2."""
+
+    NAMES = ["run", "sleep_millisecs", "pages_to_scan"]
+
+    def __enter__(self):
+        self.saved = {}
+        for n in self.NAMES:
+            with open(f"{KSM}/{n}") as f:
+                self.saved[n] = f.read().strip()
+        self.write("sleep_millisecs", "20")
+        self.write("pages_to_scan", "10000")
+        self.write("run", "1")
+        return self
+
+    def write(self, n, v):
+        with open(f"{KSM}/{n}", "w") as f:
+            f.write(v)
+
+    def __exit__(self, *exc):
+        self.write("run", "2")  # unmerges every page KSM merged
+        self.write("sleep_millisecs", self.saved["sleep_millisecs"])
+        self.write("pages_to_scan", self.saved["pages_to_scan"])
+        self.write("run", self.saved["run"] if self.saved["run"] in ("0", "2") else "2")
+        return False
+
+
+def main():
+    if os.geteuid() != 0:
+        sys.exit("the QEMU test needs root (KSM knobs)")
+    for exe in (PAGEONE, os.path.join(ROOT, "target", "release", "libpageone_preload.so")):
+        if not os.path.exists(exe):
+            sys.exit(f"{exe} is missing: cargo build --release -p pageone -p pageone-preload")
+    with open(f"{KSM}/run") as f:
+        if f.read().strip() == "1":
+            sys.exit("KSM is running: it would answer QEMU too; stop it (echo 2 > run) first")
+    work = tempfile.mkdtemp(prefix="pageone-qemu-")
+    try:
+        data = data_bytes()
+        expected = hashlib.md5(data).hexdigest()
+        # Guests wait long enough for the host to measure (boot + settle), then check again.
+        initrd = build_initramfs(work, data, wait_secs=SETTLE_SECS + 60)
+        log(f"initramfs with {DATA_MIB} MiB of data, md5 {expected}, kernel {kernel()}")
+
+        sock = os.path.join(work, "pageone.sock")
+        daemon = subprocess.Popen(
+            [PAGEONE, "daemon", "--socket", sock], stderr=subprocess.DEVNULL
+        )
+        last_status = {}
+
+        def status():
+            out = subprocess.run(
+                [PAGEONE, "status", "--json", "--socket", sock], capture_output=True
+            )
+            if out.returncode == 0:
+                last_status.update(json.loads(out.stdout))
+
+        try:
+            for _ in range(100):
+                if os.path.exists(sock):
+                    break
+                time.sleep(0.05)
+            env = dict(os.environ)
+            env.pop("LD_PRELOAD", None)
+            base_pss, base_used = run_side("no merging", [], initrd, env, expected)
+            p_pss, p_used = run_side(
+                "pageone", [PAGEONE, "run", "--scope", "vms", "--daemon", sock, "--"],
+                initrd, env, expected, status,
+            )
+            scope = next(
+                (s for s in last_status.get("scopes", []) if s["scope"] == "vms"), None
+            )
+            if scope is None:
+                raise SystemExit("the daemon never saw the guests' scope")
+            log(
+                "pageone daemon: scope vms: %d clients, pages shared %d, sharing %d, zero %d, "
+                "saved %.0f MiB"
+                % (
+                    len(scope["clients"]), scope["pages_shared"], scope["pages_sharing"],
+                    scope["zero_pages"], scope["saved_bytes"] / 1048576,
+                )
+            )
+        finally:
+            daemon.kill()
+            daemon.wait()
+
+        with KsmKnobs():
+            k_pss, k_used = run_side("ksm", [], initrd, env, expected)
+
+        p_saved, k_saved = (base_pss - p_pss) / 1024, (base_pss - k_pss) / 1024
+        p_avail, k_avail = (base_used - p_used) / 1024, (base_used - k_used) / 1024
+        print(
+            f"\nQEMU x{GUESTS} ({GUEST_MIB} MiB guests, {DATA_MIB} MiB identical data each), "
+            f"host memory saved against the same guests without merging:\n"
+            f"  QEMU processes' Pss: pageone {p_saved:.0f} MiB, KSM {k_saved:.0f} MiB\n"
+            f"  MemAvailable:        pageone {p_avail:.0f} MiB, KSM {k_avail:.0f} MiB\n"
+            f"  pageone daemon: {scope['saved_bytes'] / 1048576:.0f} MiB saved"
+        )
+        # The guests' data is identical: one guest's copy of it must be saved at least.
+        want = DATA_MIB * 0.8
+        if p_saved < want or scope["saved_bytes"] < want * 1048576:
+            raise SystemExit(f"pageone saved {p_saved:.0f} MiB (Pss) < {want:.0f} MiB")
+        if p_avail < want / 2:
+            raise SystemExit(f"MemAvailable shows only {p_avail:.0f} MiB saved under pageone")
+        log("passed")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
