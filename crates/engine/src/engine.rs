@@ -1257,9 +1257,13 @@ fn classify(
                 let p = &mut r.pages[c.index];
                 p.unchanged = 0;
                 if p.kind != BROKEN {
-                    // (A COW-broken page is re-hashed when it is a candidate again instead.)
                     p.kind = UNIQUE;
                     st.unstable.insert(h, (c.addr, p.epoch));
+                } else {
+                    // A COW-broken page is re-hashed when it is a candidate again instead; each
+                    // miss doubles the wait (to max_backoff periods), so the many unique pages a
+                    // booting guest rewrites do not cost a hash and a lookup every two periods.
+                    p.writes = (p.writes.max(1) * 2).min(config.max_backoff);
                 }
                 st.unshared += 1;
             }
