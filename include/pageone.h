@@ -226,11 +226,6 @@ typedef struct pageone_stats {
   uint32_t daemon;
 } pageone_stats;
 
-/**
- * Every status, for tests and for [`pageone_status_message`].
- */
-#define pageone_status_ALL { PAGEONE_OK, PAGEONE_NULL_ARGUMENT, PAGEONE_INVALID_ARGUMENT, PAGEONE_PANIC, PAGEONE_TIMEOUT, PAGEONE_UNSUPPORTED, PAGEONE_UFFD, PAGEONE_STORE, PAGEONE_INDEX, PAGEONE_UNALIGNED, PAGEONE_NOT_ANONYMOUS, PAGEONE_OVERLAP, PAGEONE_NOT_REGISTERED, PAGEONE_CONFIG, PAGEONE_MAP, PAGEONE_THREAD, PAGEONE_DAEMON, }
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus

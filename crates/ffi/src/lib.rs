@@ -112,28 +112,28 @@ impl From<&EngineError> for pageone_status {
     }
 }
 
-impl pageone_status {
-    /// Every status, for tests and for [`pageone_status_message`].
-    pub const ALL: [pageone_status; 17] = [
-        PAGEONE_OK,
-        PAGEONE_NULL_ARGUMENT,
-        PAGEONE_INVALID_ARGUMENT,
-        PAGEONE_PANIC,
-        PAGEONE_TIMEOUT,
-        PAGEONE_UNSUPPORTED,
-        PAGEONE_UFFD,
-        PAGEONE_STORE,
-        PAGEONE_INDEX,
-        PAGEONE_UNALIGNED,
-        PAGEONE_NOT_ANONYMOUS,
-        PAGEONE_OVERLAP,
-        PAGEONE_NOT_REGISTERED,
-        PAGEONE_CONFIG,
-        PAGEONE_MAP,
-        PAGEONE_THREAD,
-        PAGEONE_DAEMON,
-    ];
+/// Every status, for [`pageone_status_message`] (private: cbindgen would export it).
+const ALL_STATUSES: [pageone_status; 17] = [
+    PAGEONE_OK,
+    PAGEONE_NULL_ARGUMENT,
+    PAGEONE_INVALID_ARGUMENT,
+    PAGEONE_PANIC,
+    PAGEONE_TIMEOUT,
+    PAGEONE_UNSUPPORTED,
+    PAGEONE_UFFD,
+    PAGEONE_STORE,
+    PAGEONE_INDEX,
+    PAGEONE_UNALIGNED,
+    PAGEONE_NOT_ANONYMOUS,
+    PAGEONE_OVERLAP,
+    PAGEONE_NOT_REGISTERED,
+    PAGEONE_CONFIG,
+    PAGEONE_MAP,
+    PAGEONE_THREAD,
+    PAGEONE_DAEMON,
+];
 
+impl pageone_status {
     /// A static description of the status.
     pub fn message(self) -> &'static CStr {
         match self {
@@ -345,7 +345,7 @@ pub extern "C" fn pageone_version() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn pageone_status_message(status: c_int) -> *const c_char {
     catch_unwind(|| {
-        pageone_status::ALL
+        ALL_STATUSES
             .iter()
             .find(|s| **s as c_int == status)
             .map_or(c"unknown pageone status", |s| s.message())
@@ -779,7 +779,7 @@ mod tests {
     #[test]
     fn every_status_has_a_distinct_message() {
         let mut seen = std::collections::HashSet::new();
-        for s in pageone_status::ALL {
+        for s in ALL_STATUSES {
             let m = pageone_status_message(s as c_int);
             // SAFETY: pageone_status_message returns static NUL-terminated strings.
             let m = unsafe { CStr::from_ptr(m) };
