@@ -299,8 +299,7 @@ impl Daemon {
                     {
                         tracing::info!("last client left; exiting");
                         let _ = std::fs::remove_file(&inner.config.socket);
-                        // SAFETY: shutting the listening socket down only makes accept fail.
-                        unsafe { libc::shutdown(listener_fd, libc::SHUT_RDWR) };
+                        let _ = sys::shutdown_socket(listener_fd);
                         std::process::exit(0);
                     }
                 });

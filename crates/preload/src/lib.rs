@@ -70,15 +70,13 @@ fn lock(m: &Mutex<BTreeMap<usize, usize>>) -> MutexGuard<'_, BTreeMap<usize, usi
 }
 
 fn log(msg: &str) {
-    let line = format!("pageone: {msg}\n");
-    // SAFETY: writes a live buffer to stderr.
-    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "pageone: {msg}");
 }
 
 fn shim() -> Option<&'static Shim> {
     SHIM.get_or_init(|| {
-        // SAFETY: registers a plain function; runs in the child after every fork.
-        if unsafe { libc::pthread_atfork(None, None, Some(in_child)) } != 0 {
+        if sys::on_fork_child(in_child).is_err() {
             log("cannot watch fork(); not starting (the kernel's KSM answers instead)");
             return None;
         }
@@ -303,11 +301,8 @@ pub unsafe extern "C" fn prctl(
     a4: c_ulong,
     a5: c_ulong,
 ) -> c_int {
-    let raw = || {
-        // SAFETY: the program asked for exactly this call.
-        let r = unsafe { libc::syscall(libc::SYS_prctl, option, a2, a3, a4, a5) };
-        r as c_int
-    };
+    // SAFETY: the program asked for exactly this call.
+    let raw = || unsafe { sys::raw_prctl(option, a2, a3, a4, a5) };
     match option {
         PR_SET_MEMORY_MERGE => {
             let on = a2 != 0;
@@ -340,12 +335,7 @@ fn raw_mmap(
     off: libc::off_t,
 ) -> *mut c_void {
     // SAFETY: the program asked for exactly this call.
-    let r = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
-    if r == -1 {
-        libc::MAP_FAILED
-    } else {
-        r as *mut c_void
-    }
+    unsafe { sys::raw_mmap(addr, len, prot, flags, fd, off) }
 }
 
 /// `mmap(2)`: a fixed mapping over registered memory unregisters it first; with
@@ -409,10 +399,8 @@ pub unsafe extern "C" fn mmap64(
 /// As `munmap(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
-    let raw = || {
-        // SAFETY: the program asked for exactly this call.
-        unsafe { libc::syscall(libc::SYS_munmap, addr, len) as c_int }
-    };
+    // SAFETY: the program asked for exactly this call.
+    let raw = || unsafe { sys::raw_munmap(addr, len) };
     match page_range(addr, len) {
         Some((a, e)) => around(a, e, false, raw),
         None => raw(),
@@ -426,10 +414,8 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
 /// As `mprotect(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
-    let raw = || {
-        // SAFETY: the program asked for exactly this call.
-        unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) as c_int }
-    };
+    // SAFETY: the program asked for exactly this call.
+    let raw = || unsafe { sys::raw_mprotect(addr, len, prot) };
     match page_range(addr, len) {
         Some((a, e)) => around(a, e, true, raw),
         None => raw(),
@@ -449,15 +435,8 @@ pub unsafe extern "C" fn mremap(
     flags: c_int,
     new: *mut c_void,
 ) -> *mut c_void {
-    let raw = || {
-        // SAFETY: the program asked for exactly this call.
-        let r = unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new) };
-        if r == -1 {
-            libc::MAP_FAILED
-        } else {
-            r as *mut c_void
-        }
-    };
+    // SAFETY: the program asked for exactly this call.
+    let raw = || unsafe { sys::raw_mremap(old, old_len, new_len, flags, new) };
     let Some((a, e)) = page_range(old, old_len) else {
         return raw();
     };

@@ -49,7 +49,7 @@ pub fn page_size() -> usize {
 ///
 /// # Safety
 /// As `mmap(2)`: a fixed mapping replaces whatever was mapped there.
-unsafe fn raw_mmap(
+pub unsafe fn raw_mmap(
     addr: *mut libc::c_void,
     len: usize,
     prot: libc::c_int,
@@ -70,16 +70,40 @@ unsafe fn raw_mmap(
 ///
 /// # Safety
 /// As `munmap(2)`.
-unsafe fn raw_munmap(addr: *mut libc::c_void, len: usize) -> libc::c_int {
+pub unsafe fn raw_munmap(addr: *mut libc::c_void, len: usize) -> libc::c_int {
     // SAFETY: forwarded to the caller's contract.
     unsafe { libc::syscall(libc::SYS_munmap, addr, len) as libc::c_int }
+}
+
+/// `mprotect(2)` as a raw system call.
+///
+/// # Safety
+/// As `mprotect(2)`: no live Rust reference may rely on the old protections.
+pub unsafe fn raw_mprotect(addr: *mut libc::c_void, len: usize, prot: libc::c_int) -> libc::c_int {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) as libc::c_int }
+}
+
+/// `prctl(2)` as a raw system call (for a shim that interposes the C library's `prctl`).
+///
+/// # Safety
+/// As `prctl(2)`: options that take pointers need valid ones.
+pub unsafe fn raw_prctl(
+    option: libc::c_int,
+    a2: libc::c_ulong,
+    a3: libc::c_ulong,
+    a4: libc::c_ulong,
+    a5: libc::c_ulong,
+) -> libc::c_int {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { libc::syscall(libc::SYS_prctl, option, a2, a3, a4, a5) as libc::c_int }
 }
 
 /// `mremap(2)` as a raw system call; returns `MAP_FAILED` with `errno` set on error.
 ///
 /// # Safety
 /// As `mremap(2)`.
-unsafe fn raw_mremap(
+pub unsafe fn raw_mremap(
     old: *mut libc::c_void,
     old_len: usize,
     new_len: usize,
@@ -926,6 +950,22 @@ pub fn recv_with_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<Ow
         }
     }
     Ok((n as usize, got))
+}
+
+/// Runs `child` in the child after every `fork` of this process (`pthread_atfork`).
+pub fn on_fork_child(child: extern "C" fn()) -> io::Result<()> {
+    // SAFETY: `child` is a plain function valid for the life of the program.
+    let r = unsafe { libc::pthread_atfork(None, None, Some(child)) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
+
+/// Shuts a socket down in both directions (a thread blocked in `accept` on it returns).
+pub fn shutdown_socket(fd: RawFd) -> io::Result<()> {
+    // SAFETY: no memory is passed to the kernel.
+    cvt(unsafe { libc::shutdown(fd, libc::SHUT_RDWR) } as libc::c_long).map(drop)
 }
 
 /// Runs `prepare` in the forking thread before every `fork` of this process (`pthread_atfork`).
