@@ -18,8 +18,10 @@ const PAGE: usize = sys::PAGE_SIZE;
 const WORDS: usize = PAGE / 8;
 /// Longest run frozen at once: bounds how long a writer can be blocked and the scratch size.
 const MAX_RUN: usize = 512;
-/// Candidates classified and committed together (64 MiB of pages).
-const BATCH: usize = 16384;
+/// Candidates classified together and handed to the committer as one batch (16 MiB of pages):
+/// small enough that the committer's frees feed the next batch's copies and the two stages overlap
+/// finely, large enough that per-batch costs stay small.
+const BATCH: usize = 4096;
 
 /// Page kinds (per registered page, owned by the engine thread).
 const ANON: u8 = 0;
@@ -46,6 +48,9 @@ struct Page {
 struct RegionState {
     start: usize,
     pages: Vec<Page>,
+    /// Whether any page was ever merged: only then does the region contain mappings of the store
+    /// that the watch must scan separately (write-protect scans skip them).
+    merged_ever: bool,
     /// Checksums of the last period (checksum mode only).
     sums: Vec<u64>,
 }
@@ -65,8 +70,8 @@ struct State {
     unshared: u64,
     volatile: u64,
     zero: u64,
-    /// Copies made this period; those that merged nothing are freed after the commit.
-    new_copies: Vec<KeyId>,
+    /// VMAs of the process: counted at the start of each period, then kept by the committer.
+    vmas: usize,
     /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
     unstable: HashMap<u128, (usize, u8), HashOfHash>,
 }
@@ -80,6 +85,11 @@ struct Shared {
     reg_mode: u64,
     /// Why there is no daemon link although one was configured ("unreachable"), else "none".
     daemon_note: &'static str,
+    /// Held by the engine thread for a whole period and by register/unregister: the set of
+    /// registered regions never changes while a period reads or remaps their pages.
+    period_lock: Mutex<()>,
+    /// Taken for short sections only (by the classifier, the committer and the API), so that
+    /// classification and commits of one period overlap.
     state: Mutex<State>,
     config: Mutex<Config>,
     /// The run currently frozen, packed by [`pack_run`] into one word so the fault thread never
@@ -97,6 +107,8 @@ struct Shared {
     period_cv: Condvar,
     kick: (Mutex<bool>, Condvar),
     counters: Counters,
+    /// CPU clocks of the engine's threads (engine, committer, faults, workers).
+    clocks: Arc<Mutex<Vec<sys::CpuClock>>>,
 }
 
 #[derive(Default)]
@@ -108,13 +120,13 @@ struct Counters {
     vma_limited: AtomicU64,
     vmas: AtomicU64,
     vma_limit: AtomicU64,
-    cpu_ns: AtomicU64,
 }
 
 /// A running deduplication engine. Dropping it shuts it down cleanly (see [`Engine::shutdown`]).
 pub struct Engine {
     shared: Arc<Shared>,
     engine_thread: Option<JoinHandle<()>>,
+    commit_thread: Option<JoinHandle<()>>,
     fault_thread: Option<JoinHandle<()>>,
 }
 
@@ -228,9 +240,10 @@ impl Engine {
                 unshared: 0,
                 volatile: 0,
                 zero: 0,
-                new_copies: Vec::new(),
+                vmas: 0,
                 unstable: HashMap::default(),
             }),
+            period_lock: Mutex::new(()),
             config: Mutex::new(config),
             frozen: AtomicU64::new(0),
             fault_gate: Mutex::new(()),
@@ -240,6 +253,7 @@ impl Engine {
             period_cv: Condvar::new(),
             kick: (Mutex::new(false), Condvar::new()),
             counters: Counters::default(),
+            clocks: Arc::default(),
         });
         tracing::info!(mode = %mode, "pageone engine started");
         let s = shared.clone();
@@ -247,15 +261,26 @@ impl Engine {
             .name("pageone-faults".into())
             .spawn(move || fault_loop(&s))
             .map_err(EngineError::Thread)?;
-        let pool = Pool::new(config_workers).map_err(EngineError::Thread)?;
+        let pool = Arc::new(
+            Pool::new(config_workers, shared.clocks.clone()).map_err(EngineError::Thread)?,
+        );
+        // Rendezvous: the classifier hands over a batch when the committer takes it, so it runs
+        // at most one batch ahead (bounded copies in flight, and frees feed the next copies).
+        let (to_committer, batches) = std::sync::mpsc::sync_channel(0);
+        let (s, p) = (shared.clone(), pool.clone());
+        let commit_thread = std::thread::Builder::new()
+            .name("pageone-commit".into())
+            .spawn(move || commit_loop(&s, &p, batches))
+            .map_err(EngineError::Thread)?;
         let s = shared.clone();
         let engine_thread = std::thread::Builder::new()
             .name("pageone-engine".into())
-            .spawn(move || engine_loop(&s, pool))
+            .spawn(move || engine_loop(&s, &pool, to_committer))
             .map_err(EngineError::Thread)?;
         Ok(Self {
             shared,
             engine_thread: Some(engine_thread),
+            commit_thread: Some(commit_thread),
             fault_thread: Some(fault_thread),
         })
     }
@@ -276,6 +301,7 @@ impl Engine {
         let end = a
             .checked_add(len)
             .ok_or(EngineError::Unaligned { addr: a, len })?;
+        let _period = lock(&self.shared.period_lock);
         let maps = sys::self_mappings().map_err(EngineError::Map)?;
         let mut st = lock(&self.shared.state);
         // Private anonymous memory, or pages this engine merged and later unmerged (private copies
@@ -338,6 +364,14 @@ impl Engine {
                 return Err(EngineError::Uffd(err));
             }
         }
+        if self.shared.mode == WatchMode::UffdWp {
+            // Arm the watch now: pages written from here on show up in the next period's scan,
+            // which counts the first unchanged period.
+            let mut sink = Vec::new();
+            st.pagemap
+                .scan(a, end, &written_query(), &mut sink)
+                .map_err(EngineError::Uffd)?;
+        }
         let n = len / PAGE;
         // Checksums: every page in checksum mode, COW-broken pages in both modes.
         let sums = vec![0; n];
@@ -352,9 +386,12 @@ impl Engine {
             RegionState {
                 start: a,
                 pages,
+                merged_ever: !unmergeable.is_empty(),
                 sums,
             },
         );
+        drop(st);
+        tracing::debug!(addr = a, len, "registered");
         Ok(())
     }
 
@@ -363,6 +400,7 @@ impl Engine {
     pub fn unregister(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
         let a = addr as usize;
         let end = a.saturating_add(len);
+        let _period = lock(&self.shared.period_lock);
         let mut st = lock(&self.shared.state);
         let keys: Vec<usize> = st.regions.range(a..end).map(|(&k, _)| k).collect();
         if keys.is_empty() {
@@ -463,6 +501,10 @@ impl Engine {
         self.kick();
         let _ = sys::eventfd_signal(std::os::fd::AsRawFd::as_raw_fd(&self.shared.stop_fd));
         if let Some(t) = self.engine_thread.take() {
+            let _ = t.join();
+        }
+        // The engine thread dropped its end of the batch channel: the committer ends.
+        if let Some(t) = self.commit_thread.take() {
             let _ = t.join();
         }
         {
@@ -656,6 +698,7 @@ fn break_cow(addr: usize) {
 
 /// Answers missing faults that are not frozen pages with the zero page.
 fn fault_loop(sh: &Shared) {
+    count_cpu_of_this_thread(sh);
     let fds = [
         sh.uffd.as_raw_fd(),
         std::os::fd::AsRawFd::as_raw_fd(&sh.stop_fd),
@@ -727,7 +770,7 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
         vma_limit: c.vma_limit.load(Ordering::Relaxed),
         vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
         watch_mode: sh.mode.to_string(),
-        worker_cpu_ns: c.cpu_ns.load(Ordering::Relaxed),
+        worker_cpu_ns: lock(&sh.clocks).iter().map(sys::CpuClock::ns).sum(),
         registered_bytes: registered as u64,
         daemon: match st.store.daemon_state() {
             "none" => sh.daemon_note,
@@ -743,12 +786,38 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
     }
 }
 
-fn engine_loop(sh: &Shared, mut pool: Pool) {
+/// A batch classified and ready for the committer.
+struct Classified {
+    cands: Vec<Candidate>,
+    actions: Vec<Option<Action>>,
+    /// Copies made for this batch; those that merged nothing are freed after its commit.
+    new_copies: Vec<KeyId>,
+}
+
+enum ToCommitter {
+    Batch {
+        batch: Classified,
+        config: Arc<Config>,
+        /// Most VMAs the process may have after a merge.
+        budget: usize,
+    },
+    /// Answered once every batch sent before it is committed.
+    Flush(std::sync::mpsc::SyncSender<()>),
+}
+
+/// Records the calling thread's CPU clock for [`Stats::worker_cpu_ns`].
+fn count_cpu_of_this_thread(sh: &Shared) {
+    if let Ok(c) = sys::CpuClock::current() {
+        lock(&sh.clocks).push(c);
+    }
+}
+
+fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<ToCommitter>) {
     let _ = sys::set_thread_idle_priority();
-    let mut last_cpu = sys::thread_cpu_time_ns() + pool.cpu_ns();
+    count_cpu_of_this_thread(sh);
     while !sh.stop.load(Ordering::SeqCst) {
         let t0 = Instant::now();
-        let config = lock(&sh.config).clone();
+        let config = Arc::new(lock(&sh.config).clone());
         let period = config.merge_period;
         if config.workers > pool.size() {
             if let Err(e) = pool.grow(config.workers) {
@@ -756,17 +825,11 @@ fn engine_loop(sh: &Shared, mut pool: Pool) {
             }
         }
         {
-            let mut st = lock(&sh.state);
-            if let Err(e) = run_period(sh, &mut st, &config, &pool) {
+            let _period = lock(&sh.period_lock);
+            if let Err(e) = run_period(sh, &config, pool, &committer) {
                 tracing::warn!(error = %e, "merge period failed; memory is unchanged");
             }
-            // Counted before the state is released, so stats() never shows a period's merges
-            // without its CPU time. Relaxed: a statistic read under the same lock.
-            let cpu = sys::thread_cpu_time_ns() + pool.cpu_ns();
-            sh.counters
-                .cpu_ns
-                .fetch_add(cpu - last_cpu, Ordering::Relaxed);
-            last_cpu = cpu;
+            let mut st = lock(&sh.state);
             if st.store.remote.is_some() {
                 let json = serde_json::to_string(&stats_of(sh, &st)).unwrap_or_default();
                 if let Some(r) = &mut st.store.remote {
@@ -794,6 +857,122 @@ fn engine_loop(sh: &Shared, mut pool: Pool) {
         }
         *k = false;
     }
+}
+
+/// The committer thread: commits batches in the order the classifier sends them, while the
+/// classifier works on the next one.
+fn commit_loop(sh: &Shared, pool: &Pool, batches: std::sync::mpsc::Receiver<ToCommitter>) {
+    let _ = sys::set_thread_idle_priority();
+    count_cpu_of_this_thread(sh);
+    while let Ok(msg) = batches.recv() {
+        match msg {
+            ToCommitter::Batch {
+                batch,
+                config,
+                budget,
+            } => {
+                let t0 = Instant::now();
+                commit(sh, pool, &config, &batch.cands, &batch.actions, budget);
+                let mut st = lock(&sh.state);
+                for id in batch.new_copies {
+                    st.store.free_unmapped(id);
+                }
+                drop(st);
+                tracing::debug!(
+                    candidates = batch.cands.len(),
+                    commit_ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "commit"
+                );
+            }
+            ToCommitter::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+/// What classification needs of the store without its lock: fixed for the engine's life.
+struct StoreView {
+    tree: Arc<pageone_index::SdTree<crate::store::StoreKeys>>,
+    base: usize,
+    fd: i32,
+    remote: bool,
+}
+
+fn run_period(
+    sh: &Shared,
+    config: &Arc<Config>,
+    pool: &Pool,
+    committer: &std::sync::mpsc::SyncSender<ToCommitter>,
+) -> io::Result<()> {
+    let t_watch = Instant::now();
+    let limit = sys::max_map_count().unwrap_or(65530);
+    sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
+    let (candidates, view, waiting) = {
+        let mut st = lock(&sh.state);
+        let candidates = watch(sh, &mut st, config)?;
+        st.vmas = sys::map_count()?;
+        let view = StoreView {
+            tree: st.store.tree.clone(),
+            base: st.store.addr(0),
+            fd: st.store.fd(),
+            remote: st.store.remote.is_some(),
+        };
+        (candidates, view, !st.unstable.is_empty())
+    };
+    tracing::debug!(
+        watch_ms = t_watch.elapsed().as_secs_f64() * 1e3,
+        candidates = candidates.len(),
+        "watch"
+    );
+    // In batches: memory freed by one batch's merges is reused for the next batch's stable
+    // copies, savings show up progressively, and first sightings pair up across batches through
+    // the first-sighting map. The committer commits a batch while the next one is classified.
+    // With a daemon, an empty batch still collects the copies other processes made for pages
+    // waiting here.
+    let mut batches: Vec<&[Candidate]> = candidates.chunks(BATCH).collect();
+    if batches.is_empty() && view.remote && waiting {
+        batches.push(&[]);
+    }
+    let budget = limit.saturating_sub(config.vma_margin);
+    let mut handed_over = true;
+    for batch in batches {
+        let t0 = Instant::now();
+        let classified = classify(sh, &view, config, batch.to_vec(), pool);
+        tracing::debug!(
+            candidates = classified.cands.len(),
+            classify_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "classify"
+        );
+        let msg = ToCommitter::Batch {
+            batch: classified,
+            config: config.clone(),
+            budget,
+        };
+        if let Err(std::sync::mpsc::SendError(ToCommitter::Batch { batch, .. })) =
+            committer.send(msg)
+        {
+            // Only a bug ends the committer early: give this batch's copies back, merge nothing.
+            tracing::error!("the committer is gone; nothing more is merged");
+            let mut st = lock(&sh.state);
+            for id in batch.new_copies {
+                st.store.free_unmapped(id);
+            }
+            handed_over = false;
+            break;
+        }
+        if sh.stop.load(Ordering::Relaxed) {
+            break;
+        }
+    }
+    if handed_over {
+        let (done, wait) = std::sync::mpsc::sync_channel(1);
+        if committer.send(ToCommitter::Flush(done)).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+    lock(&sh.state).store.reclaim();
+    Ok(())
 }
 
 /// What the committer should do with one candidate page.
@@ -831,44 +1010,6 @@ fn as_bytes(buf: &[u64; WORDS]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), PAGE) }
 }
 
-fn run_period(sh: &Shared, st: &mut State, config: &Config, pool: &Pool) -> io::Result<()> {
-    let candidates = watch(sh, st, config)?;
-    let limit = sys::max_map_count().unwrap_or(65530);
-    sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
-    // In batches: memory freed by one batch's merges is reused for the next batch's stable
-    // copies, savings show up progressively, and first sightings pair up across batches through
-    // the first-sighting map.
-    // With a daemon, an empty batch still collects the copies other processes made for pages
-    // waiting here.
-    let empty: [Candidate; 0] = [];
-    let mut batches: Vec<&[Candidate]> = candidates.chunks(BATCH).collect();
-    if batches.is_empty() && st.store.remote.is_some() && !st.unstable.is_empty() {
-        batches.push(&empty);
-    }
-    for batch in batches {
-        let mut batch = batch.to_vec();
-        let t0 = Instant::now();
-        let actions = classify(st, config, &mut batch, pool);
-        let t1 = Instant::now();
-        let r = commit(sh, st, pool, config, &batch, &actions, limit);
-        tracing::debug!(
-            candidates = batch.len(),
-            classify_ms = (t1 - t0).as_secs_f64() * 1e3,
-            commit_ms = t1.elapsed().as_secs_f64() * 1e3,
-            "batch"
-        );
-        for id in std::mem::take(&mut st.new_copies) {
-            st.store.free_unmapped(id);
-        }
-        r?;
-        if sh.stop.load(Ordering::Relaxed) {
-            break;
-        }
-    }
-    st.store.reclaim();
-    Ok(())
-}
-
 /// Checksum-mode watching: whether the page at `addr` changed since the last call.
 fn checksum_changed(addr: usize, last: &mut u64) -> bool {
     let mut buf = [0u64; WORDS];
@@ -877,6 +1018,38 @@ fn checksum_changed(addr: usize, last: &mut u64) -> bool {
     let changed = *last != sum;
     *last = sum;
     changed
+}
+
+/// Pages written since the last scan, write-protected again by the same call.
+fn written_query() -> sys::ScanQuery {
+    sys::ScanQuery {
+        flags: PM_SCAN_WP_MATCHING,
+        category_mask: PAGE_IS_WRITTEN,
+        return_mask: PAGE_IS_WRITTEN,
+        ..Default::default()
+    }
+}
+
+/// Adds the scan results `found` (ranges of a region starting at `start`) to the per-page
+/// categories: bit 0 present, bit 1 file-backed, bit 2 zero pfn, bit 3 written.
+fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
+    for pr in found {
+        let mut bits = 0;
+        for (cat, bit) in [
+            (PAGE_IS_PRESENT, 1),
+            (PAGE_IS_FILE, 2),
+            (PAGE_IS_PFNZERO, 4),
+            (PAGE_IS_WRITTEN, 8),
+        ] {
+            if pr.categories & cat != 0 {
+                bits |= bit;
+            }
+        }
+        let (lo, hi) = (pr.start as usize - start, pr.end as usize - start);
+        for c in &mut cats[lo / PAGE..hi / PAGE] {
+            *c |= bits;
+        }
+    }
 }
 
 /// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
@@ -902,41 +1075,30 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
         cats.resize(n, 0);
         if sh.mode == WatchMode::UffdWp {
             regions_buf.clear();
-            let written = sys::ScanQuery {
-                flags: PM_SCAN_WP_MATCHING,
-                category_mask: PAGE_IS_WRITTEN,
-                return_mask: PAGE_IS_WRITTEN,
-                ..Default::default()
-            };
-            pagemap.scan(r.start, end, &written, &mut regions_buf)?;
-            for pr in &regions_buf {
-                for c in &mut cats
-                    [(pr.start as usize - r.start) / PAGE..(pr.end as usize - r.start) / PAGE]
-                {
-                    *c |= 8;
-                }
+            if r.merged_ever {
+                // Write-protect scans skip the store mappings merged pages live in, so those are
+                // seen by a second scan (present and file-backed, or written: copy-on-write broken).
+                pagemap.scan(r.start, end, &written_query(), &mut regions_buf)?;
+                mark_pages(&mut cats, r.start, &regions_buf);
+                regions_buf.clear();
+                let present = sys::ScanQuery {
+                    category_anyof_mask: PAGE_IS_PRESENT,
+                    return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                    ..Default::default()
+                };
+                pagemap.scan(r.start, end, &present, &mut regions_buf)?;
+            } else {
+                // Only anonymous memory: one walk returns every page's categories and
+                // write-protects the written ones again.
+                let all = sys::ScanQuery {
+                    flags: PM_SCAN_WP_MATCHING,
+                    category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
+                    return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
+                    ..Default::default()
+                };
+                pagemap.scan(r.start, end, &all, &mut regions_buf)?;
             }
-            regions_buf.clear();
-            let present = sys::ScanQuery {
-                category_anyof_mask: PAGE_IS_PRESENT,
-                return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
-                ..Default::default()
-            };
-            pagemap.scan(r.start, end, &present, &mut regions_buf)?;
-            for pr in &regions_buf {
-                let mut bits = 1;
-                if pr.categories & PAGE_IS_FILE != 0 {
-                    bits |= 2;
-                }
-                if pr.categories & PAGE_IS_PFNZERO != 0 {
-                    bits |= 4;
-                }
-                for c in &mut cats
-                    [(pr.start as usize - r.start) / PAGE..(pr.end as usize - r.start) / PAGE]
-                {
-                    *c |= bits;
-                }
-            }
+            mark_pages(&mut cats, r.start, &regions_buf);
         } else {
             entries.clear();
             pagemap.entries(r.start, n, &mut entries)?;
@@ -1114,18 +1276,22 @@ fn unique_page(
 
 /// Decides, on the worker threads, what to do with each candidate (adding UNIQUE pages of earlier
 /// periods that turn out to be duplicates).
+///
+/// The state lock is taken only to group first sightings and to record the new copies; reading
+/// pages, writing copies and indexing them run without it, so the committer works meanwhile.
 fn classify(
-    st: &mut State,
+    sh: &Shared,
+    view: &StoreView,
     config: &Config,
-    cands: &mut Vec<Candidate>,
+    mut cands: Vec<Candidate>,
     pool: &Pool,
-) -> Vec<Option<Action>> {
+) -> Classified {
     let t_start = Instant::now();
     let parts = config.workers.clamp(1, pool.size());
     let addrs: Arc<Vec<usize>> = Arc::new(cands.iter().map(|c| c.addr).collect());
     // Phase 1: zero check, stable index, hash of first sightings.
-    let tree = st.store.tree.clone();
-    let store_base = st.store.addr(0);
+    let tree = view.tree.clone();
+    let store_base = view.base;
     let parts_out = pool.map_parts(parts, addrs, move |lo, addrs| {
         let mut acts = Vec::with_capacity(addrs.len());
         let mut hs = Vec::new();
@@ -1162,9 +1328,16 @@ fn classify(
         hashes.append(&mut h);
     }
     if actions.len() != cands.len() {
-        // A worker failed (it cannot, short of a bug): merge nothing this period.
-        return vec![None; cands.len()];
+        // A worker failed (it cannot, short of a bug): merge nothing in this batch.
+        let n = cands.len();
+        return Classified {
+            cands,
+            actions: vec![None; n],
+            new_copies: Vec::new(),
+        };
     }
+    let mut guard = lock(&sh.state);
+    let st = &mut *guard;
     // Phase 2: group first sightings by hash, with this period's candidates and with the UNIQUE
     // pages of earlier periods; each group of two or more gets a stable copy, in address order
     // so that runs of pages get runs of ids. Singletons become UNIQUE and wait in the map.
@@ -1269,15 +1442,31 @@ fn classify(
             }
         }
     }
+    let mut new_copies = Vec::new();
     if groups.is_empty() && adopted.is_empty() {
-        return actions;
+        return Classified {
+            cands,
+            actions,
+            new_copies,
+        };
     }
     groups.sort_unstable();
     let t_group = Instant::now();
     // New copies (consecutive ids for runs of pages where the store allows), then the adopted
-    // slots: (first candidate, id, new here).
+    // slots: (first candidate, id, new here). Local copies are written below without the lock:
+    // their ids are this batch's alone until published.
     let srcs: Vec<usize> = groups.iter().map(|&g| cands[g as usize].addr).collect();
-    let made = st.store.make_copies(&srcs);
+    let (made, to_write) = if view.remote {
+        (st.store.copy_through_daemon(&srcs), None)
+    } else {
+        match st.store.alloc(srcs.len()) {
+            Some(ids) => (ids.iter().map(|&id| Some((id, true))).collect(), Some(ids)),
+            None => {
+                tracing::warn!("stable store is full; first sightings are not merged this period");
+                (vec![None; srcs.len()], None)
+            }
+        }
+    };
     let mut todo: Vec<(u32, KeyId, bool)> = Vec::with_capacity(groups.len() + adopted.len());
     for (&g, m) in groups.iter().zip(made) {
         if let Some((id, fresh)) = m {
@@ -1289,18 +1478,34 @@ fn classify(
             todo.push((i, slot, fresh));
         }
     }
+    drop(guard);
+    if let Some(ids) = &to_write {
+        // The kernel reads the source pages (they may be changing: every merge is verified
+        // later on frozen bytes).
+        if let Err(e) = crate::store::write_copies(view.fd, &srcs, ids) {
+            tracing::warn!(error = %e, "stable copies could not be written; not merging them");
+            let mut st = lock(&sh.state);
+            for &id in ids {
+                st.store.free_unmapped(id);
+            }
+            let written: HashSet<KeyId> = ids.iter().copied().collect();
+            todo.retain(|t| !written.contains(&t.1));
+        }
+    }
     let t_copy = Instant::now();
     // Index the new ids on the workers (the SD tree takes concurrent inserts), then record the
     // outcomes serially.
     let fresh: Vec<KeyId> = todo.iter().filter(|t| t.2).map(|t| t.1).collect();
-    let mut inserted = insert_parallel(pool, parts, &st.store.tree, &fresh).into_iter();
+    let mut inserted = insert_parallel(pool, parts, &view.tree, &fresh).into_iter();
+    let mut guard = lock(&sh.state);
+    let st = &mut *guard;
     let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(todo.len());
     for &(g, id, is_new) in &todo {
         let used = if is_new {
             let ins = inserted
                 .next()
                 .unwrap_or(Err(pageone_index::IndexError::Full(0)));
-            st.new_copies.push(id);
+            new_copies.push(id);
             match st.store.record_insert(id, ins) {
                 Ok(used) => used,
                 Err(e) => {
@@ -1325,7 +1530,11 @@ fn classify(
         publish_ms = t_copy.elapsed().as_secs_f64() * 1e3,
         "classify"
     );
-    actions
+    Classified {
+        cands,
+        actions,
+        new_copies,
+    }
 }
 
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the
@@ -1519,72 +1728,73 @@ fn unpack_run(w: u64) -> (usize, usize) {
     (start, start + (w & 0xffff) as usize * PAGE)
 }
 
-/// Freezes, verifies and replaces runs of candidates, in address order.
+/// Freezes, verifies and replaces runs of candidates, in address order. The state lock is held
+/// for one run at a time (at most `MAX_RUN` pages), so the classifier can record its next batch
+/// between runs.
 fn commit(
     sh: &Shared,
-    st: &mut State,
     pool: &Pool,
     config: &Config,
     cands: &[Candidate],
     actions: &[Option<Action>],
-    limit: usize,
-) -> io::Result<()> {
+    budget: usize,
+) {
     let mut todo: Vec<usize> = (0..cands.len()).filter(|&i| actions[i].is_some()).collect();
     if todo.is_empty() {
-        return Ok(());
+        return;
     }
     todo.sort_unstable_by_key(|&i| cands[i].addr);
-    let budget = limit.saturating_sub(config.vma_margin);
-    let mut vmas = sys::map_count()?;
-    let scratch = st.scratch;
-    let State {
-        regions,
-        store,
-        zero,
-        ..
-    } = st;
-    let broken: Vec<bool> = todo
-        .iter()
-        .map(|&t| {
-            regions
-                .get(&cands[t].region)
-                .is_some_and(|r| r.pages[cands[t].index].kind == BROKEN)
-        })
-        .collect();
     let mut i = 0;
     let mut moved = [false; MAX_RUN];
     let mut tm = [0f64; 4];
     let t_end = Instant::now();
     let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
     while i < todo.len() {
-        // A run: candidates at consecutive addresses of one region.
+        let mut guard = lock(&sh.state);
+        let State {
+            regions,
+            store,
+            vmas,
+            scratch,
+            ..
+        } = &mut *guard;
+        let scratch = *scratch;
+        // A run: candidates at consecutive addresses of one region, all COW-broken or none.
         let first = &cands[todo[i]];
+        let Some(region) = regions.get_mut(&first.region) else {
+            i += 1;
+            continue;
+        };
+        let broken = |t: usize| region.pages[cands[todo[t]].index].kind == BROKEN;
+        let run_broken = broken(i);
         let mut j = i + 1;
         while j < todo.len()
             && j - i < MAX_RUN
             && cands[todo[j]].region == first.region
             && cands[todo[j]].index == first.index + (j - i)
-            && broken[j] == broken[i]
+            && broken(j) == run_broken
         {
             j += 1;
         }
         let n = j - i;
         let start = first.addr;
-        let Some(region) = regions.get_mut(&first.region) else {
-            i = j;
-            continue;
-        };
-        if broken[i] {
+        if run_broken {
             let acts: Vec<Option<Action>> = (i..j).map(|t| actions[todo[t]]).collect();
             let run = Run {
                 start,
                 first_index: first.index,
                 n,
             };
-            commit_broken(sh, store, region, run, &acts, config, &mut vmas, budget);
+            commit_broken(sh, store, region, run, &acts, config, vmas, budget);
             i = j;
             continue;
         }
+        // Freezing and comparing need no state: the period lock keeps the region registered, and
+        // a copy named by this batch stays allocated until the batch is done (only the committer
+        // frees copies during a period).
+        let (region_key, first_index) = (first.region, first.index);
+        let store_base = store.addr(0);
+        drop(guard);
 
         let tf = Instant::now();
         // Freeze: from here until the wake, any access to the run blocks in the kernel.
@@ -1624,11 +1834,22 @@ fn commit(
             .map(|k| match actions[todo[i + k]] {
                 _ if !moved[k] => (0, 0),
                 Some(Action::Zero) => (scratch + k * PAGE, 0),
-                Some(Action::Merge(sid)) => (scratch + k * PAGE, store.addr(sid)),
+                Some(Action::Merge(sid)) => (scratch + k * PAGE, store_base + sid as usize * PAGE),
                 None => (0, 0),
             })
             .collect();
         let equal = verify_pages(pool, config.workers, jobs);
+        let mut guard = lock(&sh.state);
+        let State {
+            regions,
+            store,
+            zero,
+            vmas,
+            ..
+        } = &mut *guard;
+        let region = regions
+            .get_mut(&region_key)
+            .expect("the period lock keeps regions registered during a commit");
         for k in 0..n {
             verdict[k] = None;
             if !moved[k] {
@@ -1665,14 +1886,14 @@ fn commit(
             while k + m < n && verdict[k + m] == Some(Action::Merge(sid + m as u32)) {
                 m += 1;
             }
-            let idx = first.index + k;
+            let idx = first_index + k;
             let coalesces = idx > 0 && {
                 let left = region.pages[idx - 1];
                 left.kind == MERGED && left.sid.wrapping_add(1) == sid
             };
             let cost = if coalesces { 1 } else { 2 };
             let addr = start + k * PAGE;
-            let ok = if vmas + cost > budget {
+            let ok = if *vmas + cost > budget {
                 sh.counters
                     .vma_limited
                     .fetch_add(m as u64, Ordering::Relaxed);
@@ -1696,7 +1917,7 @@ fn commit(
             };
             for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
                 if !settle(
-                    &mut region.pages[first.index + q],
+                    &mut region.pages[first_index + q],
                     store,
                     sid + (q - k) as u32,
                     ok,
@@ -1705,7 +1926,8 @@ fn commit(
                 }
             }
             if ok {
-                vmas += cost;
+                *vmas += cost;
+                region.merged_ever = true;
                 sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
                 watch_store_mapping(sh, addr, m);
             }
@@ -1714,7 +1936,7 @@ fn commit(
 
         // Put back every moved page that is not merged or released.
         for k in 0..n {
-            let p = &mut region.pages[first.index + k];
+            let p = &mut region.pages[first_index + k];
             match verdict[k] {
                 Some(Action::Zero) => {
                     p.kind = ZERO;
@@ -1747,6 +1969,7 @@ fn commit(
                 }
             }
         }
+        drop(guard);
         let td = Instant::now();
         tm[2] += (td - tr).as_secs_f64();
         // Free the originals of merged and zero pages, then let writers in.
@@ -1763,7 +1986,8 @@ fn commit(
         total_ms = t_end.elapsed().as_secs_f64() * 1e3,
         "commit"
     );
-    // The count after this commit (exact at its start, plus what the merges added at most).
-    sh.counters.vmas.store(vmas as u64, Ordering::Relaxed);
-    Ok(())
+    // The count after this commit (exact at the period's start, plus what merges added at most).
+    sh.counters
+        .vmas
+        .store(lock(&sh.state).vmas as u64, Ordering::Relaxed);
 }

@@ -1,98 +1,144 @@
 //! The engine's worker threads: started once at idle CPU priority and reused every period, so the
 //! engine never creates threads (and their stack VMAs) while the process may be near its VMA or
 //! memory limit.
+//!
+//! The pool is a queue of parts shared by every thread that submits work (the classifier and the
+//! committer run concurrently). A submitter runs parts of its own job while it waits, so a job
+//! finishes even when every worker is busy with another submitter's parts, and no CPU idles.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use pageone_sys as sys;
 
 type Job = Arc<dyn Fn(usize) + Send + Sync>;
 
-struct State {
-    job: Option<Job>,
-    /// Incremented for every job; a worker runs each generation once.
-    generation: u64,
-    /// Workers taking part in the current job (the first `parts`).
-    parts: usize,
-    remaining: usize,
+/// Counts down the parts of one job; its submitter waits for zero.
+struct Latch {
+    remaining: Mutex<usize>,
+    zero: Condvar,
+}
+
+impl Latch {
+    fn count_down(&self) {
+        let mut r = lock(&self.remaining);
+        *r -= 1;
+        if *r == 0 {
+            self.zero.notify_all();
+        }
+    }
+}
+
+struct Task {
+    job: Job,
+    part: usize,
+    latch: Arc<Latch>,
+}
+
+impl Task {
+    fn run(self) {
+        // A panicking part must not leave its submitter waiting forever.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (self.job)(self.part)));
+        self.latch.count_down();
+    }
+}
+
+#[derive(Default)]
+struct Queue {
+    tasks: VecDeque<Task>,
     stop: bool,
 }
 
 struct Shared {
-    state: Mutex<State>,
+    queue: Mutex<Queue>,
     work: Condvar,
-    done: Condvar,
-    cpu_ns: AtomicU64,
+    /// Where each worker records its CPU clock when it starts.
+    clocks: Arc<Mutex<Vec<sys::CpuClock>>>,
 }
 
 pub(crate) struct Pool {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
-fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Pool {
-    pub(crate) fn new(n: usize) -> std::io::Result<Self> {
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                job: None,
-                generation: 0,
-                parts: 0,
-                remaining: 0,
-                stop: false,
+    /// Starts `n` workers; each adds its CPU clock to `clocks`.
+    pub(crate) fn new(n: usize, clocks: Arc<Mutex<Vec<sys::CpuClock>>>) -> std::io::Result<Self> {
+        let pool = Self {
+            shared: Arc::new(Shared {
+                queue: Mutex::new(Queue::default()),
+                work: Condvar::new(),
+                clocks,
             }),
-            work: Condvar::new(),
-            done: Condvar::new(),
-            cpu_ns: AtomicU64::new(0),
-        });
-        let mut pool = Self {
-            shared,
-            threads: Vec::new(),
+            threads: Mutex::new(Vec::new()),
         };
         pool.grow(n.max(1))?;
         Ok(pool)
     }
 
     pub(crate) fn size(&self) -> usize {
-        self.threads.len()
+        lock(&self.threads).len()
     }
 
-    /// Adds workers up to `n` (called on reconfiguration, never during a period).
-    pub(crate) fn grow(&mut self, n: usize) -> std::io::Result<()> {
-        while self.threads.len() < n {
-            let index = self.threads.len();
+    /// Adds workers up to `n`.
+    pub(crate) fn grow(&self, n: usize) -> std::io::Result<()> {
+        let mut threads = lock(&self.threads);
+        while threads.len() < n {
+            let index = threads.len();
             let shared = self.shared.clone();
             let t = std::thread::Builder::new()
                 .name(format!("pageone-worker-{index}"))
-                .spawn(move || worker(&shared, index))?;
-            self.threads.push(t);
+                .spawn(move || worker(&shared))?;
+            threads.push(t);
         }
         Ok(())
     }
 
-    /// Runs `job(part)` for `part` in `0..parts` on the first `parts` workers and waits for all.
+    /// Runs `job(part)` for `part` in `0..parts` and waits for all; the calling thread runs parts
+    /// too (its CPU time is its own, not the pool's).
     pub(crate) fn run(&self, parts: usize, job: Job) {
-        let parts = parts.clamp(1, self.threads.len());
-        let mut st = lock(&self.shared.state);
-        st.job = Some(job);
-        st.generation += 1;
-        st.parts = parts;
-        st.remaining = parts;
-        self.shared.work.notify_all();
-        while st.remaining > 0 {
-            st = self.shared.done.wait(st).unwrap_or_else(|e| e.into_inner());
+        let parts = parts.max(1);
+        let latch = Arc::new(Latch {
+            remaining: Mutex::new(parts),
+            zero: Condvar::new(),
+        });
+        {
+            let mut q = lock(&self.shared.queue);
+            for part in 0..parts {
+                q.tasks.push_back(Task {
+                    job: job.clone(),
+                    part,
+                    latch: latch.clone(),
+                });
+            }
         }
-        st.job = None;
+        self.shared.work.notify_all();
+        // Help with this job's parts that no worker took yet.
+        loop {
+            let mine = {
+                let mut q = lock(&self.shared.queue);
+                let at = q.tasks.iter().position(|t| Arc::ptr_eq(&t.latch, &latch));
+                at.and_then(|i| q.tasks.remove(i))
+            };
+            match mine {
+                Some(t) => t.run(),
+                None => break,
+            }
+        }
+        let mut r = lock(&latch.remaining);
+        while *r > 0 {
+            r = latch.zero.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
-    /// Splits `items` into `parts` consecutive chunks and runs `f(first index, chunk)` for each on
-    /// the workers; returns the results in chunk order (`None` for a part that did not report,
-    /// which only a bug can cause: callers then act on nothing).
+    /// Splits `items` into `parts` consecutive chunks and runs `f(first index, chunk)` for each;
+    /// returns the results in chunk order (`None` for a part that did not report, which only a
+    /// bug can cause: callers then act on nothing).
     pub(crate) fn map_parts<T, R, F>(
         &self,
         parts: usize,
@@ -104,7 +150,7 @@ impl Pool {
         R: Send + 'static,
         F: Fn(usize, &[T]) -> R + Send + Sync + 'static,
     {
-        let parts = parts.clamp(1, self.threads.len());
+        let parts = parts.max(1);
         let n = items.len();
         let chunk = n.div_ceil(parts).max(1);
         let out: Arc<Vec<Mutex<Option<R>>>> =
@@ -117,61 +163,41 @@ impl Pool {
                     let lo = (part * chunk).min(n);
                     let hi = ((part + 1) * chunk).min(n);
                     let r = f(lo, &items[lo..hi]);
-                    *out[part].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                    *lock(&out[part]) = Some(r);
                 }),
             );
         }
-        out.iter()
-            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).take())
-            .collect()
-    }
-
-    /// CPU time the workers spent in jobs so far, in nanoseconds.
-    pub(crate) fn cpu_ns(&self) -> u64 {
-        // Relaxed: a statistic; each worker's add happens before it reports the job done.
-        self.shared.cpu_ns.load(Ordering::Relaxed)
+        out.iter().map(|m| lock(m).take()).collect()
     }
 }
 
-fn worker(sh: &Shared, index: usize) {
+fn worker(sh: &Shared) {
     let _ = sys::set_thread_idle_priority();
-    let mut seen = 0;
+    if let Ok(c) = sys::CpuClock::current() {
+        lock(&sh.clocks).push(c);
+    }
     loop {
-        let job = {
-            let mut st = lock(&sh.state);
+        let task = {
+            let mut q = lock(&sh.queue);
             loop {
-                if st.stop {
+                if q.stop {
                     return;
                 }
-                if st.generation != seen {
-                    seen = st.generation;
-                    if index < st.parts {
-                        break st.job.clone();
-                    }
+                if let Some(t) = q.tasks.pop_front() {
+                    break t;
                 }
-                st = sh.work.wait(st).unwrap_or_else(|e| e.into_inner());
+                q = sh.work.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        let t = sys::thread_cpu_time_ns();
-        if let Some(job) = job {
-            // A panicking job must not leave the committer waiting forever.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(index)));
-        }
-        sh.cpu_ns
-            .fetch_add(sys::thread_cpu_time_ns() - t, Ordering::Relaxed);
-        let mut st = lock(&sh.state);
-        st.remaining -= 1;
-        if st.remaining == 0 {
-            sh.done.notify_all();
-        }
+        task.run();
     }
 }
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        lock(&self.shared.state).stop = true;
+        lock(&self.shared.queue).stop = true;
         self.shared.work.notify_all();
-        for t in self.threads.drain(..) {
+        for t in lock(&self.threads).drain(..) {
             let _ = t.join();
         }
     }

@@ -391,43 +391,22 @@ impl Store {
         }
     }
 
-    /// Makes stable copies of the pages at `srcs`; per page the copy's id and whether it is new
-    /// here (to be inserted in the tree), or `None` where no copy could be made.
-    pub(crate) fn make_copies(&mut self, srcs: &[usize]) -> Vec<Option<(KeyId, bool)>> {
-        if let Some(r) = &mut self.remote {
-            let slots = r.copy(srcs);
-            return slots
-                .into_iter()
-                .map(|s| {
-                    let id = s?;
-                    self.adopt(id).map(|fresh| (id, fresh))
-                })
-                .collect();
-        }
-        let Some(ids) = self.alloc(srcs.len()) else {
-            tracing::warn!("stable store is full; first sightings are not merged this period");
+    /// Has the daemon make stable copies of the pages at `srcs` (a scope's shared store); per page
+    /// the copy's id and whether it is new here (to be inserted in the tree), or `None` where no
+    /// copy could be made. A store of this process alone allocates ids ([`Store::alloc`]) and
+    /// writes them with [`write_copies`] instead, without holding the engine's state.
+    pub(crate) fn copy_through_daemon(&mut self, srcs: &[usize]) -> Vec<Option<(KeyId, bool)>> {
+        let Some(r) = &mut self.remote else {
             return vec![None; srcs.len()];
         };
-        // One pwritev per run of consecutive ids; the kernel reads the source pages (they may be
-        // changing: every merge is verified later on frozen bytes).
-        let mut k = 0;
-        while k < ids.len() {
-            let mut m = 1;
-            while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
-                m += 1;
-            }
-            if let Err(e) =
-                sys::pwrite_pages(self.fd(), &srcs[k..k + m], ids[k] as u64 * PAGE as u64)
-            {
-                tracing::warn!(error = %e, "stable copies could not be written; not merging them");
-                for &id in &ids {
-                    self.free_unmapped(id);
-                }
-                return vec![None; srcs.len()];
-            }
-            k += m;
-        }
-        ids.into_iter().map(|id| Some((id, true))).collect()
+        let slots = r.copy(srcs);
+        slots
+            .into_iter()
+            .map(|s| {
+                let id = s?;
+                self.adopt(id).map(|fresh| (id, fresh))
+            })
+            .collect()
     }
 
     /// Whether this store is a daemon's scope store that can no longer be reached.
@@ -443,4 +422,21 @@ impl Store {
     pub(crate) fn metadata_bytes(&self) -> u64 {
         (self.tree.nodes_allocated() * 32 + self.refs.len() * 14) as u64
     }
+}
+
+/// Writes the pages at `srcs` into the store file `fd` as copies `ids`, one `pwritev` per run of
+/// consecutive ids. Needs no lock on the store: the ids are allocated to the caller and not yet
+/// published. The kernel reads the sources, which may be changing: every merge is verified later
+/// on frozen bytes.
+pub(crate) fn write_copies(fd: i32, srcs: &[usize], ids: &[KeyId]) -> std::io::Result<()> {
+    let mut k = 0;
+    while k < ids.len() {
+        let mut m = 1;
+        while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
+            m += 1;
+        }
+        sys::pwrite_pages(fd, &srcs[k..k + m], ids[k] as u64 * PAGE as u64)?;
+        k += m;
+    }
+    Ok(())
 }

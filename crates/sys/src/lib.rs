@@ -341,15 +341,35 @@ pub fn set_thread_idle_priority() -> io::Result<()> {
     cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } as libc::c_long).map(drop)
 }
 
-/// CPU time consumed by the calling thread, in nanoseconds.
-pub fn thread_cpu_time_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a live timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+/// The CPU-time clock of one thread, readable from any thread of the process while that thread
+/// has not been joined (`pthread_getcpuclockid`).
+#[derive(Clone, Copy, Debug)]
+pub struct CpuClock(libc::clockid_t);
+
+impl CpuClock {
+    /// The calling thread's clock.
+    pub fn current() -> io::Result<Self> {
+        let mut id: libc::clockid_t = 0;
+        // SAFETY: `id` is a live out-parameter; pthread_self() is the calling thread.
+        let r = unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut id) };
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+        Ok(Self(id))
+    }
+
+    /// CPU time the thread used so far, in nanoseconds (0 if the clock cannot be read).
+    pub fn ns(&self) -> u64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: ts is a live timespec.
+        if unsafe { libc::clock_gettime(self.0, &mut ts) } != 0 {
+            return 0;
+        }
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
 }
 
 /// The kernel's VMA limit per process (`vm.max_map_count`).
