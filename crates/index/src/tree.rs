@@ -15,6 +15,32 @@ const FROZEN: u64 = 1 << 62;
 const FLAGS: u64 = DEL | FROZEN;
 const ID_MASK: u64 = 0xffff_ffff;
 
+/// Bits after a key's first set bit that [`SdTree::new`] routes on: 256 clusters per position take
+/// the top 8 levels off every cluster's trie (each a dependent, often cold, node load).
+pub const DEFAULT_ROUTE_BITS: u32 = 8;
+/// Most route bits [`SdTree::with_route_bits`] accepts.
+pub const MAX_ROUTE_BITS: u32 = 12;
+
+/// A zeroed edge table. Outside loom it comes from `alloc_zeroed`, so a large table's untouched
+/// pages stay uncommitted (the kernel's zero page) until an edge in them is written.
+#[cfg(not(loom))]
+fn zeroed_edges(n: usize) -> Box<[AtomicU64]> {
+    let layout = std::alloc::Layout::array::<AtomicU64>(n).expect("root table size");
+    // SAFETY: `layout` has a nonzero size (n >= 1: the all-zero key's position always exists).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<AtomicU64>();
+    if ptr.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    // SAFETY: `ptr` is a fresh allocation of exactly `Layout::array::<AtomicU64>(n)`, which is the
+    // layout a `Box<[AtomicU64]>` of length n frees with, and all-zero bytes are a valid AtomicU64.
+    unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n)) }
+}
+
+#[cfg(loom)]
+fn zeroed_edges(n: usize) -> Box<[AtomicU64]> {
+    (0..n).map(|_| AtomicU64::new(0)).collect()
+}
+
 #[inline]
 fn edge_id(e: u64) -> u32 {
     (e & ID_MASK) as u32
@@ -140,9 +166,10 @@ struct Walk<'t> {
 
 struct Inner<S> {
     arena: Arena,
-    /// The quasi-static upper level: one root edge per position of a key's first set bit (the last one
-    /// for the all-zero key).
+    /// The static upper level: one root edge per position of a key's first set bit (the last one for
+    /// the all-zero key) and value of the `route_bits` bits after it, at `position << route_bits | value`.
     roots: Box<[AtomicU64]>,
+    route_bits: u32,
     source: S,
     key_len: usize,
     key_bits: u32,
@@ -156,15 +183,30 @@ pub struct SdTree<S: KeySource> {
 }
 
 impl<S: KeySource> SdTree<S> {
-    /// An empty tree over keys of exactly `key_len` bytes, read through `source`.
+    /// An empty tree over keys of exactly `key_len` bytes, read through `source`, routing on
+    /// [`DEFAULT_ROUTE_BITS`] bits after each key's first set bit.
     pub fn new(source: S, key_len: usize) -> Result<Self, IndexError> {
+        Self::with_route_bits(source, key_len, DEFAULT_ROUTE_BITS)
+    }
+
+    /// [`SdTree::new`] with `route_bits` (at most [`MAX_ROUTE_BITS`]) bits after a key's first set
+    /// bit choosing its cluster. The root table has `(8 * key_len + 1) << route_bits` edges of 8
+    /// bytes, zero-filled on demand: memory is committed only for the positions keys use.
+    ///
+    /// Panics if `route_bits > MAX_ROUTE_BITS`.
+    pub fn with_route_bits(source: S, key_len: usize, route_bits: u32) -> Result<Self, IndexError> {
+        assert!(
+            route_bits <= MAX_ROUTE_BITS,
+            "route_bits {route_bits} > {MAX_ROUTE_BITS}"
+        );
         if key_len == 0 || key_len > MAX_KEY_BYTES {
             return Err(IndexError::KeyLength(key_len));
         }
         let key_bits = (key_len * 8) as u32;
         let inner = Inner {
             arena: Arena::new(),
-            roots: (0..=key_bits).map(|_| AtomicU64::new(0)).collect(),
+            roots: zeroed_edges((key_bits as usize + 1) << route_bits),
+            route_bits,
             source,
             key_len,
             key_bits,
@@ -438,23 +480,29 @@ impl<S: KeySource> SdTree<S> {
     pub fn check_invariants(&self) -> Result<(), String> {
         let inner = &*self.inner;
         let mut count = 0usize;
-        for (p, root) in inner.roots.iter().enumerate() {
+        for (r, root) in inner.roots.iter().enumerate() {
             let e = root.load(Ordering::Acquire);
             if e == 0 {
                 continue;
             }
             let mut leaves = Vec::new();
-            self.check_subtree(e, p as u32 + 1, &mut leaves)?;
+            let first = (r >> inner.route_bits) as u32;
+            let min_crit = first
+                + 1
+                + inner
+                    .route_bits
+                    .min(inner.key_bits.saturating_sub(first + 1));
+            self.check_subtree(e, min_crit, &mut leaves)?;
             for &k in &leaves {
                 let key = StoredKey {
                     source: &inner.source,
                     id: k,
                 };
                 let mut cur = Cursor::new(&key);
-                let first = inner.first_set(&mut cur);
-                if first as usize != p {
+                let (slot, next) = inner.route(&mut cur);
+                if slot != r || next != min_crit {
                     return Err(format!(
-                        "key {k} routed to cluster {p} but its first set bit is {first}"
+                        "key {k} under root {r} (bits from {min_crit}) but routes to {slot} (bits from {next})"
                     ));
                 }
             }
@@ -546,11 +594,10 @@ impl<S: KeySource> SdTree<S> {
         verify_leaf: bool,
     ) -> Option<Walk<'t>> {
         let inner = &*self.inner;
-        let first = inner.first_set(cur);
-        let mut loc = &inner.roots[first as usize];
+        // Every key in this cluster has the query's bits before `bit`.
+        let (slot, mut bit) = inner.route(cur);
+        let mut loc = &inner.roots[slot];
         let mut up: Option<(&AtomicU64, u64)> = None;
-        // Every key in this cluster has bits [0, first) clear and bit `first` set.
-        let mut bit = first + 1;
         loop {
             // Acquire pairs with the Release CAS that published the node behind this edge.
             let e = loc.load(Ordering::Acquire);
@@ -740,6 +787,31 @@ impl<S: KeySource> Inner<S> {
             }
         }
         self.key_bits
+    }
+
+    /// The root slot for the query and the first bit below it: the position of the first set bit and
+    /// the `route_bits` bits after it (as many as the key has, then zeros). Reads no word twice: the
+    /// route bits are in the first set bit's word or the next, which the walk reads first anyway.
+    #[inline]
+    fn route<K: Key + ?Sized>(&self, cur: &mut Cursor<'_, K>) -> (usize, u32) {
+        let first = self.first_set(cur);
+        let from = first + 1;
+        let n = self.route_bits.min(self.key_bits.saturating_sub(from));
+        let mut value = 0u64;
+        if n > 0 {
+            let w = (from / 64) as usize;
+            let off = from % 64;
+            let mut v = cur.word(w) << off;
+            if off + n > 64 {
+                // off > 64 - MAX_ROUTE_BITS here, so the shift is in range.
+                v |= cur.word(w + 1) >> (64 - off);
+            }
+            value = (v >> (64 - n)) << (self.route_bits - n);
+        }
+        (
+            ((first as usize) << self.route_bits) | value as usize,
+            from + n,
+        )
     }
 
     /// First bit in `[from, to)` where the query differs from stored key `id`.
