@@ -261,3 +261,42 @@ fn candidate_names_every_present_key_and_nothing_for_an_empty_tree() {
         }
     }
 }
+
+#[test]
+fn misses_decided_in_the_leaf_copies_read_no_stored_key() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    struct Counting(VecSource, AtomicUsize);
+    impl KeySource for Counting {
+        fn word(&self, id: KeyId, i: usize) -> u64 {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.word(id, i)
+        }
+    }
+    let (pages, _) = hard_pages(5_000, 21);
+    let (probes, _) = hard_pages(1_000, 22);
+    let tree = SdTree::new(
+        Counting(VecSource(pages.clone()), AtomicUsize::new(0)),
+        4096,
+    )
+    .unwrap();
+    for i in 0..pages.len() {
+        tree.insert_or_get(i as KeyId).unwrap();
+    }
+    tree.check_invariants().unwrap();
+    tree.source().1.store(0, Ordering::Relaxed);
+    let mut misses = 0;
+    for p in &probes {
+        // The 8-byte values differ within the two words from the first set bit on.
+        if tree.lookup(p.as_slice()).is_none() {
+            misses += 1;
+        }
+    }
+    assert!(misses > 990);
+    assert_eq!(tree.source().1.load(Ordering::Relaxed), 0);
+    // A hit still confirms every word after the zero run, the two copied ones from the leaf.
+    let (hit, stats) = tree.lookup_with_stats(pages[17].as_slice());
+    assert_eq!(hit.map(|e| e.key()), Some(17));
+    assert_eq!(stats.query_bytes, 4096);
+    let w0 = pages[17].iter().position(|&b| b != 0).unwrap() / 8;
+    assert_eq!(tree.source().1.load(Ordering::Relaxed), 512 - w0 - 2);
+}

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::arena::{Arena, GEN_MASK, META_LEAF};
+use crate::arena::{Arena, Node, GEN_MASK, META_LEAF};
 use crate::key::{Key, KeyId, KeySource, StoredKey, MAX_KEY_BYTES};
 use crate::primitive::{fence, AtomicU64, AtomicUsize, Ordering};
 use crate::reclaim::{self, Guard};
@@ -109,7 +109,8 @@ impl Insert {
 /// What one operation cost, for tests and benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OpStats {
-    /// Bytes of the query key read (whole words of 8; each word at most once per attempt).
+    /// Bytes of the query key read (whole words of 8; each word at most once per attempt of the
+    /// walk). An insert also counts the two words it copies into its new leaf.
     pub query_bytes: u32,
     /// Tree nodes visited, over all attempts.
     pub nodes: u32,
@@ -162,6 +163,8 @@ struct Walk<'t> {
     /// `None`: `edge` is a leaf equal to the query. `Some(x)`: the query first differs from every key
     /// below `edge` at bit `x` (or `loc` is an empty cluster root when `edge` is 0).
     diff: Option<u32>,
+    /// The word holding the cluster's first set bit: leaves keep a copy of it and the next one.
+    w0: usize,
 }
 
 struct Inner<S> {
@@ -285,6 +288,18 @@ impl<S: KeySource> SdTree<S> {
                 .meta
                 .store(leaf_gen | META_LEAF, Ordering::Relaxed);
             leaf_node.a.store(id as u64, Ordering::Relaxed);
+            // The two words from the first set bit on, where a miss usually differs from this key:
+            // compared here, they spare a walk the stored page (a cold line and TLB entry).
+            for (i, c) in leaf_node.c.iter().enumerate() {
+                let w = walk.w0 + i;
+                let word = if w < inner.words {
+                    stats.query_bytes += 8;
+                    inner.source.word(id, w)
+                } else {
+                    0
+                };
+                c.store(word, Ordering::Relaxed);
+            }
             let leaf_edge = make_edge(leaf_id, leaf_gen);
             let new_edge = if walk.edge == 0 {
                 leaf_edge
@@ -487,12 +502,13 @@ impl<S: KeySource> SdTree<S> {
             }
             let mut leaves = Vec::new();
             let first = (r >> inner.route_bits) as u32;
+            let w0 = first as usize / 64;
             let min_crit = first
                 + 1
                 + inner
                     .route_bits
                     .min(inner.key_bits.saturating_sub(first + 1));
-            self.check_subtree(e, min_crit, &mut leaves)?;
+            self.check_subtree(e, min_crit, w0, &mut leaves)?;
             for &k in &leaves {
                 let key = StoredKey {
                     source: &inner.source,
@@ -517,7 +533,13 @@ impl<S: KeySource> SdTree<S> {
         Ok(())
     }
 
-    fn check_subtree(&self, e: u64, min_crit: u32, leaves: &mut Vec<KeyId>) -> Result<(), String> {
+    fn check_subtree(
+        &self,
+        e: u64,
+        min_crit: u32,
+        w0: usize,
+        leaves: &mut Vec<KeyId>,
+    ) -> Result<(), String> {
         let inner = &*self.inner;
         if e & FLAGS != 0 {
             return Err(format!("flag left on edge {e:#x}"));
@@ -528,7 +550,13 @@ impl<S: KeySource> SdTree<S> {
             return Err(format!("edge {e:#x} names a stale generation"));
         }
         if meta & META_LEAF != 0 {
-            leaves.push(n.a.load(Ordering::Relaxed) as KeyId);
+            let id = n.a.load(Ordering::Relaxed) as KeyId;
+            for w in (w0..w0 + 2).filter(|&w| w < inner.words) {
+                if inner.leaf_word(n, id, w0, w) != inner.source.word(id, w) {
+                    return Err(format!("leaf of key {id} has a wrong copy of word {w}"));
+                }
+            }
+            leaves.push(id);
             return Ok(());
         }
         let crit = ((meta >> 32) & 0xffff) as u32;
@@ -538,7 +566,7 @@ impl<S: KeySource> SdTree<S> {
         let start = leaves.len();
         for dir in 0..2 {
             let before = leaves.len();
-            self.check_subtree(n.c[dir].load(Ordering::Acquire), crit + 1, leaves)?;
+            self.check_subtree(n.c[dir].load(Ordering::Acquire), crit + 1, w0, leaves)?;
             for &k in &leaves[before..] {
                 let key = StoredKey {
                     source: &inner.source,
@@ -561,7 +589,8 @@ impl<S: KeySource> SdTree<S> {
                     id: k,
                 };
                 let mut cur = Cursor::new(&key);
-                if let Some(x) = inner.mismatch(&mut cur, rep_key, 0, crit) {
+                let stored = |w| inner.source.word(rep_key, w);
+                if let Some(x) = inner.mismatch(&mut cur, stored, 0, crit) {
                     return Err(format!(
                         "key {k} differs from representative {rep_key} at {x} < {crit}"
                     ));
@@ -596,6 +625,7 @@ impl<S: KeySource> SdTree<S> {
         let inner = &*self.inner;
         // Every key in this cluster has the query's bits before `bit`.
         let (slot, mut bit) = inner.route(cur);
+        let w0 = (slot >> inner.route_bits) / 64;
         let mut loc = &inner.roots[slot];
         let mut up: Option<(&AtomicU64, u64)> = None;
         loop {
@@ -608,6 +638,7 @@ impl<S: KeySource> SdTree<S> {
                     edge: e,
                     up,
                     diff: Some(u32::MAX),
+                    w0,
                 });
             }
             stats.nodes += 1;
@@ -629,7 +660,8 @@ impl<S: KeySource> SdTree<S> {
                 }
                 let key = n.a.load(Ordering::Relaxed) as KeyId;
                 let diff = if verify_leaf {
-                    inner.mismatch(cur, key, bit.min(inner.key_bits), inner.key_bits)
+                    let stored = |w| inner.leaf_word(n, key, w0, w);
+                    inner.mismatch(cur, stored, bit.min(inner.key_bits), inner.key_bits)
                 } else {
                     None
                 };
@@ -638,6 +670,7 @@ impl<S: KeySource> SdTree<S> {
                     edge: e,
                     up,
                     diff,
+                    w0,
                 });
             }
             if let Some(guard) = helper {
@@ -655,12 +688,13 @@ impl<S: KeySource> SdTree<S> {
             }
             let crit = ((meta >> 32) & 0xffff) as u32;
             if bit < crit {
-                if let Some(x) = self.segment_mismatch(n, cur, bit, crit) {
+                if let Some(x) = self.segment_mismatch(n, cur, w0, bit, crit) {
                     return Some(Walk {
                         loc,
                         edge: e,
                         up,
                         diff: Some(x),
+                        w0,
                     });
                 }
             }
@@ -678,8 +712,9 @@ impl<S: KeySource> SdTree<S> {
     /// it was freed. Any leaf ever below `n` shares `n`'s prefix, so a live one is a valid witness.
     fn segment_mismatch<K: Key + ?Sized>(
         &self,
-        n: &crate::arena::Node,
+        n: &Node,
         cur: &mut Cursor<'_, K>,
+        w0: usize,
         from: u32,
         to: u32,
     ) -> Option<u32> {
@@ -689,8 +724,8 @@ impl<S: KeySource> SdTree<S> {
         let meta = leaf.meta.load(Ordering::Acquire); // pairs with the Release generation bump in Arena::free
         if meta & GEN_MASK == edge_gen(rep) && meta & META_LEAF != 0 {
             let key = leaf.a.load(Ordering::Relaxed) as KeyId;
-            let diff = inner.mismatch(cur, key, from, to);
-            // Orders the key reads above before the generation re-check (seqlock read side).
+            let diff = inner.mismatch(cur, |w| inner.leaf_word(leaf, key, w0, w), from, to);
+            // Orders the key and copy reads above before the generation re-check (seqlock read side).
             fence(Ordering::Acquire);
             if leaf.meta.load(Ordering::Relaxed) == meta {
                 return diff;
@@ -698,11 +733,12 @@ impl<S: KeySource> SdTree<S> {
         }
         // Stale representative: any leaf reachable below `n` now is protected by our pin.
         let mut e = n.c[0].load(Ordering::Acquire);
-        let (key, fresh) = loop {
+        let (m, key, fresh) = loop {
             let m = inner.arena.node(edge_id(e));
             let meta = m.meta.load(Ordering::Relaxed);
             if meta & META_LEAF != 0 {
                 break (
+                    m,
                     m.a.load(Ordering::Relaxed) as KeyId,
                     make_edge(edge_id(e), meta & GEN_MASK),
                 );
@@ -712,7 +748,7 @@ impl<S: KeySource> SdTree<S> {
         // Best effort; a failure means another thread installed a fresh one.
         let _ =
             n.a.compare_exchange(rep, fresh, Ordering::AcqRel, Ordering::Relaxed);
-        inner.mismatch(cur, key, from, to)
+        inner.mismatch(cur, |w| inner.leaf_word(m, key, w0, w), from, to)
     }
 
     /// Splices out the node behind `up_edge` (stored at `up_loc`), one of whose children is a deleted
@@ -814,19 +850,34 @@ impl<S: KeySource> Inner<S> {
         )
     }
 
-    /// First bit in `[from, to)` where the query differs from stored key `id`.
+    /// Word `w` of the key stored in leaf `leaf` (key `id`, in a cluster whose first set bit is in
+    /// word `w0`): from the leaf's copy for words `w0` and `w0 + 1`, else from the key source.
+    #[inline]
+    fn leaf_word(&self, leaf: &Node, id: KeyId, w0: usize, w: usize) -> u64 {
+        // Written before the leaf was published and immutable while it is allocated; ordered by the
+        // Acquire load of the edge or representative that named it (and re-validated by generation
+        // where that is a hint).
+        match w.wrapping_sub(w0) {
+            0 => leaf.c[0].load(Ordering::Relaxed),
+            1 => leaf.c[1].load(Ordering::Relaxed),
+            _ => self.source.word(id, w),
+        }
+    }
+
+    /// First bit in `[from, to)` where the query differs from the stored key whose words `stored`
+    /// returns.
     #[inline]
     fn mismatch<K: Key + ?Sized>(
         &self,
         cur: &mut Cursor<'_, K>,
-        id: KeyId,
+        stored: impl Fn(usize) -> u64,
         from: u32,
         to: u32,
     ) -> Option<u32> {
         let mut bit = from;
         while bit < to {
             let w = (bit / 64) as usize;
-            let mut x = cur.word(w) ^ self.source.word(id, w);
+            let mut x = cur.word(w) ^ stored(w);
             x &= u64::MAX >> (bit % 64);
             let word_end = (w as u32 + 1) * 64;
             if to < word_end {
