@@ -30,8 +30,9 @@ pub(crate) const META_LEAF: u64 = 1 << 30;
 ///
 /// - `meta`: generation (bits 0..30), leaf flag (bit 30), critical bit position (bits 32..48).
 /// - `a`: a leaf's key id; an internal node's representative leaf (an untagged edge).
-/// - `c`: an internal node's children (edges) for bit value 0 and 1. Free nodes keep the free-list
-///   link in `a`.
+/// - `c`: an internal node's children (edges) for bit value 0 and 1; a leaf's copy of its key's
+///   words `w0` and `w0 + 1`, where `w0` holds the key's first set bit. Free nodes keep the
+///   free-list link in `a`.
 pub(crate) struct Node {
     pub(crate) meta: AtomicU64,
     pub(crate) a: AtomicU64,

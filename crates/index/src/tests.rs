@@ -45,8 +45,13 @@ fn op_strategy(pool: usize) -> impl Strategy<Value = Op> {
     ]
 }
 
-fn run_model(key_len: usize, pool: Vec<Vec<u8>>, ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let tree = SdTree::new(VecSource(pool.clone()), key_len).unwrap();
+fn run_model(
+    key_len: usize,
+    route_bits: u32,
+    pool: Vec<Vec<u8>>,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
+    let tree = SdTree::with_route_bits(VecSource(pool.clone()), key_len, route_bits).unwrap();
     let mut model: BTreeMap<Vec<u8>, crate::Entry> = BTreeMap::new();
     for op in ops {
         match op {
@@ -91,8 +96,11 @@ fn run_model(key_len: usize, pool: Vec<Vec<u8>>, ops: Vec<Op>) -> Result<(), Tes
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
+    // Route bits: none (one trie per first-set-bit position), a few (routing that stops inside a
+    // byte and, for short keys, past the key's end), and the default.
     #[test]
     fn matches_btreemap_model(
+        route_bits in prop_oneof![Just(0u32), Just(3), Just(crate::DEFAULT_ROUTE_BITS)],
         (key_len, pool, ops) in prop_oneof![Just(1usize), Just(8), Just(13), Just(24)]
             .prop_flat_map(|len| (Just(len), proptest::collection::vec(key_strategy(len), 1..40)))
             .prop_flat_map(|(len, pool)| {
@@ -100,7 +108,7 @@ proptest! {
                 (Just(len), Just(pool), proptest::collection::vec(op_strategy(n), 0..200))
             })
     ) {
-        run_model(key_len, pool, ops)?;
+        run_model(key_len, route_bits, pool, ops)?;
     }
 }
 
@@ -108,6 +116,49 @@ proptest! {
 fn rejects_bad_key_lengths() {
     assert!(SdTree::new(VecSource(vec![]), 0).is_err());
     assert!(SdTree::new(VecSource(vec![]), 4097).is_err());
+}
+
+#[test]
+fn route_bits_past_the_key_end_and_across_words() {
+    // 1-byte keys: fewer than 8 bits follow any first set bit. 9-byte keys with the first set bit
+    // late in word 0: the route bits continue into word 1.
+    for (len, keys) in [
+        (
+            1usize,
+            vec![vec![0x80u8], vec![0x81], vec![0x01], vec![0x00], vec![0x40]],
+        ),
+        (
+            9,
+            vec![
+                vec![0, 0, 0, 0, 0, 0, 0, 1, 0x00],
+                vec![0, 0, 0, 0, 0, 0, 0, 1, 0x80],
+                vec![0, 0, 0, 0, 0, 0, 0, 1, 0x81],
+                vec![0, 0, 0, 0, 0, 0, 0, 3, 0x81],
+                vec![0, 0, 0, 0, 0, 0, 0, 0, 0x81],
+                vec![0; 9],
+            ],
+        ),
+    ] {
+        for route_bits in [0, 1, 7, 8, crate::MAX_ROUTE_BITS] {
+            let tree = SdTree::with_route_bits(VecSource(keys.clone()), len, route_bits).unwrap();
+            for i in 0..keys.len() {
+                assert!(tree.insert_or_get(i as KeyId).unwrap().inserted());
+            }
+            tree.check_invariants().unwrap();
+            for (i, k) in keys.iter().enumerate() {
+                assert_eq!(tree.lookup(k.as_slice()).map(|e| e.key()), Some(i as KeyId));
+            }
+            let mut absent = keys[keys.len() - 2].clone();
+            absent[len - 1] ^= 0x10;
+            assert_eq!(tree.lookup(absent.as_slice()), None);
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "route_bits")]
+fn too_many_route_bits_panics() {
+    let _ = SdTree::with_route_bits(VecSource(vec![]), 8, crate::MAX_ROUTE_BITS + 1);
 }
 
 #[test]
@@ -209,4 +260,43 @@ fn candidate_names_every_present_key_and_nothing_for_an_empty_tree() {
             assert_ne!(pages[c.key() as usize], *p);
         }
     }
+}
+
+#[test]
+fn misses_decided_in_the_leaf_copies_read_no_stored_key() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    struct Counting(VecSource, AtomicUsize);
+    impl KeySource for Counting {
+        fn word(&self, id: KeyId, i: usize) -> u64 {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.word(id, i)
+        }
+    }
+    let (pages, _) = hard_pages(5_000, 21);
+    let (probes, _) = hard_pages(1_000, 22);
+    let tree = SdTree::new(
+        Counting(VecSource(pages.clone()), AtomicUsize::new(0)),
+        4096,
+    )
+    .unwrap();
+    for i in 0..pages.len() {
+        tree.insert_or_get(i as KeyId).unwrap();
+    }
+    tree.check_invariants().unwrap();
+    tree.source().1.store(0, Ordering::Relaxed);
+    let mut misses = 0;
+    for p in &probes {
+        // The 8-byte values differ within the two words from the first set bit on.
+        if tree.lookup(p.as_slice()).is_none() {
+            misses += 1;
+        }
+    }
+    assert!(misses > 990);
+    assert_eq!(tree.source().1.load(Ordering::Relaxed), 0);
+    // A hit still confirms every word after the zero run, the two copied ones from the leaf.
+    let (hit, stats) = tree.lookup_with_stats(pages[17].as_slice());
+    assert_eq!(hit.map(|e| e.key()), Some(17));
+    assert_eq!(stats.query_bytes, 4096);
+    let w0 = pages[17].iter().position(|&b| b != 0).unwrap() / 8;
+    assert_eq!(tree.source().1.load(Ordering::Relaxed), 512 - w0 - 2);
 }

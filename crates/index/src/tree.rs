@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::arena::{Arena, GEN_MASK, META_LEAF};
+use crate::arena::{Arena, Node, GEN_MASK, META_LEAF};
 use crate::key::{Key, KeyId, KeySource, StoredKey, MAX_KEY_BYTES};
 use crate::primitive::{fence, AtomicU64, AtomicUsize, Ordering};
 use crate::reclaim::{self, Guard};
@@ -14,6 +14,32 @@ const DEL: u64 = 1 << 63;
 const FROZEN: u64 = 1 << 62;
 const FLAGS: u64 = DEL | FROZEN;
 const ID_MASK: u64 = 0xffff_ffff;
+
+/// Bits after a key's first set bit that [`SdTree::new`] routes on: 256 clusters per position take
+/// the top 8 levels off every cluster's trie (each a dependent, often cold, node load).
+pub const DEFAULT_ROUTE_BITS: u32 = 8;
+/// Most route bits [`SdTree::with_route_bits`] accepts.
+pub const MAX_ROUTE_BITS: u32 = 12;
+
+/// A zeroed edge table. Outside loom it comes from `alloc_zeroed`, so a large table's untouched
+/// pages stay uncommitted (the kernel's zero page) until an edge in them is written.
+#[cfg(not(loom))]
+fn zeroed_edges(n: usize) -> Box<[AtomicU64]> {
+    let layout = std::alloc::Layout::array::<AtomicU64>(n).expect("root table size");
+    // SAFETY: `layout` has a nonzero size (n >= 1: the all-zero key's position always exists).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<AtomicU64>();
+    if ptr.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    // SAFETY: `ptr` is a fresh allocation of exactly `Layout::array::<AtomicU64>(n)`, which is the
+    // layout a `Box<[AtomicU64]>` of length n frees with, and all-zero bytes are a valid AtomicU64.
+    unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n)) }
+}
+
+#[cfg(loom)]
+fn zeroed_edges(n: usize) -> Box<[AtomicU64]> {
+    (0..n).map(|_| AtomicU64::new(0)).collect()
+}
 
 #[inline]
 fn edge_id(e: u64) -> u32 {
@@ -83,7 +109,8 @@ impl Insert {
 /// What one operation cost, for tests and benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OpStats {
-    /// Bytes of the query key read (whole words of 8; each word at most once per attempt).
+    /// Bytes of the query key read (whole words of 8; each word at most once per attempt of the
+    /// walk). An insert also counts the two words it copies into its new leaf.
     pub query_bytes: u32,
     /// Tree nodes visited, over all attempts.
     pub nodes: u32,
@@ -136,13 +163,16 @@ struct Walk<'t> {
     /// `None`: `edge` is a leaf equal to the query. `Some(x)`: the query first differs from every key
     /// below `edge` at bit `x` (or `loc` is an empty cluster root when `edge` is 0).
     diff: Option<u32>,
+    /// The word holding the cluster's first set bit: leaves keep a copy of it and the next one.
+    w0: usize,
 }
 
 struct Inner<S> {
     arena: Arena,
-    /// The quasi-static upper level: one root edge per position of a key's first set bit (the last one
-    /// for the all-zero key).
+    /// The static upper level: one root edge per position of a key's first set bit (the last one for
+    /// the all-zero key) and value of the `route_bits` bits after it, at `position << route_bits | value`.
     roots: Box<[AtomicU64]>,
+    route_bits: u32,
     source: S,
     key_len: usize,
     key_bits: u32,
@@ -156,15 +186,30 @@ pub struct SdTree<S: KeySource> {
 }
 
 impl<S: KeySource> SdTree<S> {
-    /// An empty tree over keys of exactly `key_len` bytes, read through `source`.
+    /// An empty tree over keys of exactly `key_len` bytes, read through `source`, routing on
+    /// [`DEFAULT_ROUTE_BITS`] bits after each key's first set bit.
     pub fn new(source: S, key_len: usize) -> Result<Self, IndexError> {
+        Self::with_route_bits(source, key_len, DEFAULT_ROUTE_BITS)
+    }
+
+    /// [`SdTree::new`] with `route_bits` (at most [`MAX_ROUTE_BITS`]) bits after a key's first set
+    /// bit choosing its cluster. The root table has `(8 * key_len + 1) << route_bits` edges of 8
+    /// bytes, zero-filled on demand: memory is committed only for the positions keys use.
+    ///
+    /// Panics if `route_bits > MAX_ROUTE_BITS`.
+    pub fn with_route_bits(source: S, key_len: usize, route_bits: u32) -> Result<Self, IndexError> {
+        assert!(
+            route_bits <= MAX_ROUTE_BITS,
+            "route_bits {route_bits} > {MAX_ROUTE_BITS}"
+        );
         if key_len == 0 || key_len > MAX_KEY_BYTES {
             return Err(IndexError::KeyLength(key_len));
         }
         let key_bits = (key_len * 8) as u32;
         let inner = Inner {
             arena: Arena::new(),
-            roots: (0..=key_bits).map(|_| AtomicU64::new(0)).collect(),
+            roots: zeroed_edges((key_bits as usize + 1) << route_bits),
+            route_bits,
             source,
             key_len,
             key_bits,
@@ -243,6 +288,18 @@ impl<S: KeySource> SdTree<S> {
                 .meta
                 .store(leaf_gen | META_LEAF, Ordering::Relaxed);
             leaf_node.a.store(id as u64, Ordering::Relaxed);
+            // The two words from the first set bit on, where a miss usually differs from this key:
+            // compared here, they spare a walk the stored page (a cold line and TLB entry).
+            for (i, c) in leaf_node.c.iter().enumerate() {
+                let w = walk.w0 + i;
+                let word = if w < inner.words {
+                    stats.query_bytes += 8;
+                    inner.source.word(id, w)
+                } else {
+                    0
+                };
+                c.store(word, Ordering::Relaxed);
+            }
             let leaf_edge = make_edge(leaf_id, leaf_gen);
             let new_edge = if walk.edge == 0 {
                 leaf_edge
@@ -438,23 +495,30 @@ impl<S: KeySource> SdTree<S> {
     pub fn check_invariants(&self) -> Result<(), String> {
         let inner = &*self.inner;
         let mut count = 0usize;
-        for (p, root) in inner.roots.iter().enumerate() {
+        for (r, root) in inner.roots.iter().enumerate() {
             let e = root.load(Ordering::Acquire);
             if e == 0 {
                 continue;
             }
             let mut leaves = Vec::new();
-            self.check_subtree(e, p as u32 + 1, &mut leaves)?;
+            let first = (r >> inner.route_bits) as u32;
+            let w0 = first as usize / 64;
+            let min_crit = first
+                + 1
+                + inner
+                    .route_bits
+                    .min(inner.key_bits.saturating_sub(first + 1));
+            self.check_subtree(e, min_crit, w0, &mut leaves)?;
             for &k in &leaves {
                 let key = StoredKey {
                     source: &inner.source,
                     id: k,
                 };
                 let mut cur = Cursor::new(&key);
-                let first = inner.first_set(&mut cur);
-                if first as usize != p {
+                let (slot, next) = inner.route(&mut cur);
+                if slot != r || next != min_crit {
                     return Err(format!(
-                        "key {k} routed to cluster {p} but its first set bit is {first}"
+                        "key {k} under root {r} (bits from {min_crit}) but routes to {slot} (bits from {next})"
                     ));
                 }
             }
@@ -469,7 +533,13 @@ impl<S: KeySource> SdTree<S> {
         Ok(())
     }
 
-    fn check_subtree(&self, e: u64, min_crit: u32, leaves: &mut Vec<KeyId>) -> Result<(), String> {
+    fn check_subtree(
+        &self,
+        e: u64,
+        min_crit: u32,
+        w0: usize,
+        leaves: &mut Vec<KeyId>,
+    ) -> Result<(), String> {
         let inner = &*self.inner;
         if e & FLAGS != 0 {
             return Err(format!("flag left on edge {e:#x}"));
@@ -480,7 +550,13 @@ impl<S: KeySource> SdTree<S> {
             return Err(format!("edge {e:#x} names a stale generation"));
         }
         if meta & META_LEAF != 0 {
-            leaves.push(n.a.load(Ordering::Relaxed) as KeyId);
+            let id = n.a.load(Ordering::Relaxed) as KeyId;
+            for w in (w0..w0 + 2).filter(|&w| w < inner.words) {
+                if inner.leaf_word(n, id, w0, w) != inner.source.word(id, w) {
+                    return Err(format!("leaf of key {id} has a wrong copy of word {w}"));
+                }
+            }
+            leaves.push(id);
             return Ok(());
         }
         let crit = ((meta >> 32) & 0xffff) as u32;
@@ -490,7 +566,7 @@ impl<S: KeySource> SdTree<S> {
         let start = leaves.len();
         for dir in 0..2 {
             let before = leaves.len();
-            self.check_subtree(n.c[dir].load(Ordering::Acquire), crit + 1, leaves)?;
+            self.check_subtree(n.c[dir].load(Ordering::Acquire), crit + 1, w0, leaves)?;
             for &k in &leaves[before..] {
                 let key = StoredKey {
                     source: &inner.source,
@@ -513,7 +589,8 @@ impl<S: KeySource> SdTree<S> {
                     id: k,
                 };
                 let mut cur = Cursor::new(&key);
-                if let Some(x) = inner.mismatch(&mut cur, rep_key, 0, crit) {
+                let stored = |w| inner.source.word(rep_key, w);
+                if let Some(x) = inner.mismatch(&mut cur, stored, 0, crit) {
                     return Err(format!(
                         "key {k} differs from representative {rep_key} at {x} < {crit}"
                     ));
@@ -546,11 +623,11 @@ impl<S: KeySource> SdTree<S> {
         verify_leaf: bool,
     ) -> Option<Walk<'t>> {
         let inner = &*self.inner;
-        let first = inner.first_set(cur);
-        let mut loc = &inner.roots[first as usize];
+        // Every key in this cluster has the query's bits before `bit`.
+        let (slot, mut bit) = inner.route(cur);
+        let w0 = (slot >> inner.route_bits) / 64;
+        let mut loc = &inner.roots[slot];
         let mut up: Option<(&AtomicU64, u64)> = None;
-        // Every key in this cluster has bits [0, first) clear and bit `first` set.
-        let mut bit = first + 1;
         loop {
             // Acquire pairs with the Release CAS that published the node behind this edge.
             let e = loc.load(Ordering::Acquire);
@@ -561,6 +638,7 @@ impl<S: KeySource> SdTree<S> {
                     edge: e,
                     up,
                     diff: Some(u32::MAX),
+                    w0,
                 });
             }
             stats.nodes += 1;
@@ -582,7 +660,8 @@ impl<S: KeySource> SdTree<S> {
                 }
                 let key = n.a.load(Ordering::Relaxed) as KeyId;
                 let diff = if verify_leaf {
-                    inner.mismatch(cur, key, bit.min(inner.key_bits), inner.key_bits)
+                    let stored = |w| inner.leaf_word(n, key, w0, w);
+                    inner.mismatch(cur, stored, bit.min(inner.key_bits), inner.key_bits)
                 } else {
                     None
                 };
@@ -591,6 +670,7 @@ impl<S: KeySource> SdTree<S> {
                     edge: e,
                     up,
                     diff,
+                    w0,
                 });
             }
             if let Some(guard) = helper {
@@ -608,12 +688,13 @@ impl<S: KeySource> SdTree<S> {
             }
             let crit = ((meta >> 32) & 0xffff) as u32;
             if bit < crit {
-                if let Some(x) = self.segment_mismatch(n, cur, bit, crit) {
+                if let Some(x) = self.segment_mismatch(n, cur, w0, bit, crit) {
                     return Some(Walk {
                         loc,
                         edge: e,
                         up,
                         diff: Some(x),
+                        w0,
                     });
                 }
             }
@@ -631,8 +712,9 @@ impl<S: KeySource> SdTree<S> {
     /// it was freed. Any leaf ever below `n` shares `n`'s prefix, so a live one is a valid witness.
     fn segment_mismatch<K: Key + ?Sized>(
         &self,
-        n: &crate::arena::Node,
+        n: &Node,
         cur: &mut Cursor<'_, K>,
+        w0: usize,
         from: u32,
         to: u32,
     ) -> Option<u32> {
@@ -642,8 +724,8 @@ impl<S: KeySource> SdTree<S> {
         let meta = leaf.meta.load(Ordering::Acquire); // pairs with the Release generation bump in Arena::free
         if meta & GEN_MASK == edge_gen(rep) && meta & META_LEAF != 0 {
             let key = leaf.a.load(Ordering::Relaxed) as KeyId;
-            let diff = inner.mismatch(cur, key, from, to);
-            // Orders the key reads above before the generation re-check (seqlock read side).
+            let diff = inner.mismatch(cur, |w| inner.leaf_word(leaf, key, w0, w), from, to);
+            // Orders the key and copy reads above before the generation re-check (seqlock read side).
             fence(Ordering::Acquire);
             if leaf.meta.load(Ordering::Relaxed) == meta {
                 return diff;
@@ -651,11 +733,12 @@ impl<S: KeySource> SdTree<S> {
         }
         // Stale representative: any leaf reachable below `n` now is protected by our pin.
         let mut e = n.c[0].load(Ordering::Acquire);
-        let (key, fresh) = loop {
+        let (m, key, fresh) = loop {
             let m = inner.arena.node(edge_id(e));
             let meta = m.meta.load(Ordering::Relaxed);
             if meta & META_LEAF != 0 {
                 break (
+                    m,
                     m.a.load(Ordering::Relaxed) as KeyId,
                     make_edge(edge_id(e), meta & GEN_MASK),
                 );
@@ -665,7 +748,7 @@ impl<S: KeySource> SdTree<S> {
         // Best effort; a failure means another thread installed a fresh one.
         let _ =
             n.a.compare_exchange(rep, fresh, Ordering::AcqRel, Ordering::Relaxed);
-        inner.mismatch(cur, key, from, to)
+        inner.mismatch(cur, |w| inner.leaf_word(m, key, w0, w), from, to)
     }
 
     /// Splices out the node behind `up_edge` (stored at `up_loc`), one of whose children is a deleted
@@ -742,19 +825,59 @@ impl<S: KeySource> Inner<S> {
         self.key_bits
     }
 
-    /// First bit in `[from, to)` where the query differs from stored key `id`.
+    /// The root slot for the query and the first bit below it: the position of the first set bit and
+    /// the `route_bits` bits after it (as many as the key has, then zeros). Reads no word twice: the
+    /// route bits are in the first set bit's word or the next, which the walk reads first anyway.
+    #[inline]
+    fn route<K: Key + ?Sized>(&self, cur: &mut Cursor<'_, K>) -> (usize, u32) {
+        let first = self.first_set(cur);
+        let from = first + 1;
+        let n = self.route_bits.min(self.key_bits.saturating_sub(from));
+        let mut value = 0u64;
+        if n > 0 {
+            let w = (from / 64) as usize;
+            let off = from % 64;
+            let mut v = cur.word(w) << off;
+            if off + n > 64 {
+                // off > 64 - MAX_ROUTE_BITS here, so the shift is in range.
+                v |= cur.word(w + 1) >> (64 - off);
+            }
+            value = (v >> (64 - n)) << (self.route_bits - n);
+        }
+        (
+            ((first as usize) << self.route_bits) | value as usize,
+            from + n,
+        )
+    }
+
+    /// Word `w` of the key stored in leaf `leaf` (key `id`, in a cluster whose first set bit is in
+    /// word `w0`): from the leaf's copy for words `w0` and `w0 + 1`, else from the key source.
+    #[inline]
+    fn leaf_word(&self, leaf: &Node, id: KeyId, w0: usize, w: usize) -> u64 {
+        // Written before the leaf was published and immutable while it is allocated; ordered by the
+        // Acquire load of the edge or representative that named it (and re-validated by generation
+        // where that is a hint).
+        match w.wrapping_sub(w0) {
+            0 => leaf.c[0].load(Ordering::Relaxed),
+            1 => leaf.c[1].load(Ordering::Relaxed),
+            _ => self.source.word(id, w),
+        }
+    }
+
+    /// First bit in `[from, to)` where the query differs from the stored key whose words `stored`
+    /// returns.
     #[inline]
     fn mismatch<K: Key + ?Sized>(
         &self,
         cur: &mut Cursor<'_, K>,
-        id: KeyId,
+        stored: impl Fn(usize) -> u64,
         from: u32,
         to: u32,
     ) -> Option<u32> {
         let mut bit = from;
         while bit < to {
             let w = (bit / 64) as usize;
-            let mut x = cur.word(w) ^ self.source.word(id, w);
+            let mut x = cur.word(w) ^ stored(w);
             x &= u64::MAX >> (bit % 64);
             let word_end = (w as u32 + 1) * 64;
             if to < word_end {

@@ -15,8 +15,10 @@ impl KeySource for Bytes {
     }
 }
 
+/// Without route bits, so that the one-byte keys below share a trie (with the default route bits
+/// every one of them would have a root edge of its own).
 fn tree(keys: &[u8]) -> Arc<SdTree<Bytes>> {
-    Arc::new(SdTree::new(Bytes(keys.to_vec()), 1).unwrap())
+    Arc::new(SdTree::with_route_bits(Bytes(keys.to_vec()), 1, 0).unwrap())
 }
 
 #[test]
@@ -30,6 +32,22 @@ fn insert_insert_distinct_siblings() {
         assert!(t.insert_or_get(2).unwrap().inserted());
         h.join().unwrap();
         assert_eq!(t.len(), 3);
+        t.check_invariants().unwrap();
+    });
+}
+
+#[test]
+fn insert_insert_below_a_routed_root() {
+    loom::model(|| {
+        // 4 route bits after bit 0 take bits 1..5, which the three keys share; they race below it.
+        let t = Arc::new(SdTree::with_route_bits(Bytes(vec![0x80, 0x81, 0x83]), 1, 4).unwrap());
+        t.insert_or_get(0).unwrap();
+        let t1 = t.clone();
+        let h = thread::spawn(move || assert!(t1.insert_or_get(1).unwrap().inserted()));
+        assert!(t.insert_or_get(2).unwrap().inserted());
+        h.join().unwrap();
+        assert_eq!(t.len(), 3);
+        assert!(t.lookup([0x82u8].as_slice()).is_none());
         t.check_invariants().unwrap();
     });
 }

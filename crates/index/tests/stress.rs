@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 
-use pageone_index::{Entry, Key, KeyId, KeySource, SdTree};
+use pageone_index::{Entry, Key, KeyId, KeySource, SdTree, DEFAULT_ROUTE_BITS};
 use rand::{Rng, SeedableRng};
 
 const KEY_LEN: usize = 64;
@@ -61,10 +61,14 @@ fn scale() -> usize {
 
 #[test]
 fn concurrent_inserts_of_identical_content_store_each_content_once() {
-    for threads in [2, 4, 8] {
+    // Without route bits the keys share deep tries; with the default most races are on root edges.
+    for (threads, route_bits) in [2, 4, 8]
+        .into_iter()
+        .flat_map(|t| [(t, 0), (t, DEFAULT_ROUTE_BITS)])
+    {
         let n = scale();
         let p = pool(n, threads, threads as u64);
-        let tree = Arc::new(SdTree::new(Src(p.clone()), KEY_LEN).unwrap());
+        let tree = Arc::new(SdTree::with_route_bits(Src(p.clone()), KEY_LEN, route_bits).unwrap());
         let barrier = Arc::new(Barrier::new(threads));
         let results: Vec<Vec<(bool, Entry)>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..threads)
@@ -111,11 +115,14 @@ fn concurrent_inserts_of_identical_content_store_each_content_once() {
 
 #[test]
 fn removals_race_inserts_and_lookups() {
-    for threads in [2, 4, 8] {
+    for (threads, route_bits) in [2, 4, 8]
+        .into_iter()
+        .flat_map(|t| [(t, 0), (t, DEFAULT_ROUTE_BITS)])
+    {
         let n = scale();
         // Contents 0..n: thread t owns contents c with c % threads == t.
         let p = pool(n, 1, 100 + threads as u64);
-        let tree = Arc::new(SdTree::new(Src(p.clone()), KEY_LEN).unwrap());
+        let tree = Arc::new(SdTree::with_route_bits(Src(p.clone()), KEY_LEN, route_bits).unwrap());
         // Start with the even contents stored.
         let stored: Vec<Mutex<Option<Entry>>> = (0..n).map(|_| Mutex::new(None)).collect();
         for c in (0..n).step_by(2) {
@@ -167,13 +174,20 @@ fn removals_race_inserts_and_lookups() {
         }
         assert_eq!(tree.len(), n / 2);
         tree.check_invariants().unwrap();
-        // Removed keys are released after a grace period.
-        for _ in 0..256 {
+        // Removed keys are released after a grace period. Each flush collects a few bags of the
+        // global queue, oldest first, and earlier rounds of this test left many; exiting workers
+        // hand their last bags over in thread-local destructors, which may run after the scope ends.
+        let mut flushes = 0;
+        while p.released.load(Ordering::Relaxed) == 0 && flushes < 1_000_000 {
             crossbeam_epoch::pin().flush();
+            flushes += 1;
+            if flushes % 1000 == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
         assert!(
             p.released.load(Ordering::Relaxed) > 0,
-            "no removed key was ever released"
+            "no removed key was released after {flushes} flushes ({threads} threads, {route_bits} route bits)"
         );
     }
 }
