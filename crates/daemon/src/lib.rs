@@ -129,7 +129,52 @@ struct Scope {
     uid: u32,
     fd: OwnedFd,
     capacity: u32,
+    /// A read-only view of the whole store (address space only), to hash what was copied.
+    view: usize,
     state: Mutex<ScopeState>,
+}
+
+impl Scope {
+    /// The bytes of `slot`, which must hold a written copy: the daemon writes a slot once, before
+    /// it is published, and clients only have the store read-only, so nobody changes them.
+    fn page(&self, slot: u32) -> &[u8] {
+        assert!(slot < self.capacity);
+        // SAFETY: slot < capacity keeps the page inside the live view; its bytes are immutable
+        // while the slot is allocated (see above), which the caller holds.
+        unsafe { std::slice::from_raw_parts((self.view + slot as usize * PAGE) as *const u8, PAGE) }
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        // SAFETY: the view is this scope's own mapping and no slice of it outlives the scope.
+        let _ = unsafe { sys::munmap(self.view as *mut u8, self.capacity as usize * PAGE) };
+    }
+}
+
+/// Copies `m` pages from page `from` of `staging` to slots `first..first+m` of the store `fd`:
+/// in the kernel when it can, else through a page-sized buffer. Returns whether all arrived.
+fn copy_pages(staging: i32, from: usize, fd: i32, first: u32, m: usize) -> bool {
+    let (src, dst, len) = ((from * PAGE) as u64, first as u64 * PAGE as u64, m * PAGE);
+    match sys::copy_file_range(staging, src, fd, dst, len) {
+        Ok(n) => n == len,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
+            ) =>
+        {
+            let mut page = [0u8; PAGE];
+            (0..m).all(|i| {
+                let off = (i * PAGE) as u64;
+                // SAFETY: `page` is a live local buffer of PAGE bytes.
+                let got = unsafe { sys::pread_into(staging, page.as_mut_ptr(), PAGE, src + off) };
+                got.is_ok_and(|g| g == PAGE)
+                    && sys::pwrite_pages(fd, &[page.as_ptr() as usize], dst + off).is_ok()
+            })
+        }
+        Err(_) => false,
+    }
 }
 
 impl Scope {
@@ -143,11 +188,14 @@ impl Scope {
             libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
         )
         .map_err(DaemonError::Store)?;
+        let view = sys::mmap_shared_readonly(fd.as_raw_fd(), bytes as usize)
+            .map_err(DaemonError::Store)? as usize;
         Ok(Self {
             name,
             uid,
             fd,
             capacity,
+            view,
             state: Mutex::new(ScopeState {
                 index: HashMap::new(),
                 slot_hash: Vec::new(),
@@ -315,7 +363,6 @@ impl Daemon {
 /// Serves one connection; returns whether a client joined a scope on it.
 fn serve(inner: &Inner, sock: UnixStream) -> bool {
     let mut joined: Option<(Arc<Scope>, u64, OwnedFd)> = None;
-    let mut buf: Vec<u64> = Vec::new();
     let result = (|| -> Result<(), ProtoError> {
         loop {
             let (body, fd) = proto::read_frame(&sock)?;
@@ -326,10 +373,6 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                     return Err(e);
                 }
             };
-            if !matches!(req, Request::Copy(_)) {
-                // The copy buffer (4 MiB) is kept through a run of copies only.
-                buf = Vec::new();
-            }
             let answer = match (&joined, req) {
                 (_, Request::Status) => Reply::Text(status_json(inner).to_string()),
                 (None, Request::Hello { version, scope }) => {
@@ -350,7 +393,7 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (None, _) => Reply::Error("say hello first".into()),
                 (Some(_), Request::Hello { .. }) => Reply::Error("already joined".into()),
                 (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs),
-                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n, &mut buf),
+                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n),
                 (Some((sc, id, _)), Request::Release(slots)) => {
                     let mut st = lock(&sc.state);
                     for s in slots {
@@ -527,66 +570,50 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     Reply::Answers { answers, offers }
 }
 
-fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, buf: &mut Vec<u64>) -> Reply {
+fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
     let n = n as usize;
     if n > proto::STAGING_PAGES {
         return Reply::Error(format!("at most {} pages per copy", proto::STAGING_PAGES));
     }
-    // One read of the staging pages into the daemon's own memory (the client may write its
-    // staging file meanwhile: what is hashed and stored is this copy).
-    // Reused across requests: fresh memory would cost a page fault per page.
-    buf.resize(proto::STAGING_PAGES * PAGE / 8, 0);
-    // SAFETY: buf is a live, exclusively owned allocation of n pages.
-    let got = unsafe { sys::pread_into(staging.as_raw_fd(), buf.as_mut_ptr().cast(), n * PAGE, 0) }
-        .unwrap_or(0);
-    let whole = got / PAGE;
-    // SAFETY: u64s reinterpret as bytes; the slice covers buf exactly.
-    let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), n * PAGE) };
-    let page = |k: usize| &bytes[k * PAGE..(k + 1) * PAGE];
-    let hashes: Vec<u128> = (0..whole)
-        .map(|k| xxhash_rust::xxh3::xxh3_128(page(k)))
-        .collect();
-    let fd = sc.fd.as_raw_fd();
-    let mut out = vec![proto::FAILED; n];
-    // Content already stored is answered at once; new content gets a slot, written outside the
-    // lock (nobody can see an unpublished slot) and published after.
-    let mut new: Vec<(usize, u32)> = Vec::new();
-    {
+    // A slot for every page first (consecutive where the store allows), then one in-kernel copy
+    // per run from the client's staging file into the store: the bytes never pass through the
+    // daemon's memory. Clients ask only for content the index lacked at lookup, so a copy that
+    // turns out to be stored already (found by its hash below) is rare; it is given back.
+    let slots: Vec<Option<u32>> = {
         let mut st = lock(&sc.state);
-        let mut seen: HashMap<u128, usize> = HashMap::new();
-        for (k, &h) in hashes.iter().enumerate() {
-            if let Some(&existing) = st.index.get(&h) {
-                st.hold(id, existing);
-                out[k] = existing;
-            } else if seen.insert(h, k).is_none() {
-                if let Some(slot) = st.alloc(sc.capacity) {
-                    new.push((k, slot));
-                }
-            }
-        }
-    }
-    // One pwritev per run of consecutive slots: the pages go into the page cache without being
-    // zeroed first, as faulting them in through a mapping would.
-    let mut written = vec![true; new.len()];
-    let mut i = 0;
-    while i < new.len() {
+        (0..n).map(|_| st.alloc(sc.capacity)).collect()
+    };
+    let fd = sc.fd.as_raw_fd();
+    let mut copied = vec![false; n];
+    let mut k = 0;
+    while k < n {
+        let Some(first) = slots[k] else {
+            k += 1;
+            continue;
+        };
         let mut m = 1;
-        while i + m < new.len() && new[i + m].1 == new[i].1 + m as u32 {
+        while k + m < n && slots[k + m] == Some(first + m as u32) {
             m += 1;
         }
-        let srcs: Vec<usize> = new[i..i + m]
-            .iter()
-            .map(|&(k, _)| page(k).as_ptr() as usize)
-            .collect();
-        if sys::pwrite_pages(fd, &srcs, new[i].1 as u64 * PAGE as u64).is_err() {
-            written[i..i + m].fill(false);
-        }
-        i += m;
+        let ok = copy_pages(staging.as_raw_fd(), k, fd, first, m);
+        copied[k..k + m].fill(ok);
+        k += m;
     }
+    // The client may write its staging file meanwhile: what is hashed is what the store holds,
+    // and a slot's bytes never change once written.
+    let hashes: Vec<Option<u128>> = (0..n)
+        .map(|k| {
+            let slot = slots[k].filter(|_| copied[k])?;
+            Some(xxhash_rust::xxh3::xxh3_128(sc.page(slot)))
+        })
+        .collect();
+    let mut out = vec![proto::FAILED; n];
+    let new: Vec<(usize, u32)> = (0..n).filter_map(|k| Some((k, slots[k]?))).collect();
+    let written: Vec<bool> = new.iter().map(|&(k, _)| hashes[k].is_some()).collect();
     let mut st = lock(&sc.state);
     for (&(k, slot), ok) in new.iter().zip(written) {
-        let h = hashes[k];
-        let existing = st.index.get(&h).copied();
+        let h = hashes[k].unwrap_or_default();
+        let existing = if ok { st.index.get(&h).copied() } else { None };
         if !ok || existing.is_some() {
             // Failed, or another client published the same content meanwhile.
             let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
@@ -623,9 +650,9 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, buf: &mut Vec<u64>) -> R
         }
     }
     // Pages of this request with the same content as an earlier one get its slot.
-    for (k, &h) in hashes.iter().enumerate() {
+    for (k, h) in hashes.iter().enumerate() {
         if out[k] == proto::FAILED {
-            if let Some(&s) = st.index.get(&h) {
+            if let Some(&s) = h.and_then(|h| st.index.get(&h)) {
                 st.hold(id, s);
                 out[k] = s;
             }

@@ -829,10 +829,10 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
             if let Err(e) = run_period(sh, &config, pool, &committer) {
                 tracing::warn!(error = %e, "merge period failed; memory is unchanged");
             }
-            let mut st = lock(&sh.state);
+            let st = lock(&sh.state);
             if st.store.remote.is_some() {
                 let json = serde_json::to_string(&stats_of(sh, &st)).unwrap_or_default();
-                if let Some(r) = &mut st.store.remote {
+                if let Some(r) = &st.store.remote {
                     r.report(json);
                 }
             }
@@ -896,7 +896,7 @@ struct StoreView {
     tree: Arc<pageone_index::SdTree<crate::store::StoreKeys>>,
     base: usize,
     fd: i32,
-    remote: bool,
+    remote: Option<Arc<crate::remote::Remote>>,
 }
 
 fn run_period(
@@ -916,7 +916,7 @@ fn run_period(
             tree: st.store.tree.clone(),
             base: st.store.addr(0),
             fd: st.store.fd(),
-            remote: st.store.remote.is_some(),
+            remote: st.store.remote.clone(),
         };
         (candidates, view, !st.unstable.is_empty())
     };
@@ -930,8 +930,12 @@ fn run_period(
     // the first-sighting map. The committer commits a batch while the next one is classified.
     // With a daemon, an empty batch still collects the copies other processes made for pages
     // waiting here.
-    let mut batches: Vec<&[Candidate]> = candidates.chunks(BATCH).collect();
-    if batches.is_empty() && view.remote && waiting {
+    let bs: usize = std::env::var("PAGEONE_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(BATCH);
+    let mut batches: Vec<&[Candidate]> = candidates.chunks(bs).collect();
+    if batches.is_empty() && view.remote.is_some() && waiting {
         batches.push(&[]);
     }
     let budget = limit.saturating_sub(config.vma_margin);
@@ -1375,11 +1379,17 @@ fn classify(
     // Across processes: ask the scope's daemon about this batch's first sightings. A hash with a
     // copy is adopted (no copy made here); one another process noted is copied even when single
     // here; the rest wait as before. Offers are copies made for content this process noted.
+    // The call is made without the state lock (the committer goes on meanwhile; it does not
+    // touch the first-sighting map nor pages waiting in it).
     let mut adopted: Vec<(u32, KeyId)> = Vec::new();
-    if st.store.remote.is_some() {
+    if let Some(remote) = &view.remote {
         let keys: Vec<(u128, u32, bool)> = first.iter().map(|(&h, &(i, g))| (h, i, g)).collect();
         let hs: Vec<u128> = keys.iter().map(|k| k.0).collect();
-        if let Some((answers, offers)) = st.store.remote.as_mut().and_then(|r| r.lookup(&hs)) {
+        drop(guard);
+        let reply = remote.lookup(&hs);
+        guard = lock(&sh.state);
+        let st = &mut *guard;
+        if let Some((answers, offers)) = reply {
             let mut taken: HashSet<u32> = HashSet::new();
             for (&(h, i, grouped), &a) in keys.iter().zip(&answers) {
                 match a {
@@ -1423,6 +1433,7 @@ fn classify(
             }
         }
     }
+    let st = &mut *guard;
     for (&h, &(i, grouped)) in &first {
         if !grouped {
             let c = &cands[i as usize];
@@ -1456,17 +1467,32 @@ fn classify(
     // slots: (first candidate, id, new here). Local copies are written below without the lock:
     // their ids are this batch's alone until published.
     let srcs: Vec<usize> = groups.iter().map(|&g| cands[g as usize].addr).collect();
-    let (made, to_write) = if view.remote {
-        (st.store.copy_through_daemon(&srcs), None)
-    } else {
-        match st.store.alloc(srcs.len()) {
+    let (made, to_write) = match &view.remote {
+        // The daemon makes them; asked without the state lock.
+        Some(remote) if !srcs.is_empty() => {
+            drop(guard);
+            let slots = remote.copy(&srcs);
+            guard = lock(&sh.state);
+            let st = &mut *guard;
+            let made: Vec<Option<(KeyId, bool)>> = slots
+                .into_iter()
+                .map(|s| {
+                    let id = s?;
+                    st.store.adopt(id).map(|fresh| (id, fresh))
+                })
+                .collect();
+            (made, None)
+        }
+        Some(_) => (Vec::new(), None),
+        None => match st.store.alloc(srcs.len()) {
             Some(ids) => (ids.iter().map(|&id| Some((id, true))).collect(), Some(ids)),
             None => {
                 tracing::warn!("stable store is full; first sightings are not merged this period");
                 (vec![None; srcs.len()], None)
             }
-        }
+        },
     };
+    let st = &mut *guard;
     let mut todo: Vec<(u32, KeyId, bool)> = Vec::with_capacity(groups.len() + adopted.len());
     for (&g, m) in groups.iter().zip(made) {
         if let Some((id, fresh)) = m {
@@ -1969,12 +1995,13 @@ fn commit(
                 }
             }
         }
+        // Free the originals of merged and zero pages before the merges can be seen in the
+        // stats (whoever reads them may measure the memory), then let writers in.
+        // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
+        let _ = unsafe { sys::madvise(scratch as *mut u8, n * PAGE, libc::MADV_DONTNEED) };
         drop(guard);
         let td = Instant::now();
         tm[2] += (td - tr).as_secs_f64();
-        // Free the originals of merged and zero pages, then let writers in.
-        // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
-        let _ = unsafe { sys::madvise(scratch as *mut u8, n * PAGE, libc::MADV_DONTNEED) };
         sh.frozen.store(0, Ordering::SeqCst);
         let _ = sh.uffd.wake(start, n * PAGE);
         i = j;

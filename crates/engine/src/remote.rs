@@ -9,11 +9,16 @@
 //!
 //! If the daemon goes away, the process keeps its merged pages (its mappings keep the store
 //! alive) and runs unshared: no new copies, releases are dropped, [`Remote::is_lost`] says so.
+//!
+//! A `Remote` is shared by the classifier (lookups and copies, made without the engine's state
+//! lock) and the holders of that lock (releases); one request is on the socket at a time.
 
 use std::collections::HashSet;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use pageone_sys as sys;
 
@@ -26,15 +31,20 @@ const PAGE: usize = sys::PAGE_SIZE;
 pub(crate) type Offers = Vec<(u128, u32)>;
 
 pub(crate) struct Remote {
-    sock: UnixStream,
+    /// The connection; locked for each request and its reply (and the staging file with it).
+    sock: Mutex<UnixStream>,
     staging: OwnedFd,
     client: u64,
     pub(crate) scope: String,
-    lost: bool,
+    lost: AtomicBool,
     /// Slots to release at the next flush (a set, so that a slot granted again before the flush
     /// is simply kept: the daemon's holds are a set per client, not a count).
-    releases: HashSet<u32>,
+    releases: Mutex<HashSet<u32>>,
     capacity: u32,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Remote {
@@ -72,12 +82,12 @@ impl Remote {
         tracing::info!(client, %scope, capacity, "joined the pageone daemon");
         Ok((
             Self {
-                sock,
+                sock: Mutex::new(sock),
                 staging,
                 client,
                 scope,
-                lost: false,
-                releases: HashSet::new(),
+                lost: AtomicBool::new(false),
+                releases: Mutex::new(HashSet::new()),
                 capacity,
             },
             store,
@@ -86,18 +96,21 @@ impl Remote {
     }
 
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost
+        // Relaxed: a flag that only ever goes from false to true; a stale read costs one more
+        // failing call.
+        self.lost.load(Ordering::Relaxed)
     }
 
-    fn call(&mut self, req: &Request) -> Option<Reply> {
-        if self.lost {
+    fn call(&self, sock: &UnixStream, req: &Request) -> Option<Reply> {
+        if self.is_lost() {
             return None;
         }
-        match proto::call(&self.sock, req, None) {
+        match proto::call(sock, req, None) {
             Ok((r, _)) => Some(r),
             Err(e) => {
                 tracing::warn!(error = %e, client = self.client, "lost the pageone daemon; running unshared (merged pages stay merged)");
-                self.lost = true;
+                // Relaxed: see is_lost.
+                self.lost.store(true, Ordering::Relaxed);
                 None
             }
         }
@@ -109,7 +122,8 @@ impl Remote {
 
     /// Answers per hash (a held slot, [`proto::NOTED`] or [`proto::WANTED`]) and offers. `None`
     /// when the daemon is gone.
-    pub(crate) fn lookup(&mut self, hashes: &[u128]) -> Option<(Vec<u32>, Offers)> {
+    pub(crate) fn lookup(&self, hashes: &[u128]) -> Option<(Vec<u32>, Offers)> {
+        let sock = lock(&self.sock);
         let mut answers = Vec::with_capacity(hashes.len());
         let mut offers = Vec::new();
         // Even with nothing to look up, one call fetches the offers.
@@ -118,7 +132,7 @@ impl Remote {
             chunks.push(&[]);
         }
         for chunk in chunks {
-            match self.call(&Request::Lookup(chunk.to_vec()))? {
+            match self.call(&sock, &Request::Lookup(chunk.to_vec()))? {
                 Reply::Answers {
                     answers: a,
                     offers: o,
@@ -139,7 +153,8 @@ impl Remote {
     }
 
     /// Copies the pages at `srcs` into the store; per page its held slot or `None`.
-    pub(crate) fn copy(&mut self, srcs: &[usize]) -> Vec<Option<u32>> {
+    pub(crate) fn copy(&self, srcs: &[usize]) -> Vec<Option<u32>> {
+        let sock = lock(&self.sock);
         let mut out = Vec::with_capacity(srcs.len());
         for chunk in srcs.chunks(proto::STAGING_PAGES) {
             let slots = (|| {
@@ -149,7 +164,7 @@ impl Remote {
                     tracing::warn!(error = %e, "pages could not be staged for the daemon");
                     return None;
                 }
-                match self.call(&Request::Copy(chunk.len() as u32))? {
+                match self.call(&sock, &Request::Copy(chunk.len() as u32))? {
                     Reply::Slots(s) if s.len() == chunk.len() => Some(s),
                     _ => self.protocol_error(),
                 }
@@ -163,25 +178,26 @@ impl Remote {
     }
 
     /// A slot granted again before its release was sent stays held.
-    pub(crate) fn keep(&mut self, slot: u32) {
-        self.releases.remove(&slot);
+    pub(crate) fn keep(&self, slot: u32) {
+        lock(&self.releases).remove(&slot);
     }
 
-    pub(crate) fn release(&mut self, slot: u32) {
-        if !self.lost {
-            self.releases.insert(slot);
+    pub(crate) fn release(&self, slot: u32) {
+        if !self.is_lost() {
+            lock(&self.releases).insert(slot);
         }
     }
 
     /// Sends the pending releases.
-    pub(crate) fn flush(&mut self) {
-        if self.releases.is_empty() {
+    pub(crate) fn flush(&self) {
+        let all: Vec<u32> = lock(&self.releases).drain().collect();
+        if all.is_empty() {
             return;
         }
-        let all: Vec<u32> = self.releases.drain().collect();
+        let sock = lock(&self.sock);
         for chunk in all.chunks(proto::MAX_ITEMS) {
             if !matches!(
-                self.call(&Request::Release(chunk.to_vec())),
+                self.call(&sock, &Request::Release(chunk.to_vec())),
                 Some(Reply::Ok)
             ) {
                 return;
@@ -190,13 +206,15 @@ impl Remote {
     }
 
     /// Hands the daemon this process's counters (JSON) for `pageone status`.
-    pub(crate) fn report(&mut self, json: String) {
-        let _ = self.call(&Request::Report(json));
+    pub(crate) fn report(&self, json: String) {
+        let sock = lock(&self.sock);
+        let _ = self.call(&sock, &Request::Report(json));
     }
 
-    fn protocol_error<T>(&mut self) -> Option<T> {
+    fn protocol_error<T>(&self) -> Option<T> {
         tracing::warn!("the pageone daemon answered out of protocol; running unshared");
-        self.lost = true;
+        // Relaxed: see is_lost.
+        self.lost.store(true, Ordering::Relaxed);
         None
     }
 }

@@ -103,7 +103,7 @@ pub(crate) struct Store {
     pub(crate) sharing_refs: u64,
     /// The daemon, when the store is a scope's shared store: it makes and frees the copies, and
     /// ids are its slots.
-    pub(crate) remote: Option<Remote>,
+    pub(crate) remote: Option<Arc<Remote>>,
 }
 
 impl Store {
@@ -125,14 +125,14 @@ impl Store {
         let bytes = capacity_pages as usize * PAGE;
         let base =
             sys::mmap_shared_readonly(fd.as_raw_fd(), bytes).map_err(EngineError::Store)? as usize;
-        Self::with_file(fd, base, capacity_pages, Some(remote))
+        Self::with_file(fd, base, capacity_pages, Some(Arc::new(remote)))
     }
 
     fn with_file(
         fd: OwnedFd,
         base: usize,
         capacity_pages: u32,
-        remote: Option<Remote>,
+        remote: Option<Arc<Remote>>,
     ) -> Result<Self, EngineError> {
         watch_forks();
         let file = Arc::new(StoreFile {
@@ -228,7 +228,7 @@ impl Store {
             crossbeam_epoch::pin().flush();
         }
         self.collect_released();
-        if let Some(r) = &mut self.remote {
+        if let Some(r) = &self.remote {
             r.flush();
         }
     }
@@ -338,7 +338,7 @@ impl Store {
         if FORKED.load(Ordering::Relaxed) {
             return;
         }
-        match &mut self.remote {
+        match &self.remote {
             Some(r) => r.release(id),
             None => {
                 let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
@@ -366,7 +366,7 @@ impl Store {
             return None;
         }
         self.ensure(id);
-        if let Some(r) = &mut self.remote {
+        if let Some(r) = &self.remote {
             r.keep(id);
         }
         let i = id as usize;
@@ -389,24 +389,6 @@ impl Store {
         if self.in_tree[id as usize] == 0 {
             self.give_back(id);
         }
-    }
-
-    /// Has the daemon make stable copies of the pages at `srcs` (a scope's shared store); per page
-    /// the copy's id and whether it is new here (to be inserted in the tree), or `None` where no
-    /// copy could be made. A store of this process alone allocates ids ([`Store::alloc`]) and
-    /// writes them with [`write_copies`] instead, without holding the engine's state.
-    pub(crate) fn copy_through_daemon(&mut self, srcs: &[usize]) -> Vec<Option<(KeyId, bool)>> {
-        let Some(r) = &mut self.remote else {
-            return vec![None; srcs.len()];
-        };
-        let slots = r.copy(srcs);
-        slots
-            .into_iter()
-            .map(|s| {
-                let id = s?;
-                self.adopt(id).map(|fresh| (id, fresh))
-            })
-            .collect()
     }
 
     /// Whether this store is a daemon's scope store that can no longer be reached.

@@ -865,6 +865,33 @@ pub unsafe fn pread_into(fd: RawFd, dst: *mut u8, len: usize, offset: u64) -> io
     Ok(done)
 }
 
+/// Copies `len` bytes from `src` at `src_off` to `dst` at `dst_off` inside the kernel
+/// (`copy_file_range`), without a user buffer. Returns the bytes copied, which is less than `len`
+/// only at the end of `src`. Fails with `EXDEV`/`EINVAL`/`EOPNOTSUPP` where the kernel cannot copy
+/// between the two files; callers then copy through memory.
+pub fn copy_file_range(
+    src: RawFd,
+    src_off: u64,
+    dst: RawFd,
+    dst_off: u64,
+    len: usize,
+) -> io::Result<usize> {
+    let (mut from, mut to) = (src_off as libc::off64_t, dst_off as libc::off64_t);
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the offsets are live locals the kernel updates; no user memory is passed.
+        let n = cvt(
+            unsafe { libc::copy_file_range(src, &mut from, dst, &mut to, len - done, 0) }
+                as libc::c_long,
+        )? as usize;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(done)
+}
+
 /// Credentials of the process at the other end of a Unix socket (`SO_PEERCRED`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PeerCred {
