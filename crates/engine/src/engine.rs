@@ -51,6 +51,10 @@ struct RegionState {
     /// Whether any page was ever merged: only then does the region contain mappings of the store
     /// that the watch must scan separately (write-protect scans skip them).
     merged_ever: bool,
+    /// When the watch was armed, until a scan a whole period later: a scheduled scan that comes
+    /// sooner does not count as an unchanged period (pages merge after `merge_periods` whole
+    /// periods, however registration fell between scans).
+    armed_at: Option<Instant>,
     /// Checksums of the last period (checksum mode only).
     sums: Vec<u64>,
 }
@@ -387,6 +391,7 @@ impl Engine {
                 start: a,
                 pages,
                 merged_ever: !unmergeable.is_empty(),
+                armed_at: (self.shared.mode == WatchMode::UffdWp).then(Instant::now),
                 sums,
             },
         );
@@ -815,6 +820,8 @@ fn count_cpu_of_this_thread(sh: &Shared) {
 fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<ToCommitter>) {
     let _ = sys::set_thread_idle_priority();
     count_cpu_of_this_thread(sh);
+    // Whether this period was started by `kick` rather than by the clock.
+    let mut kicked = false;
     while !sh.stop.load(Ordering::SeqCst) {
         let t0 = Instant::now();
         let config = Arc::new(lock(&sh.config).clone());
@@ -826,7 +833,7 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         }
         {
             let _period = lock(&sh.period_lock);
-            if let Err(e) = run_period(sh, &config, pool, &committer) {
+            if let Err(e) = run_period(sh, &config, pool, &committer, kicked) {
                 tracing::warn!(error = %e, "merge period failed; memory is unchanged");
             }
             let st = lock(&sh.state);
@@ -855,6 +862,7 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+        kicked = *k;
         *k = false;
     }
 }
@@ -904,13 +912,14 @@ fn run_period(
     config: &Arc<Config>,
     pool: &Pool,
     committer: &std::sync::mpsc::SyncSender<ToCommitter>,
+    kicked: bool,
 ) -> io::Result<()> {
     let t_watch = Instant::now();
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
     let (candidates, view, waiting) = {
         let mut st = lock(&sh.state);
-        let candidates = watch(sh, &mut st, config)?;
+        let candidates = watch(sh, &mut st, config, kicked)?;
         st.vmas = sys::map_count()?;
         let view = StoreView {
             tree: st.store.tree.clone(),
@@ -1057,7 +1066,9 @@ fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
 }
 
 /// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
-fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candidate>> {
+/// A `kicked` period counts as a whole one (the caller asked for it).
+fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Result<Vec<Candidate>> {
+    let now = Instant::now();
     let mut out = Vec::new();
     let mut regions_buf = Vec::new();
     let mut cats: Vec<u8> = Vec::new();
@@ -1074,6 +1085,14 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
     for r in regions.values_mut() {
         let n = r.pages.len();
         let end = r.start + r.len();
+        // Unchanged pages count this period unless it came less than a period after arming.
+        let step = match r.armed_at {
+            Some(t) if !kicked && now.duration_since(t) < config.merge_period => 0,
+            _ => {
+                r.armed_at = None;
+                1
+            }
+        };
         // Categories per page: bit 0 present, bit 1 file-backed, bit 2 zero pfn, bit 3 written.
         cats.clear();
         cats.resize(n, 0);
@@ -1143,7 +1162,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
                         volatile += 1;
                         continue;
                     }
-                    p.unchanged = p.unchanged.saturating_add(1);
+                    p.unchanged = p.unchanged.saturating_add(step);
                     if p.unchanged >= config.merge_periods.max(p.writes) {
                         out.push(Candidate {
                             region: r.start,
@@ -1202,7 +1221,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config) -> io::Result<Vec<Candida
                 volatile += 1;
                 continue;
             }
-            p.unchanged = p.unchanged.saturating_add(1);
+            p.unchanged = p.unchanged.saturating_add(step);
             let needed = config.merge_periods.max(p.writes);
             if p.unchanged >= needed {
                 out.push(Candidate {

@@ -501,3 +501,47 @@ fn no_lost_write_under_concurrent_writers() {
     drop(r);
     assert_eq!(e.stable_pages(), 0);
 }
+
+/// Pages merge only after staying unchanged for `merge_periods` whole periods counted from when
+/// they were registered, however registration falls between the engine's scans (without kicks).
+#[test]
+fn pages_merge_after_two_whole_periods_from_registration() {
+    let _g = serial();
+    let period = Duration::from_millis(400);
+    let e = Engine::builder()
+        .merge_period(period)
+        .build()
+        .expect("the engine starts on this kernel");
+    // Land the registration at some point between two scans.
+    std::thread::sleep(Duration::from_millis(130));
+    let n = 64;
+    let len = 2 * n * PAGE;
+    let p = sys::mmap_anonymous(len).unwrap();
+    // SAFETY: a fresh private mapping owned by this test.
+    let buf = unsafe { std::slice::from_raw_parts_mut(p, len) };
+    for (i, page) in buf.chunks_mut(PAGE).enumerate() {
+        fill(page, (i % n) as u64 + 1);
+    }
+    let t0 = std::time::Instant::now();
+    e.register(p, len).unwrap();
+    let mut first_merge = None;
+    while t0.elapsed() < 10 * period {
+        if e.stats().merges > 0 {
+            first_merge = Some(t0.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let at = first_merge.expect("the duplicates merged");
+    assert!(
+        at >= 2 * period,
+        "merged {at:?} after registering, before two whole periods ({:?})",
+        2 * period
+    );
+    for (i, page) in buf.chunks(PAGE).enumerate() {
+        assert!(check(page, (i % n) as u64 + 1), "page {i}");
+    }
+    e.unregister(p, len).unwrap();
+    // SAFETY: unregistered above; nothing refers to the mapping.
+    unsafe { sys::munmap(p, len) }.unwrap();
+}
