@@ -222,40 +222,48 @@ pub fn bench_side(
     let pages = (mib << 20) / PAGE;
     let possible = ((procs - 1) * pages) as u64;
     let target = possible * 99 / 100;
+    let mut clients_cpu0 = 0.0;
+    for k in 0..procs {
+        let st: serde_json::Value = serde_json::from_str(&ask(k, "STATS")?)?;
+        clients_cpu0 += st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9;
+    }
     let cpu0 = process_cpu_seconds(daemon.id());
     let t0 = Instant::now();
     for k in 0..procs {
         ask(k, "GO")?;
     }
     let sock = UnixStream::connect(&socket)?;
-    let saved = |sock: &UnixStream| -> Result<(u64, f64)> {
+    // Live figures: every client's own counters (merges show as they happen, not at its next
+    // report) against the daemon's count of copies in the store.
+    let mut measure = |sock: &UnixStream| -> Result<(u64, f64)> {
         let (Reply::Text(t), _) = proto::call(sock, &Request::Status, None)? else {
             bail!("the daemon answered out of protocol");
         };
         let v: serde_json::Value = serde_json::from_str(&t)?;
-        let sc = v["scopes"]
+        let copies = v["scopes"]
             .as_array()
-            .and_then(|a| a.iter().find(|s| s["scope"] == "bench"));
-        Ok(sc.map_or((0, 0.0), |s| {
-            (
-                s["pages_sharing"].as_u64().unwrap_or(0),
-                s["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9,
-            )
-        }))
+            .and_then(|a| a.iter().find(|s| s["scope"] == "bench"))
+            .map_or(0, |s| s["pages_shared"].as_u64().unwrap_or(0));
+        let (mut mapped, mut cpu) = (0u64, 0.0);
+        for k in 0..procs {
+            let st: serde_json::Value = serde_json::from_str(&ask(k, "STATS")?)?;
+            mapped += st["pages_shared"].as_u64().unwrap_or(0)
+                + st["pages_sharing"].as_u64().unwrap_or(0);
+            cpu += st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9;
+        }
+        Ok((mapped.saturating_sub(copies), cpu))
     };
     let mut reached = None;
     let mut last = (0, 0.0);
     while t0.elapsed() < Duration::from_secs(300) {
-        last = saved(&sock)?;
+        last = measure(&sock)?;
         if last.0 >= target {
             reached = Some(t0.elapsed().as_secs_f64());
             break;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(10));
     }
-    // The clients' CPU as of their last report (each reports every period), plus the daemon's.
-    std::thread::sleep(Duration::from_millis(3 * period_ms));
-    let clients_cpu = saved(&sock)?.1;
+    let clients_cpu = last.1 - clients_cpu0;
     let daemon_cpu = process_cpu_seconds(daemon.id()) - cpu0;
     eprintln!("    (clients' engines {clients_cpu:.2} CPU-s, daemon {daemon_cpu:.2} CPU-s)");
     let cpu = clients_cpu + daemon_cpu;

@@ -887,6 +887,7 @@ fn commit_loop(sh: &Shared, pool: &Pool, batches: std::sync::mpsc::Receiver<ToCo
                 }
                 drop(st);
                 tracing::debug!(
+                    pid = std::process::id(),
                     candidates = batch.cands.len(),
                     commit_ms = t0.elapsed().as_secs_f64() * 1e3,
                     "commit"
@@ -930,6 +931,7 @@ fn run_period(
         (candidates, view, !st.unstable.is_empty())
     };
     tracing::debug!(
+        pid = std::process::id(),
         watch_ms = t_watch.elapsed().as_secs_f64() * 1e3,
         candidates = candidates.len(),
         "watch"
@@ -953,6 +955,7 @@ fn run_period(
         let t0 = Instant::now();
         let classified = classify(sh, &view, config, batch.to_vec(), pool);
         tracing::debug!(
+            pid = std::process::id(),
             candidates = classified.cands.len(),
             classify_ms = t0.elapsed().as_secs_f64() * 1e3,
             "classify"
