@@ -941,11 +941,7 @@ fn run_period(
     // the first-sighting map. The committer commits a batch while the next one is classified.
     // With a daemon, an empty batch still collects the copies other processes made for pages
     // waiting here.
-    let bs: usize = std::env::var("PAGEONE_BATCH")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(BATCH);
-    let mut batches: Vec<&[Candidate]> = candidates.chunks(bs).collect();
+    let mut batches: Vec<&[Candidate]> = candidates.chunks(BATCH).collect();
     if batches.is_empty() && view.remote.is_some() && waiting {
         batches.push(&[]);
     }
