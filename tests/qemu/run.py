@@ -349,6 +349,18 @@ def main():
                     scope["zero_pages"], scope["saved_bytes"] / 1048576,
                 )
             )
+            for c in scope["clients"]:
+                st = c.get("stats") or {}
+                log(
+                    "  client %s: shared %s sharing %s zero %s volatile %s unshared %s merges %s "
+                    "cow breaks %s mismatches %s VMAs %s (limited merges %s) CPU %.1f s"
+                    % (
+                        c.get("client"), st.get("pages_shared"), st.get("pages_sharing"),
+                        st.get("zero_pages"), st.get("pages_volatile"), st.get("pages_unshared"),
+                        st.get("merges"), st.get("cow_breaks"), st.get("compare_mismatches"), st.get("vmas_used"),
+                        st.get("vma_limited_merges"), st.get("worker_cpu_ns", 0) / 1e9,
+                    )
+                )
         finally:
             daemon.kill()
             daemon.wait()

@@ -83,6 +83,9 @@ enum Command {
         /// Register only when told `GO` on standard input.
         #[arg(long)]
         defer: bool,
+        /// Page i holds content i % N (default: every page distinct).
+        #[arg(long)]
+        distinct: Option<usize>,
     },
     /// Benchmarks, each next to its baseline in the same run.
     Bench {
@@ -161,7 +164,8 @@ fn main() -> Result<()> {
             period_ms,
             workers,
             defer,
-        } => scope::client(mib, hard, period_ms, workers, defer),
+            distinct,
+        } => scope::client(mib, hard, period_ms, workers, defer, distinct),
         Command::Bench {
             which: Bench::Sdtree { quick, runs, json },
         } => bench_sdtree(quick, runs, json),

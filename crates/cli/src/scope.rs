@@ -86,7 +86,16 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
 /// `STATS` prints the engine's counters as one JSON line, `VERIFY` checks every byte and prints
 /// `OK` or `BAD <page>`. At end of input it verifies, unregisters and exits (1 if data was wrong).
 /// With `defer`, registration waits for a `GO` line (so a benchmark times merging, not filling).
-pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize, defer: bool) -> Result<()> {
+/// With `distinct` (at least 1), page i holds content `i % distinct` (many pages per content).
+pub fn client(
+    mib: usize,
+    hard: bool,
+    period_ms: u64,
+    workers: usize,
+    defer: bool,
+    distinct: Option<usize>,
+) -> Result<()> {
+    let content = |i: usize| distinct.map_or(i, |d| i % d.max(1)) as u64;
     let data = if hard { Data::Hard } else { Data::Easy };
     let len = mib << 20;
     let engine = Engine::builder()
@@ -96,7 +105,7 @@ pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize, defer: boo
     let r = sys::mmap_anonymous(len)?;
     for i in 0..len / PAGE {
         // SAFETY: page i of a fresh private mapping owned by this function.
-        unsafe { fill_page(r.add(i * PAGE), data, i as u64) };
+        unsafe { fill_page(r.add(i * PAGE), data, content(i)) };
     }
     if !defer {
         engine.register(r, len)?;
@@ -108,7 +117,7 @@ pub fn client(mib: usize, hard: bool, period_ms: u64, workers: usize, defer: boo
             // (Hard pages set a few words: the rest must be zero as in the fresh mapping.)
             want.fill(0);
             // SAFETY: `want` is a local page.
-            unsafe { fill_page(want.as_mut_ptr(), data, i as u64) };
+            unsafe { fill_page(want.as_mut_ptr(), data, content(i)) };
             // SAFETY: the page is mapped; only this thread writes the region (the engine never
             // changes contents), so a copy of it is what the program sees.
             unsafe { std::ptr::copy_nonoverlapping(r.add(i * PAGE), got.as_mut_ptr(), PAGE) };

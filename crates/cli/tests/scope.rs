@@ -64,14 +64,30 @@ impl Client {
     fn start(path: &Path, scope: &str, mib: usize) -> Self {
         Self::start_with(path, scope, mib, false)
     }
+    /// A client whose pages hold only `distinct` contents (many pages per content).
+    fn start_repetitive(path: &Path, scope: &str, mib: usize, distinct: usize) -> Self {
+        Self::spawn(
+            Command::new(BIN)
+                .args(["scope-client", "--period-ms", "50", "--mib"])
+                .arg(mib.to_string())
+                .args(["--distinct", &distinct.to_string()])
+                .env("PAGEONE_SOCKET", path)
+                .env("PAGEONE_SCOPE", scope),
+        )
+    }
     /// With `defer`, the client registers its memory only when told `GO`.
     fn start_with(path: &Path, scope: &str, mib: usize, defer: bool) -> Self {
-        let mut child = Command::new(BIN)
-            .args(["scope-client", "--period-ms", "50", "--mib"])
-            .arg(mib.to_string())
-            .args(if defer { &["--defer"][..] } else { &[] })
-            .env("PAGEONE_SOCKET", path)
-            .env("PAGEONE_SCOPE", scope)
+        Self::spawn(
+            Command::new(BIN)
+                .args(["scope-client", "--period-ms", "50", "--mib"])
+                .arg(mib.to_string())
+                .args(if defer { &["--defer"][..] } else { &[] })
+                .env("PAGEONE_SOCKET", path)
+                .env("PAGEONE_SCOPE", scope),
+        )
+    }
+    fn spawn(cmd: &mut Command) -> Self {
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -200,6 +216,37 @@ fn four_processes_in_one_scope_keep_one_copy_per_distinct_page() {
         let sc = scope(&st, "vm").expect("scope vm");
         sc["pages_shared"].as_u64() == Some(0) && sc["store_resident_bytes"].as_u64() == Some(0)
     });
+}
+
+/// Content shared by more pages than one copy may serve (max_sharing, 256) across processes:
+/// every page still merges, onto as many copies of that content as needed (the daemon makes a
+/// fresh copy where a client's is full, instead of answering with the full one again).
+#[test]
+fn content_repeated_beyond_the_sharing_limit_merges_everywhere() {
+    let _g = serial();
+    let path = sock_path("repeated");
+    let _daemon = Daemon::start(&path);
+    let mib = 8;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut clients: Vec<Client> = (0..2)
+        .map(|_| Client::start_repetitive(&path, "rep", mib, 2))
+        .collect();
+    wait_for("every page of both clients merged", 60, || {
+        clients.iter_mut().all(|c| {
+            let s = c.stats();
+            s["pages_shared"].as_u64().unwrap_or(0) + s["pages_sharing"].as_u64().unwrap_or(0)
+                == pages
+        })
+    });
+    for c in &mut clients {
+        let s = c.stats();
+        // 2048 pages of 2 contents, at most 256 per copy: at least 8 copies per client.
+        assert!(s["pages_shared"].as_u64().unwrap() >= pages / 256, "{s}");
+        c.verify();
+    }
+    for c in clients {
+        c.finish();
+    }
 }
 
 #[test]

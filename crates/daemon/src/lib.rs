@@ -393,7 +393,8 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (None, _) => Reply::Error("say hello first".into()),
                 (Some(_), Request::Hello { .. }) => Reply::Error("already joined".into()),
                 (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs),
-                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n),
+                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n, false),
+                (Some((sc, id, staging)), Request::CopyFresh(n)) => copy(sc, *id, staging, n, true),
                 (Some((sc, id, _)), Request::Release(slots)) => {
                     let mut st = lock(&sc.state);
                     for s in slots {
@@ -570,7 +571,9 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     Reply::Answers { answers, offers }
 }
 
-fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
+/// Copies staging pages into slots. Content already stored is answered with its slot, unless
+/// `fresh`: then every page gets a new slot, which becomes the one the index answers with.
+fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, fresh: bool) -> Reply {
     let n = n as usize;
     if n > proto::STAGING_PAGES {
         return Reply::Error(format!("at most {} pages per copy", proto::STAGING_PAGES));
@@ -613,7 +616,11 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
     let mut st = lock(&sc.state);
     for (&(k, slot), ok) in new.iter().zip(written) {
         let h = hashes[k].unwrap_or_default();
-        let existing = if ok { st.index.get(&h).copied() } else { None };
+        let existing = if ok && !fresh {
+            st.index.get(&h).copied()
+        } else {
+            None
+        };
         if !ok || existing.is_some() {
             // Failed, or another client published the same content meanwhile.
             let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
@@ -650,7 +657,7 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32) -> Reply {
         }
     }
     // Pages of this request with the same content as an earlier one get its slot.
-    for (k, h) in hashes.iter().enumerate() {
+    for (k, h) in hashes.iter().enumerate().filter(|_| !fresh) {
         if out[k] == proto::FAILED {
             if let Some(&s) = h.and_then(|h| st.index.get(&h)) {
                 st.hold(id, s);

@@ -900,6 +900,17 @@ fn commit_loop(sh: &Shared, pool: &Pool, batches: std::sync::mpsc::Receiver<ToCo
     }
 }
 
+/// Which waiting first sightings to ask the daemon about again in a batch.
+#[derive(Clone, Copy)]
+struct Relook {
+    skip: usize,
+    take: usize,
+}
+
+/// Every this many periods, waiting first sightings are asked about again (daemon only), one
+/// request's worth (`proto::MAX_ITEMS`) at a time.
+const RELOOK_PERIODS: u64 = 16;
+
 /// What classification needs of the store without its lock: fixed for the engine's life.
 struct StoreView {
     tree: Arc<pageone_index::SdTree<crate::store::StoreKeys>>,
@@ -945,11 +956,17 @@ fn run_period(
     if batches.is_empty() && view.remote.is_some() && waiting {
         batches.push(&[]);
     }
+    let period = *lock(&sh.periods);
+    let mut relook =
+        (view.remote.is_some() && waiting && period % RELOOK_PERIODS == 0).then(|| Relook {
+            skip: (period / RELOOK_PERIODS) as usize * crate::proto::MAX_ITEMS,
+            take: crate::proto::MAX_ITEMS,
+        });
     let budget = limit.saturating_sub(config.vma_margin);
     let mut handed_over = true;
     for batch in batches {
         let t0 = Instant::now();
-        let classified = classify(sh, &view, config, batch.to_vec(), pool);
+        let classified = classify(sh, &view, config, batch.to_vec(), pool, relook.take());
         tracing::debug!(
             pid = std::process::id(),
             candidates = classified.cands.len(),
@@ -1307,6 +1324,7 @@ fn classify(
     config: &Config,
     mut cands: Vec<Candidate>,
     pool: &Pool,
+    relook: Option<Relook>,
 ) -> Classified {
     let t_start = Instant::now();
     let parts = config.workers.clamp(1, pool.size());
@@ -1402,13 +1420,60 @@ fn classify(
     let mut adopted: Vec<(u32, KeyId)> = Vec::new();
     if let Some(remote) = &view.remote {
         let keys: Vec<(u128, u32, bool)> = first.iter().map(|(&h, &(i, g))| (h, i, g)).collect();
-        let hs: Vec<u128> = keys.iter().map(|k| k.0).collect();
+        let mut hs: Vec<u128> = keys.iter().map(|k| k.0).collect();
+        // Pages waiting in the first-sighting map are asked about again now and then: the copy
+        // another process was to make for them may have come out under another hash (its page
+        // changed), and then no offer ever comes.
+        if let Some(r) = relook {
+            let n = st.unstable.len();
+            hs.extend(
+                st.unstable
+                    .keys()
+                    .cycle()
+                    .skip(r.skip % n.max(1))
+                    .take(r.take.min(n))
+                    .filter(|h| !first.contains_key(*h)),
+            );
+        }
         drop(guard);
         let reply = remote.lookup(&hs);
         guard = lock(&sh.state);
         let st = &mut *guard;
         if let Some((answers, offers)) = reply {
             let mut taken: HashSet<u32> = HashSet::new();
+            for (&h, &a) in hs[keys.len()..].iter().zip(&answers[keys.len()..]) {
+                if a == crate::proto::NOTED {
+                    continue;
+                }
+                let page = st
+                    .unstable
+                    .remove(&h)
+                    .and_then(|(addr, epoch)| Some((addr, unique_page(&st.regions, addr, epoch)?)));
+                match (page, a) {
+                    (Some((addr, (region, index))), _) => {
+                        let j = cands.len() as u32;
+                        cands.push(Candidate {
+                            region,
+                            index,
+                            addr,
+                        });
+                        actions.push(None);
+                        first.insert(h, (j, true));
+                        if a == crate::proto::WANTED {
+                            groups.push(j);
+                        } else {
+                            adopted.push((j, a));
+                        }
+                    }
+                    // Not usable any more: give the hold back (unless this process holds it).
+                    (None, slot) if slot != crate::proto::WANTED => {
+                        if st.store.adopt(slot) == Some(true) {
+                            st.store.unadopt(slot);
+                        }
+                    }
+                    (None, _) => {}
+                }
+            }
             for (&(h, i, grouped), &a) in keys.iter().zip(&answers) {
                 match a {
                     crate::proto::NOTED => {}
@@ -1471,8 +1536,21 @@ fn classify(
             }
         }
     }
+    // A copy serves at most `max_sharing` pages of this process: larger groups, and groups whose
+    // adopted copy is (nearly) full here, are split; each further chunk is led by a page that
+    // gets a copy of its own (a fresh one: through the daemon, it must not be deduplicated back
+    // onto the full copy).
+    let mut fresh_groups = split_groups(
+        &st.store,
+        config.max_sharing,
+        &groups,
+        &mut adopted,
+        &mut member_of,
+    );
+    // Their copies are not indexed: the tree would answer with the full copy of that content.
+    let chunk_leaders: HashSet<u32> = fresh_groups.iter().copied().collect();
     let mut new_copies = Vec::new();
-    if groups.is_empty() && adopted.is_empty() {
+    if groups.is_empty() && adopted.is_empty() && fresh_groups.is_empty() {
         return Classified {
             cands,
             actions,
@@ -1480,16 +1558,28 @@ fn classify(
         };
     }
     groups.sort_unstable();
+    fresh_groups.sort_unstable();
     let t_group = Instant::now();
     // New copies (consecutive ids for runs of pages where the store allows), then the adopted
     // slots: (first candidate, id, new here). Local copies are written below without the lock:
     // their ids are this batch's alone until published.
+    if view.remote.is_none() {
+        // Every local copy is a new one.
+        groups.append(&mut fresh_groups);
+        groups.sort_unstable();
+    }
     let srcs: Vec<usize> = groups.iter().map(|&g| cands[g as usize].addr).collect();
     let (made, to_write) = match &view.remote {
         // The daemon makes them; asked without the state lock.
-        Some(remote) if !srcs.is_empty() => {
+        Some(remote) if !srcs.is_empty() || !fresh_groups.is_empty() => {
             drop(guard);
-            let slots = remote.copy(&srcs);
+            let mut slots = remote.copy(&srcs, false);
+            let fresh_srcs: Vec<usize> = fresh_groups
+                .iter()
+                .map(|&g| cands[g as usize].addr)
+                .collect();
+            slots.extend(remote.copy(&fresh_srcs, true));
+            groups.append(&mut fresh_groups);
             guard = lock(&sh.state);
             let st = &mut *guard;
             let made: Vec<Option<(KeyId, bool)>> = slots
@@ -1539,13 +1629,21 @@ fn classify(
     let t_copy = Instant::now();
     // Index the new ids on the workers (the SD tree takes concurrent inserts), then record the
     // outcomes serially.
-    let fresh: Vec<KeyId> = todo.iter().filter(|t| t.2).map(|t| t.1).collect();
+    let fresh: Vec<KeyId> = todo
+        .iter()
+        .filter(|t| t.2 && !chunk_leaders.contains(&t.0))
+        .map(|t| t.1)
+        .collect();
     let mut inserted = insert_parallel(pool, parts, &view.tree, &fresh).into_iter();
     let mut guard = lock(&sh.state);
     let st = &mut *guard;
     let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(todo.len());
     for &(g, id, is_new) in &todo {
-        let used = if is_new {
+        let used = if is_new && chunk_leaders.contains(&g) {
+            // Allocated here and never indexed: freed when its last page lets go of it.
+            new_copies.push(id);
+            id
+        } else if is_new {
             let ins = inserted
                 .next()
                 .unwrap_or(Err(pageone_index::IndexError::Full(0)));
@@ -1579,6 +1677,62 @@ fn classify(
         actions,
         new_copies,
     }
+}
+
+/// Splits groups so that no copy serves more than `max_sharing` pages of this process. `groups`
+/// are leaders of new copies, `adopted` leaders of copies the daemon holds, `member_of` the
+/// other pages as (candidate, leader). Returns the leaders of the extra chunks (each needs a new
+/// copy of its own); members are re-pointed to them. An adopted copy retired here (full) gives
+/// its whole group to a fresh leader.
+fn split_groups(
+    store: &Store,
+    max_sharing: u32,
+    groups: &[u32],
+    adopted: &mut Vec<(u32, KeyId)>,
+    member_of: &mut [(u32, u32)],
+) -> Vec<u32> {
+    let cap = max_sharing.max(2) as usize;
+    let mut fresh = Vec::new();
+    // Room per leader, counting the leader itself.
+    let mut room: HashMap<u32, usize> = groups.iter().map(|&g| (g, cap)).collect();
+    let mut full_adopted = HashSet::new();
+    for &(l, slot) in adopted.iter() {
+        let r = store.room(slot, max_sharing) as usize;
+        if r == 0 {
+            // The leader itself needs a fresh copy.
+            full_adopted.insert(l);
+            fresh.push(l);
+            room.insert(l, cap);
+        } else {
+            room.insert(l, r);
+        }
+    }
+    adopted.retain(|(l, _)| !full_adopted.contains(l));
+    // Members in candidate order, so chunks keep address runs together.
+    member_of.sort_unstable();
+    let mut used: HashMap<u32, usize> = room.keys().map(|&l| (l, 1)).collect();
+    // The current chunk leader of each original leader.
+    let mut chunk: HashMap<u32, u32> = HashMap::new();
+    for (c, l) in member_of.iter_mut() {
+        let orig = *l;
+        let lead = *chunk.get(&orig).unwrap_or(&orig);
+        let Some(&r) = room.get(&lead) else {
+            continue;
+        };
+        let u = used.entry(lead).or_insert(1);
+        if *u < r {
+            *u += 1;
+            *l = lead;
+        } else {
+            // This page starts a new chunk with a copy of its own.
+            fresh.push(*c);
+            room.insert(*c, cap);
+            used.insert(*c, 1);
+            chunk.insert(orig, *c);
+            *l = *c;
+        }
+    }
+    fresh
 }
 
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the

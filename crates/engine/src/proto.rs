@@ -16,7 +16,7 @@ use std::os::unix::net::UnixStream;
 
 use pageone_sys as sys;
 
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Most records in one request.
 pub const MAX_ITEMS: usize = 1 << 16;
 /// Largest frame either side accepts.
@@ -39,6 +39,7 @@ const T_COPY: u32 = 3;
 const T_RELEASE: u32 = 4;
 const T_REPORT: u32 = 5;
 const T_STATUS: u32 = 6;
+const T_COPY_FRESH: u32 = 7;
 const T_WELCOME: u32 = 101;
 const T_ANSWERS: u32 = 102;
 const T_SLOTS: u32 = 103;
@@ -54,6 +55,9 @@ pub enum Request {
     Lookup(Vec<u128>),
     /// Copy staging pages `0..n` into the store.
     Copy(u32),
+    /// Copy staging pages `0..n` into new slots even where the store holds their content
+    /// already: the client's pages of that content exceed its sharing limit per copy.
+    CopyFresh(u32),
     /// Slots this client no longer indexes or maps.
     Release(Vec<u32>),
     /// The client's counters as JSON, for `pageone status`.
@@ -195,6 +199,11 @@ impl Request {
                 e.u32(*n);
                 e.finish()
             }
+            Request::CopyFresh(n) => {
+                let mut e = Enc::new(T_COPY_FRESH);
+                e.u32(*n);
+                e.finish()
+            }
             Request::Release(ids) => {
                 let mut e = Enc::new(T_RELEASE);
                 e.u32(ids.len() as u32);
@@ -225,6 +234,7 @@ impl Request {
                 Request::Lookup((0..n).map(|_| d.u128()).collect::<Result<_, _>>()?)
             }
             T_COPY => Request::Copy(d.u32()?),
+            T_COPY_FRESH => Request::CopyFresh(d.u32()?),
             T_RELEASE => {
                 let n = d.count(4)?;
                 Request::Release((0..n).map(|_| d.u32()).collect::<Result<_, _>>()?)
@@ -394,6 +404,7 @@ mod tests {
             },
             Request::Lookup(vec![1, u128::MAX, 7]),
             Request::Copy(12),
+            Request::CopyFresh(3),
             Request::Release(vec![3, 4]),
             Request::Report("{}".into()),
             Request::Status,

@@ -152,8 +152,9 @@ impl Remote {
         Some((answers, offers))
     }
 
-    /// Copies the pages at `srcs` into the store; per page its held slot or `None`.
-    pub(crate) fn copy(&self, srcs: &[usize]) -> Vec<Option<u32>> {
+    /// Copies the pages at `srcs` into the store; per page its held slot or `None`. With `fresh`,
+    /// every page gets a new slot even where the store holds its content already.
+    pub(crate) fn copy(&self, srcs: &[usize], fresh: bool) -> Vec<Option<u32>> {
         let sock = lock(&self.sock);
         let mut out = Vec::with_capacity(srcs.len());
         for chunk in srcs.chunks(proto::STAGING_PAGES) {
@@ -164,7 +165,13 @@ impl Remote {
                     tracing::warn!(error = %e, "pages could not be staged for the daemon");
                     return None;
                 }
-                match self.call(&sock, &Request::Copy(chunk.len() as u32))? {
+                let n = chunk.len() as u32;
+                let req = if fresh {
+                    Request::CopyFresh(n)
+                } else {
+                    Request::Copy(n)
+                };
+                match self.call(&sock, &req)? {
                     Reply::Slots(s) if s.len() == chunk.len() => Some(s),
                     _ => self.protocol_error(),
                 }

@@ -269,6 +269,17 @@ impl Store {
         }
     }
 
+    /// How many more pages of this process may map copy `id` under the sharing limit `cap`: none
+    /// when the copy was retired here (it reached the limit), `cap` when it is new here.
+    pub(crate) fn room(&self, id: KeyId, cap: u32) -> u32 {
+        let i = id as usize;
+        match self.refs.get(i) {
+            None => cap,
+            Some(_) if self.allocated[i] && !self.indexed[i] => 0,
+            Some(&r) => cap.saturating_sub(r),
+        }
+    }
+
     pub(crate) fn refs(&self, id: KeyId) -> u32 {
         self.refs[id as usize]
     }

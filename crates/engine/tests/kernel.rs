@@ -315,7 +315,15 @@ fn max_sharing_limits_pages_per_copy() {
     for p in r.as_mut_slice().chunks_mut(PAGE) {
         fill(p, 42);
     }
+    let start = e.stats().full_scans;
     let s = wait_for(&e, |s| s.pages_sharing + s.pages_shared >= 64);
+    // In one pass (the periods to become candidates, then one commit): the 64 pages are split
+    // into groups of 4 with a copy each, not merged 4 at a time as copies fill up.
+    assert!(
+        s.full_scans - start <= 2 + 3,
+        "took {} periods: {s:?}",
+        s.full_scans - start
+    );
     assert_eq!(
         s.pages_shared, 16,
         "64 identical pages at most 4 per copy: {s:?}"
