@@ -71,10 +71,16 @@ pub fn run(total_mib: usize, copies: usize, workers: usize, hard: bool) -> Resul
         engine.register(r, region)?;
     }
     let mut last = Instant::now() - Duration::from_secs(1);
+    // Progress stops for good when merges wait for VMAs: no need to wait out the minute then.
+    let (mut best, mut best_at) = (0, Instant::now());
     loop {
         let s = engine.stats();
         let saved = s.pages_sharing + s.zero_pages;
-        let done = saved * 100 >= possible * 99;
+        if saved > best {
+            (best, best_at) = (saved, Instant::now());
+        }
+        let stuck = s.vma_limited_merges > 0 && best_at.elapsed() > Duration::from_secs(5);
+        let done = saved * 100 >= possible * 99 || stuck;
         if last.elapsed() >= Duration::from_millis(250) || done {
             println!(
                 "  {:5.2}s  saved {:7.1} MiB ({:5.1}%)  shared {:7} sharing {:7} zero {:7}",
@@ -111,6 +117,16 @@ pub fn run(total_mib: usize, copies: usize, workers: usize, hard: bool) -> Resul
         mib(pss1.saturating_sub(pss2))
     );
     println!("stats: {}", serde_json::to_string_pretty(&s)?);
+    if s.vma_limited_merges > 0 {
+        println!(
+            "the process reached its VMA limit (vm.max_map_count = {}): merges waited {} times; \
+             each run of merged pages costs up to two VMAs, so raise the limit \
+             (sysctl -w vm.max_map_count={}) to merge more",
+            s.vma_limit,
+            s.vma_limited_merges,
+            s.vma_limit.saturating_mul(4)
+        );
+    }
     // Every byte is still what was written.
     for &r in &regions {
         // SAFETY: the region is mapped and only this thread accesses it; the engine never

@@ -929,10 +929,16 @@ fn run_period(
     let t_watch = Instant::now();
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
+    let period = *lock(&sh.periods);
     let (candidates, view, waiting) = {
         let mut st = lock(&sh.state);
         let candidates = watch(sh, &mut st, config, kicked)?;
-        st.vmas = sys::map_count()?;
+        // Counting VMAs reads all of /proc/self/maps (megabytes with tens of thousands of
+        // merged runs): recount every period while far from the limit is cheap and keeps the
+        // estimate exact; near it, every 8th period, the margin covering what others map meanwhile.
+        if st.vmas + 2 * config.vma_margin < limit || period % 8 == 0 {
+            st.vmas = sys::map_count()?;
+        }
         let view = StoreView {
             tree: st.store.tree.clone(),
             base: st.store.addr(0),
@@ -956,7 +962,6 @@ fn run_period(
     if batches.is_empty() && view.remote.is_some() && waiting {
         batches.push(&[]);
     }
-    let period = *lock(&sh.periods);
     let mut relook =
         (view.remote.is_some() && waiting && period % RELOOK_PERIODS == 0).then(|| Relook {
             skip: (period / RELOOK_PERIODS) as usize * crate::proto::MAX_ITEMS,
@@ -1737,7 +1742,11 @@ fn split_groups(
 
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the
 /// reference counted for it is taken back. Returns `ok`.
-fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool) -> bool {
+///
+/// A merge that could not be mapped (the VMA budget is spent, or `mmap` failed) waits longer
+/// each time, doubling up to `max_backoff` periods: a process at its VMA limit must not pay a
+/// classification of every unmergeable page every two periods.
+fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool, max_backoff: u8) -> bool {
     if ok {
         *p = Page {
             sid: copy,
@@ -1749,6 +1758,7 @@ fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool) -> bool {
     } else {
         store.undo_ref(copy);
         p.unchanged = 0;
+        p.writes = p.writes.max(1).saturating_mul(2).min(max_backoff);
     }
     ok
 }
@@ -1853,6 +1863,7 @@ fn commit_broken(
                 store,
                 sid + (q - k) as u32,
                 ok,
+                config.max_backoff,
             ) {
                 *v = None;
             }
@@ -1987,6 +1998,31 @@ fn commit(
             i = j;
             continue;
         }
+        // Merges that cannot be mapped for want of VMAs are not worth a freeze: they back off now,
+        // and a run left with nothing to do is skipped.
+        let mut acts: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
+        for k in 0..n {
+            acts[k] = actions[todo[i + k]];
+        }
+        if *vmas + 2 > budget {
+            let mut limited = 0;
+            for (k, a) in acts.iter_mut().enumerate().take(n) {
+                if let Some(Action::Merge(_)) = a {
+                    *a = None;
+                    limited += 1;
+                    let p = &mut region.pages[first.index + k];
+                    p.unchanged = 0;
+                    p.writes = p.writes.max(1).saturating_mul(2).min(config.max_backoff);
+                }
+            }
+            sh.counters
+                .vma_limited
+                .fetch_add(limited, Ordering::Relaxed);
+            if acts[..n].iter().all(Option::is_none) {
+                i = j;
+                continue;
+            }
+        }
         // Freezing and comparing need no state: the period lock keeps the region registered, and
         // a copy named by this batch stays allocated until the batch is done (only the committer
         // frees copies during a period).
@@ -2029,7 +2065,7 @@ fn commit(
         tm[0] += (tv - tf).as_secs_f64();
         // Verify on frozen bytes: byte-for-byte, on the workers when the run is long.
         let jobs: Vec<(usize, usize)> = (0..n)
-            .map(|k| match actions[todo[i + k]] {
+            .map(|k| match acts[k] {
                 _ if !moved[k] => (0, 0),
                 Some(Action::Zero) => (scratch + k * PAGE, 0),
                 Some(Action::Merge(sid)) => (scratch + k * PAGE, store_base + sid as usize * PAGE),
@@ -2053,7 +2089,7 @@ fn commit(
             if !moved[k] {
                 continue;
             }
-            verdict[k] = match actions[todo[i + k]] {
+            verdict[k] = match acts[k] {
                 Some(Action::Zero) if equal[k] => Some(Action::Zero),
                 Some(Action::Merge(sid)) if store.refs(sid) >= config.max_sharing => {
                     store.retire(sid);
@@ -2119,6 +2155,7 @@ fn commit(
                     store,
                     sid + (q - k) as u32,
                     ok,
+                    config.max_backoff,
                 ) {
                     *v = None;
                 }
