@@ -113,10 +113,13 @@ enum Bench {
         /// 4 x 64 MiB and one run instead of 4 x 512 MiB and three runs.
         #[arg(long)]
         quick: bool,
+        /// Runs per side and data set (the median is reported).
         #[arg(long)]
         runs: Option<usize>,
+        /// Regions (one process each with --processes).
         #[arg(long, default_value_t = 4)]
         regions: usize,
+        /// Size of each region in MiB (default 512, 64 with --quick).
         #[arg(long)]
         region_mib: Option<usize>,
         /// PageONE worker threads.
@@ -125,11 +128,12 @@ enum Bench {
         /// PageONE merge period in milliseconds.
         #[arg(long, default_value_t = 100)]
         period_ms: u64,
-        #[arg(long)]
         /// Run pageone as one process per region sharing through `pageone daemon` (issue #4's
         /// measurement) instead of one process with all regions.
         #[arg(long)]
         processes: bool,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
         json: Option<std::path::PathBuf>,
     },
 }

@@ -10,9 +10,13 @@
 //!
 //! * `Lookup(hashes)`: per hash, a slot with that content (now *held* for the client), `WANTED`
 //!   (another client noted this content and no copy exists: send the bytes) or `NOTED`;
-//! * `Copy(n)`: copy pages `0..n` of the client's staging memfd into new slots (`pread`, so a
-//!   client that truncates its staging file cannot fault the daemon); identical content already
-//!   stored is answered with the existing slot. Clients that noted the content get it *offered*.
+//! * `Copy(n)`: copy pages `0..n` of the client's staging memfd into new slots (in the kernel with
+//!   `copy_file_range`, so no bytes pass through the daemon and a client that truncates its
+//!   staging file only makes its copy fail); the daemon hashes what the store then holds, and
+//!   identical content already stored is answered with the existing slot. Clients that noted the
+//!   content get it *offered*.
+//! * `CopyFresh(n)`: the same without the deduplication, for a copy that must be another one:
+//!   the client already maps `max_sharing` pages onto the existing copy of that content.
 //! * `Release(slots)`: the client neither maps nor indexes them any more.
 //!
 //! A slot is freed (hole punched, index entry removed) when no client holds it. Holds are a set

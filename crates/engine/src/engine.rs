@@ -110,6 +110,10 @@ struct Shared {
     periods: Mutex<u64>,
     period_cv: Condvar,
     kick: (Mutex<bool>, Condvar),
+    /// When the next period should start at the earliest: a period after the latest
+    /// registration, so newly armed memory counts its first unchanged period at the first scan
+    /// instead of waiting for a second one (the engine defers a period by one at most).
+    not_before: Mutex<Option<Instant>>,
     counters: Counters,
     /// CPU clocks of the engine's threads (engine, committer, faults, workers).
     clocks: Arc<Mutex<Vec<sys::CpuClock>>>,
@@ -256,6 +260,7 @@ impl Engine {
             periods: Mutex::new(0),
             period_cv: Condvar::new(),
             kick: (Mutex::new(false), Condvar::new()),
+            not_before: Mutex::new(None),
             counters: Counters::default(),
             clocks: Arc::default(),
         });
@@ -396,6 +401,15 @@ impl Engine {
             },
         );
         drop(st);
+        if self.shared.mode == WatchMode::UffdWp {
+            let period = lock(&self.shared.config).merge_period;
+            let t = Instant::now() + period;
+            let mut nb = lock(&self.shared.not_before);
+            *nb = Some(nb.map_or(t, |old| old.max(t)));
+            drop(nb);
+            // Wake the sleeping engine loop so it takes the new deadline.
+            self.shared.kick.1.notify_all();
+        }
         tracing::debug!(addr = a, len, "registered");
         Ok(())
     }
@@ -851,8 +865,13 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         // Sleep out the period unless kicked or stopped.
         let (m, cv) = &sh.kick;
         let mut k = lock(m);
-        let deadline = t0 + period;
         while !*k && !sh.stop.load(Ordering::SeqCst) {
+            // Deferred to a period after the latest registration, by one period at most, so
+            // registering memory all the time cannot hold periods off.
+            let deadline = match *lock(&sh.not_before) {
+                Some(t) => t.clamp(t0 + period, t0 + 2 * period),
+                None => t0 + period,
+            };
             let now = Instant::now();
             if now >= deadline {
                 break;
@@ -864,6 +883,11 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         }
         kicked = *k;
         *k = false;
+        // A registration after the deadline keeps its own for the next period.
+        let mut nb = lock(&sh.not_before);
+        if nb.is_some_and(|t| t <= Instant::now()) {
+            *nb = None;
+        }
     }
 }
 

@@ -10,8 +10,9 @@
 //!    fault in the kernel and nothing in user space). Pages are never read to find out whether they
 //!    changed. Where the kernel lacks this, a per-page xxh3 checksum is compared instead, as KSM
 //!    does ([`WatchMode::Checksum`]). A page becomes a *candidate* once it stayed unchanged for
-//!    `merge_periods` periods; a page written k times waits up to k periods (capped), so pages that
-//!    keep changing cost nothing but the scan.
+//!    `merge_periods` whole periods (counted from when its write-protection was armed, so a page
+//!    registered just before a scan does not count that scan); a page written k times waits up to
+//!    k periods (capped), so pages that keep changing cost nothing but the scan.
 //! 2. **Classify** (N worker threads at `SCHED_IDLE`). Zero pages first: an all-zero candidate is
 //!    released without touching any index. Then the stable index (an SD tree over the stable copies,
 //!    which never change while indexed) is searched; a unique page is rejected after reading its
@@ -19,7 +20,8 @@
 //!    sightings: their bytes are live memory that may change, which suits a per-period hash better
 //!    than an index keyed in place; see `docs/DESIGN.md` for the numbers behind the choice). Each
 //!    group of two or more gets a new stable copy; copies of a run of pages get consecutive ids.
-//! 3. **Commit** (one thread: remaps of one address space serialise on `mmap_lock` anyway). Runs of
+//! 3. **Commit** (one committer thread: remaps of one address space serialise on `mmap_lock`
+//!    anyway; it commits one batch of candidates while the engine thread classifies the next). Runs of
 //!    pages are *frozen* with `UFFDIO_MOVE` into a private scratch area: while a page is moved out,
 //!    any access to its address blocks in the kernel as a missing fault that the engine does not
 //!    answer. The frozen bytes are compared byte for byte with the stable copy (or checked for zero);
@@ -33,9 +35,18 @@
 //! `fallocate(PUNCH_HOLE)`. Missing faults that are not frozen pages (first touches, released zero
 //! pages) are answered with the shared zero page by a fault thread.
 //!
+//! A period holds the *period lock* from watch to the end of its last commit; `register` and
+//! `unregister` take it too, so a region never changes shape under a period. The state lock is
+//! held only for bookkeeping: copies are written, indexed, frozen and compared without it.
+//!
+//! One copy serves at most `max_sharing` pages (KSM's `max_page_sharing`): a larger group is split
+//! into chunks, each led by a page that gets a copy of its own, so content repeated many times
+//! still merges in one pass.
+//!
 //! Every non-coalescing merge costs VMAs; the committer counts them and stays under
-//! `vm.max_map_count` with a margin, skipping merges (and saying so in [`Stats`]) rather than
-//! failing the host process.
+//! `vm.max_map_count` with a margin: a merge that would cross it is not even frozen, the page
+//! backs off (waits longer each time), and [`Stats`] counts it, rather than failing the host
+//! process.
 
 mod engine;
 mod pool;
