@@ -1765,12 +1765,12 @@ fn split_groups(
 }
 
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the
-/// reference counted for it is taken back. Returns `ok`.
+/// reference counted for it is taken back.
 ///
 /// A merge that could not be mapped (the VMA budget is spent, or `mmap` failed) waits longer
 /// each time, doubling up to `max_backoff` periods: a process at its VMA limit must not pay a
 /// classification of every unmergeable page every two periods.
-fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool, max_backoff: u8) -> bool {
+fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool, max_backoff: u8) {
     if ok {
         *p = Page {
             sid: copy,
@@ -1783,6 +1783,65 @@ fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool, max_backoff: u
         store.undo_ref(copy);
         p.unchanged = 0;
         p.writes = p.writes.max(1).saturating_mul(2).min(max_backoff);
+    }
+}
+
+/// Maps copies `sid..sid + m` over the `m` pages of `region` from page `index` on, if the VMA
+/// budget has room for `cost` more VMAs, and settles every page either way (merged, or its
+/// reference taken back and the page backed off). Returns whether the copies were mapped.
+///
+/// # Safety
+///
+/// The caller holds the pages still (moved out, or write-protected with writers blocked) and has
+/// compared them equal to their copies, so replacing the mapping discards nothing.
+#[allow(clippy::too_many_arguments)]
+unsafe fn map_copies(
+    sh: &Shared,
+    region: &mut RegionState,
+    store: &mut Store,
+    config: &Config,
+    (vmas, budget): (&mut usize, usize),
+    index: usize,
+    (sid, m): (KeyId, usize),
+    cost: usize,
+) -> bool {
+    let addr = region.start + index * PAGE;
+    let ok = if *vmas + cost > budget {
+        sh.counters
+            .vma_limited
+            .fetch_add(m as u64, Ordering::Relaxed);
+        false
+    } else {
+        // SAFETY: the pages are held still and equal their copies (this function's contract).
+        match unsafe {
+            sys::mmap_private_fixed(
+                addr as *mut u8,
+                m * PAGE,
+                store.fd(),
+                sid as u64 * PAGE as u64,
+            )
+        } {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "merge mapping failed; pages are put back");
+                false
+            }
+        }
+    };
+    for q in 0..m {
+        settle(
+            &mut region.pages[index + q],
+            store,
+            sid + q as u32,
+            ok,
+            config.max_backoff,
+        );
+    }
+    if ok {
+        *vmas += cost;
+        region.merged_ever = true;
+        sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
+        watch_store_mapping(sh, addr, m);
     }
     ok
 }
@@ -1867,39 +1926,22 @@ fn commit_broken(
         while k + m < n && verdict[k + m] == Some(sid + m as u32) {
             m += 1;
         }
-        let addr = start + k * PAGE;
-        let ok = *vmas + 2 <= budget && {
-            // SAFETY: the subrun's pages are held still and equal their copies, so replacing the
-            // mapping discards nothing.
-            unsafe {
-                sys::mmap_private_fixed(
-                    addr as *mut u8,
-                    m * PAGE,
-                    store.fd(),
-                    sid as u64 * PAGE as u64,
-                )
-            }
-            .is_ok()
-        };
-        for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
-            if !settle(
-                &mut region.pages[first_index + q],
+        // SAFETY: the subrun's pages are write-protected with writers blocked and equal their
+        // copies (compared above).
+        let ok = unsafe {
+            map_copies(
+                sh,
+                region,
                 store,
-                sid + (q - k) as u32,
-                ok,
-                config.max_backoff,
-            ) {
-                *v = None;
-            }
-        }
-        if ok {
-            *vmas += 2;
-            sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
-            watch_store_mapping(sh, addr, m);
-        } else {
-            sh.counters
-                .vma_limited
-                .fetch_add(m as u64, Ordering::Relaxed);
+                config,
+                (vmas, budget),
+                first_index + k,
+                (sid, m),
+                2,
+            )
+        };
+        if !ok {
+            verdict[k..k + m].fill(None);
         }
         k += m;
     }
@@ -2150,45 +2192,22 @@ fn commit(
                 left.kind == MERGED && left.sid.wrapping_add(1) == sid
             };
             let cost = if coalesces { 1 } else { 2 };
-            let addr = start + k * PAGE;
-            let ok = if *vmas + cost > budget {
-                sh.counters
-                    .vma_limited
-                    .fetch_add(m as u64, Ordering::Relaxed);
-                false
-            } else {
-                // SAFETY: the subrun is frozen (its pages are in scratch), so nothing is discarded.
-                match unsafe {
-                    sys::mmap_private_fixed(
-                        addr as *mut u8,
-                        m * PAGE,
-                        store.fd(),
-                        sid as u64 * PAGE as u64,
-                    )
-                } {
-                    Ok(()) => true,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "merge mapping failed; pages are put back");
-                        false
-                    }
-                }
-            };
-            for (q, v) in verdict.iter_mut().enumerate().take(k + m).skip(k) {
-                if !settle(
-                    &mut region.pages[first_index + q],
+            // SAFETY: the subrun is frozen (its pages are in scratch) and compared equal to its
+            // copies.
+            let ok = unsafe {
+                map_copies(
+                    sh,
+                    region,
                     store,
-                    sid + (q - k) as u32,
-                    ok,
-                    config.max_backoff,
-                ) {
-                    *v = None;
-                }
-            }
-            if ok {
-                *vmas += cost;
-                region.merged_ever = true;
-                sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
-                watch_store_mapping(sh, addr, m);
+                    config,
+                    (vmas, budget),
+                    first_index + k,
+                    (sid, m),
+                    cost,
+                )
+            };
+            if !ok {
+                verdict[k..k + m].fill(None);
             }
             k += m;
         }
