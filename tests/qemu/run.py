@@ -125,6 +125,27 @@ def pss_kib(pid):
     return 0
 
 
+def cpu_seconds(pid):
+    """User + system CPU of a process (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def ksmd_cpu_seconds():
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                if f.read().strip() == "ksmd":
+                    return cpu_seconds(comm.split("/")[2])
+        except OSError:
+            pass
+    return 0.0
+
+
 def qemu_pids(parent_pids):
     """QEMU processes among the descendants of `parent_pids`."""
     out = []
@@ -236,11 +257,13 @@ def settle(guests, status=None):
     return sum(pss_kib(p) for p in guests.pids()), mem_available_kib(), time.time() - t0
 
 
-def run_side(name, launcher, initrd, env, expected, status=None):
+def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0):
     """Boots the guests, checks their data, lets memory settle; returns (Pss KiB of the QEMU
-    processes, host memory used since before the boot in KiB by MemAvailable)."""
+    processes, host memory used since before the boot in KiB by MemAvailable, CPU-seconds the
+    merging used from the boot to the measurement by `cpu()`)."""
     log(f"{name}: booting {GUESTS} guests of {GUEST_MIB} MiB")
     avail0 = mem_available_kib()
+    cpu0 = cpu()
     t0 = time.time()
     guests = Guests(launcher, initrd, env)
     sums = guests.wait_for("CHECKSUM", 240)
@@ -253,9 +276,11 @@ def run_side(name, launcher, initrd, env, expected, status=None):
         raise SystemExit(f"{name}: found QEMU pids {pids}")
     pss, avail, secs = settle(guests, status)
     used = avail0 - avail
+    merging_cpu = cpu() - cpu0
     log(
         f"{name}: QEMU Pss {pss / 1024:.0f} MiB, host memory used {used / 1024:.0f} MiB "
-        f"(MemAvailable), settled {secs:.0f} s after the checksums"
+        f"(MemAvailable), settled {secs:.0f} s after the checksums ({time.time() - t0:.0f} s "
+        f"after the boot); merging used {merging_cpu:.1f} CPU-s"
     )
     guests.go()
     again = guests.wait_for("CHECK2", 240)
@@ -264,7 +289,7 @@ def run_side(name, launcher, initrd, env, expected, status=None):
             raise SystemExit(f"{name}: guest {g} checksum after merging {v} != expected {expected}")
     log(f"{name}: every guest's data is still intact")
     guests.finish()
-    return pss, used
+    return pss, used, merging_cpu
 
 
 class KsmKnobs:
@@ -331,10 +356,23 @@ def main():
                 time.sleep(0.05)
             env = dict(os.environ)
             env.pop("LD_PRELOAD", None)
-            base_pss, base_used = run_side("no merging", [], initrd, env, expected)
-            p_pss, p_used = run_side(
+            base_pss, base_used, _ = run_side("no merging", [], initrd, env, expected)
+
+            def pageone_cpu():
+                # The daemon's CPU and the engines' threads in the QEMU processes (from their
+                # reports to the daemon: the shim's engine runs inside QEMU).
+                status()
+                scope = next(
+                    (s for s in last_status.get("scopes", []) if s["scope"] == "vms"), None
+                )
+                clients = scope["clients"] if scope else []
+                return cpu_seconds(daemon.pid) + sum(
+                    (c.get("stats") or {}).get("worker_cpu_ns", 0) / 1e9 for c in clients
+                )
+
+            p_pss, p_used, p_cpu = run_side(
                 "pageone", [PAGEONE, "run", "--scope", "vms", "--daemon", sock, "--"],
-                initrd, env, expected, status,
+                initrd, env, expected, status, pageone_cpu,
             )
             scope = next(
                 (s for s in last_status.get("scopes", []) if s["scope"] == "vms"), None
@@ -366,7 +404,7 @@ def main():
             daemon.wait()
 
         with KsmKnobs():
-            k_pss, k_used = run_side("ksm", [], initrd, env, expected)
+            k_pss, k_used, k_cpu = run_side("ksm", [], initrd, env, expected, cpu=ksmd_cpu_seconds)
 
         p_saved, k_saved = (base_pss - p_pss) / 1024, (base_pss - k_pss) / 1024
         p_avail, k_avail = (base_used - p_used) / 1024, (base_used - k_used) / 1024
@@ -375,7 +413,9 @@ def main():
             f"host memory saved against the same guests without merging:\n"
             f"  QEMU processes' Pss: pageone {p_saved:.0f} MiB, KSM {k_saved:.0f} MiB\n"
             f"  MemAvailable:        pageone {p_avail:.0f} MiB, KSM {k_avail:.0f} MiB\n"
-            f"  pageone daemon: {scope['saved_bytes'] / 1048576:.0f} MiB saved"
+            f"  pageone daemon: {scope['saved_bytes'] / 1048576:.0f} MiB saved\n"
+            f"  CPU of merging (boot to measurement): pageone {p_cpu:.1f} s (engines + daemon), "
+            f"KSM {k_cpu:.1f} s (ksmd)"
         )
         # The guests' data is identical: one guest's copy of it must be saved at least.
         want = DATA_MIB * 0.8

@@ -836,6 +836,13 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
     count_cpu_of_this_thread(sh);
     // Whether this period was started by `kick` rather than by the clock.
     let mut kicked = false;
+    // Periods in a row that changed little (merges, zero pages released and copy-on-write
+    // breaks under 1/1024 of the registered pages): after IDLE_PERIODS of them the engine
+    // sleeps 2, 4, then 8 periods between scans. Scanning tens of thousands of VMAs is most of a
+    // settled process's cost, and a settled guest keeps rewriting a few hundred unique pages,
+    // which become candidates again and again without merging, so "no candidates" never
+    // comes. A busy period, a registration or a kick brings the period back.
+    let mut idle = 0u32;
     while !sh.stop.load(Ordering::SeqCst) {
         let t0 = Instant::now();
         let config = Arc::new(lock(&sh.config).clone());
@@ -847,9 +854,28 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         }
         {
             let _period = lock(&sh.period_lock);
-            if let Err(e) = run_period(sh, &config, pool, &committer, kicked) {
-                tracing::warn!(error = %e, "merge period failed; memory is unchanged");
-            }
+            // (merges and breaks, zero pages released, registered pages)
+            let activity = || {
+                let c = &sh.counters;
+                let st = lock(&sh.state);
+                let pages: usize = st.regions.values().map(|r| r.pages.len()).sum();
+                let changes =
+                    c.merges.load(Ordering::Relaxed) + c.cow_breaks.load(Ordering::Relaxed);
+                (changes, st.zero, pages as u64)
+            };
+            let (changes0, zero0, _) = activity();
+            let busy = match run_period(sh, &config, pool, &committer, kicked) {
+                Ok(_) => {
+                    let (changes, zero, pages) = activity();
+                    let done = changes - changes0 + zero.abs_diff(zero0);
+                    done > 0 && done * 1024 >= pages
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "merge period failed; memory is unchanged");
+                    true
+                }
+            };
+            idle = if busy { 0 } else { idle.saturating_add(1) };
             let st = lock(&sh.state);
             if st.store.remote.is_some() {
                 let json = serde_json::to_string(&stats_of(sh, &st)).unwrap_or_default();
@@ -863,14 +889,21 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
             sh.period_cv.notify_all();
         }
         // Sleep out the period unless kicked or stopped.
+        let stretch = match idle.checked_sub(IDLE_PERIODS) {
+            None => 1,
+            Some(n) => 1u32 << (n + 1).min(3),
+        };
         let (m, cv) = &sh.kick;
         let mut k = lock(m);
         while !*k && !sh.stop.load(Ordering::SeqCst) {
             // Deferred to a period after the latest registration, by one period at most, so
             // registering memory all the time cannot hold periods off.
             let deadline = match *lock(&sh.not_before) {
-                Some(t) => t.clamp(t0 + period, t0 + 2 * period),
-                None => t0 + period,
+                Some(t) => {
+                    idle = 0;
+                    t.clamp(t0 + period, t0 + 2 * period)
+                }
+                None => t0 + period * stretch,
             };
             let now = Instant::now();
             if now >= deadline {
@@ -883,6 +916,9 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         }
         kicked = *k;
         *k = false;
+        if kicked {
+            idle = 0;
+        }
         // A registration after the deadline keeps its own for the next period.
         let mut nb = lock(&sh.not_before);
         if nb.is_some_and(|t| t <= Instant::now()) {
@@ -934,6 +970,10 @@ struct Relook {
 /// Every this many periods, waiting first sightings are asked about again (daemon only), one
 /// request's worth (`proto::MAX_ITEMS`) at a time.
 const RELOOK_PERIODS: u64 = 16;
+/// Periods without anything to merge before the engine scans less often (see `engine_loop`).
+const IDLE_PERIODS: u32 = 8;
+/// Below this many VMAs, counting them (reading `/proc/self/maps`) every period is cheap.
+const SMALL_VMA_COUNT: usize = 4096;
 
 /// What classification needs of the store without its lock: fixed for the engine's life.
 struct StoreView {
@@ -949,7 +989,7 @@ fn run_period(
     pool: &Pool,
     committer: &std::sync::mpsc::SyncSender<ToCommitter>,
     kicked: bool,
-) -> io::Result<()> {
+) -> io::Result<usize> {
     let t_watch = Instant::now();
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
@@ -957,10 +997,12 @@ fn run_period(
     let (candidates, view, waiting) = {
         let mut st = lock(&sh.state);
         let candidates = watch(sh, &mut st, config, kicked)?;
-        // Counting VMAs reads all of /proc/self/maps (megabytes with tens of thousands of
-        // merged runs): recount every period while far from the limit is cheap and keeps the
-        // estimate exact; near it, every 8th period, the margin covering what others map meanwhile.
-        if st.vmas + 2 * config.vma_margin < limit || period % 8 == 0 {
+        // Counting VMAs reads all of /proc/self/maps: megabytes of text with tens of thousands
+        // of merged runs, which made the count most of an idle QEMU's engine CPU. So the count
+        // is re-read every period only while it is small; otherwise every 16th period (the
+        // margin covers what the program maps meanwhile; merges add their worst case to the
+        // estimate), and by the commit when the estimate reaches the budget (`VmaBudget`).
+        if st.vmas < SMALL_VMA_COUNT || period % 16 == 0 {
             st.vmas = sys::map_count()?;
         }
         let view = StoreView {
@@ -1030,7 +1072,7 @@ fn run_period(
         }
     }
     lock(&sh.state).store.reclaim();
-    Ok(())
+    Ok(candidates.len())
 }
 
 /// What the committer should do with one candidate page.
@@ -1185,10 +1227,13 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
             match p.kind {
                 MERGED => {
                     if present && c & 2 == 0 {
-                        // Written since the merge: the kernel gave it a private copy.
+                        // Written since the merge: the kernel gave it a private copy. Merging it
+                        // again costs a freeze, a mapping and another copy-on-write fault if it
+                        // is written again, so each break doubles its wait (to max_backoff).
                         store.drop_ref(p.sid);
                         p.kind = BROKEN;
                         p.unchanged = 0;
+                        p.writes = p.writes.max(1).saturating_mul(2).min(config.max_backoff);
                         checksum_changed(r.start + i * PAGE, &mut r.sums[i]);
                         sh.counters.cow_breaks.fetch_add(1, Ordering::Relaxed);
                     }
@@ -1772,17 +1817,51 @@ fn split_groups(
 /// classification of every unmergeable page every two periods.
 fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool, max_backoff: u8) {
     if ok {
+        // The page keeps its write history: a page that was written again after a merge
+        // waits longer before the next one.
         *p = Page {
             sid: copy,
             kind: MERGED,
             unchanged: 0,
-            writes: 0,
+            writes: p.writes,
             epoch: p.epoch,
         };
     } else {
         store.undo_ref(copy);
         p.unchanged = 0;
         p.writes = p.writes.max(1).saturating_mul(2).min(max_backoff);
+    }
+}
+
+/// The VMA budget of one batch's commit. The engine's count is an estimate that merges raise by
+/// their worst case (two VMAs, one when the copy continues its left neighbour's mapping), so
+/// before it refuses a merge it is replaced by the kernel's count, once per batch (reading
+/// `/proc/self/maps` costs milliseconds with tens of thousands of VMAs).
+struct VmaBudget {
+    budget: usize,
+    recounted: bool,
+}
+
+impl VmaBudget {
+    fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            recounted: false,
+        }
+    }
+
+    /// Whether `cost` more VMAs fit; `vmas` is the engine's count, corrected here if need be.
+    fn allows(&mut self, vmas: &mut usize, cost: usize) -> bool {
+        if *vmas + cost <= self.budget {
+            return true;
+        }
+        if !self.recounted {
+            self.recounted = true;
+            if let Ok(n) = sys::map_count() {
+                *vmas = n;
+            }
+        }
+        *vmas + cost <= self.budget
     }
 }
 
@@ -1800,13 +1879,13 @@ unsafe fn map_copies(
     region: &mut RegionState,
     store: &mut Store,
     config: &Config,
-    (vmas, budget): (&mut usize, usize),
+    (vmas, budget): (&mut usize, &mut VmaBudget),
     index: usize,
     (sid, m): (KeyId, usize),
     cost: usize,
 ) -> bool {
     let addr = region.start + index * PAGE;
-    let ok = if *vmas + cost > budget {
+    let ok = if !budget.allows(vmas, cost) {
         sh.counters
             .vma_limited
             .fetch_add(m as u64, Ordering::Relaxed);
@@ -1888,7 +1967,7 @@ fn commit_broken(
     acts: &[Option<Action>],
     config: &Config,
     vmas: &mut usize,
-    budget: usize,
+    budget: &mut VmaBudget,
 ) {
     let Some(u2) = &sh.store_uffd else { return };
     let Run {
@@ -1934,7 +2013,7 @@ fn commit_broken(
                 region,
                 store,
                 config,
-                (vmas, budget),
+                (vmas, &mut *budget),
                 first_index + k,
                 (sid, m),
                 2,
@@ -2018,6 +2097,7 @@ fn commit(
     if todo.is_empty() {
         return;
     }
+    let mut budget = VmaBudget::new(budget);
     todo.sort_unstable_by_key(|&i| cands[i].addr);
     let mut i = 0;
     let mut moved = [false; MAX_RUN];
@@ -2060,7 +2140,7 @@ fn commit(
                 first_index: first.index,
                 n,
             };
-            commit_broken(sh, store, region, run, &acts, config, vmas, budget);
+            commit_broken(sh, store, region, run, &acts, config, vmas, &mut budget);
             i = j;
             continue;
         }
@@ -2070,7 +2150,7 @@ fn commit(
         for k in 0..n {
             acts[k] = actions[todo[i + k]];
         }
-        if *vmas + 2 > budget {
+        if !budget.allows(vmas, 2) {
             let mut limited = 0;
             for (k, a) in acts.iter_mut().enumerate().take(n) {
                 if let Some(Action::Merge(_)) = a {
@@ -2200,7 +2280,7 @@ fn commit(
                     region,
                     store,
                     config,
-                    (vmas, budget),
+                    (vmas, &mut budget),
                     first_index + k,
                     (sid, m),
                     cost,
