@@ -43,6 +43,9 @@
 //! into chunks, each led by a page that gets a copy of its own, so content repeated many times
 //! still merges in one pass.
 //!
+//! A process whose memory has settled is scanned less often: after a few periods that changed
+//! little, the engine waits 2, 4, then 8 periods between scans until something changes again.
+//!
 //! Every non-coalescing merge costs VMAs; the committer counts them and stays under
 //! `vm.max_map_count` with a margin: a merge that would cross it is not even frozen, the page
 //! backs off (waits longer each time), and [`Stats`] counts it, rather than failing the host

@@ -561,3 +561,41 @@ fn pages_merge_after_two_whole_periods_from_registration() {
     // SAFETY: unregistered above; nothing refers to the mapping.
     unsafe { sys::munmap(p, len) }.unwrap();
 }
+
+/// Once nothing changes, the engine scans less often; a write after that is still seen (the
+/// write-protection is armed whatever the scan rate), and the page merges again.
+#[test]
+fn settled_memory_is_scanned_less_and_writes_are_still_seen() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 32;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    wait_for(&e, |s| s.pages_sharing >= n as u64);
+    // Settle: 8 quiet periods, then scans every 2, 4, 8 periods (20 ms each).
+    std::thread::sleep(Duration::from_millis(1500));
+    let s0 = e.stats().full_scans;
+    std::thread::sleep(Duration::from_secs(2));
+    let scans = e.stats().full_scans - s0;
+    // Every period would be ~100 scans in 2 s; every 8th is ~12. A slow machine only lowers it.
+    assert!(
+        scans <= 40,
+        "{scans} scans in 2 s of a settled region with 20 ms periods"
+    );
+    let mem = r.as_mut_slice();
+    let saved = mem[5 * PAGE + 3];
+    mem[5 * PAGE + 3] = saved.wrapping_add(1);
+    let s = wait_for(&e, |s| s.cow_breaks >= 1);
+    assert_eq!(s.cow_breaks, 1, "{s:?}");
+    let mem = r.as_mut_slice();
+    mem[5 * PAGE + 3] = saved;
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    assert!(r
+        .as_mut_slice()
+        .chunks(PAGE)
+        .enumerate()
+        .all(|(i, p)| check(p, (i % n) as u64 + 1)));
+}
