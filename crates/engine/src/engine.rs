@@ -45,6 +45,14 @@ struct Page {
     epoch: u8,
 }
 
+impl Page {
+    /// Doubles the periods this page waits before its next merge attempt (two at least), up to
+    /// `max`: for pages whose merges keep failing or being undone.
+    fn back_off(&mut self, max: u8) {
+        self.writes = self.writes.max(1).saturating_mul(2).min(max);
+    }
+}
+
 struct RegionState {
     start: usize,
     pages: Vec<Page>,
@@ -865,7 +873,7 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
             };
             let (changes0, zero0, _) = activity();
             let busy = match run_period(sh, &config, pool, &committer, kicked) {
-                Ok(_) => {
+                Ok(()) => {
                     let (changes, zero, pages) = activity();
                     let done = changes - changes0 + zero.abs_diff(zero0);
                     done > 0 && done * 1024 >= pages
@@ -989,7 +997,7 @@ fn run_period(
     pool: &Pool,
     committer: &std::sync::mpsc::SyncSender<ToCommitter>,
     kicked: bool,
-) -> io::Result<usize> {
+) -> io::Result<()> {
     let t_watch = Instant::now();
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
@@ -1072,7 +1080,7 @@ fn run_period(
         }
     }
     lock(&sh.state).store.reclaim();
-    Ok(candidates.len())
+    Ok(())
 }
 
 /// What the committer should do with one candidate page.
@@ -1233,7 +1241,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         store.drop_ref(p.sid);
                         p.kind = BROKEN;
                         p.unchanged = 0;
-                        p.writes = p.writes.max(1).saturating_mul(2).min(config.max_backoff);
+                        p.back_off(config.max_backoff);
                         checksum_changed(r.start + i * PAGE, &mut r.sums[i]);
                         sh.counters.cow_breaks.fetch_add(1, Ordering::Relaxed);
                     }
@@ -1604,7 +1612,7 @@ fn classify(
                     // A COW-broken page is re-hashed when it is a candidate again instead; each
                     // miss doubles the wait (to max_backoff periods), so the many unique pages a
                     // booting guest rewrites do not cost a hash and a lookup every two periods.
-                    p.writes = (p.writes.max(1) * 2).min(config.max_backoff);
+                    p.back_off(config.max_backoff);
                 }
                 st.unshared += 1;
             }
@@ -1829,7 +1837,7 @@ fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool, max_backoff: u
     } else {
         store.undo_ref(copy);
         p.unchanged = 0;
-        p.writes = p.writes.max(1).saturating_mul(2).min(max_backoff);
+        p.back_off(max_backoff);
     }
 }
 
@@ -2158,7 +2166,7 @@ fn commit(
                     limited += 1;
                     let p = &mut region.pages[first.index + k];
                     p.unchanged = 0;
-                    p.writes = p.writes.max(1).saturating_mul(2).min(config.max_backoff);
+                    p.back_off(config.max_backoff);
                 }
             }
             sh.counters
