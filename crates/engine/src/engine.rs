@@ -1383,16 +1383,29 @@ impl std::hash::Hasher for IdentityHasher {
 
 type HashOfHash = std::hash::BuildHasherDefault<IdentityHasher>;
 
-/// The region key and page index of `addr` if it is still the UNIQUE page of that epoch.
-fn unique_page(
-    regions: &BTreeMap<usize, RegionState>,
-    addr: usize,
-    epoch: u8,
-) -> Option<(usize, usize)> {
-    let (&start, r) = regions.range(..=addr).next_back()?;
+/// Takes the first sighting waiting under hash `h` out of the map: its page, if that is still
+/// the UNIQUE page of the same epoch (unwritten since it was hashed).
+fn take_waiting(st: &mut State, h: u128) -> Option<Candidate> {
+    let (addr, epoch) = st.unstable.remove(&h)?;
+    let (&start, r) = st.regions.range(..=addr).next_back()?;
     let index = (addr - start) / PAGE;
     let p = r.pages.get(index)?;
-    (p.kind == UNIQUE && p.epoch == epoch).then_some((start, index))
+    (p.kind == UNIQUE && p.epoch == epoch).then_some(Candidate {
+        region: start,
+        index,
+        addr,
+    })
+}
+
+/// Adds a candidate with no action yet; returns its number.
+fn push_candidate(
+    cands: &mut Vec<Candidate>,
+    actions: &mut Vec<Option<Action>>,
+    c: Candidate,
+) -> u32 {
+    cands.push(c);
+    actions.push(None);
+    (cands.len() - 1) as u32
 }
 
 /// Decides, on the worker threads, what to do with each candidate (adding UNIQUE pages of earlier
@@ -1477,20 +1490,12 @@ fn classify(
             member_of.push((i, *f));
             continue;
         }
-        if let Some((addr, epoch)) = st.unstable.remove(&h) {
-            if let Some((region, index)) = unique_page(&st.regions, addr, epoch) {
-                let j = cands.len() as u32;
-                cands.push(Candidate {
-                    region,
-                    index,
-                    addr,
-                });
-                actions.push(None);
-                first.insert(h, (i, true));
-                groups.push(i);
-                member_of.push((j, i));
-                continue;
-            }
+        if let Some(c) = take_waiting(st, h) {
+            let j = push_candidate(&mut cands, &mut actions, c);
+            first.insert(h, (i, true));
+            groups.push(i);
+            member_of.push((j, i));
+            continue;
         }
         first.insert(h, (i, false));
     }
@@ -1527,19 +1532,9 @@ fn classify(
                 if a == crate::proto::NOTED {
                     continue;
                 }
-                let page = st
-                    .unstable
-                    .remove(&h)
-                    .and_then(|(addr, epoch)| Some((addr, unique_page(&st.regions, addr, epoch)?)));
-                match (page, a) {
-                    (Some((addr, (region, index))), _) => {
-                        let j = cands.len() as u32;
-                        cands.push(Candidate {
-                            region,
-                            index,
-                            addr,
-                        });
-                        actions.push(None);
+                match (take_waiting(st, h), a) {
+                    (Some(c), _) => {
+                        let j = push_candidate(&mut cands, &mut actions, c);
                         first.insert(h, (j, true));
                         if a == crate::proto::WANTED {
                             groups.push(j);
@@ -1574,19 +1569,10 @@ fn classify(
             }
             groups.retain(|g| !taken.contains(g));
             for (h, slot) in offers {
-                let page = st
-                    .unstable
-                    .remove(&h)
-                    .and_then(|(addr, epoch)| Some((addr, unique_page(&st.regions, addr, epoch)?)));
-                match page {
-                    Some((addr, (region, index))) => {
-                        adopted.push((cands.len() as u32, slot));
-                        cands.push(Candidate {
-                            region,
-                            index,
-                            addr,
-                        });
-                        actions.push(None);
+                match take_waiting(st, h) {
+                    Some(c) => {
+                        let j = push_candidate(&mut cands, &mut actions, c);
+                        adopted.push((j, slot));
                     }
                     // Not usable any more: give the hold back (unless this process holds it anyway).
                     None => {
