@@ -862,21 +862,21 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         }
         {
             let _period = lock(&sh.period_lock);
-            // (merges and breaks, zero pages released, registered pages)
+            // Merges, copy-on-write breaks and zero pages released so far.
             let activity = || {
                 let c = &sh.counters;
-                let st = lock(&sh.state);
-                let pages: usize = st.regions.values().map(|r| r.pages.len()).sum();
                 let changes =
                     c.merges.load(Ordering::Relaxed) + c.cow_breaks.load(Ordering::Relaxed);
-                (changes, st.zero, pages as u64)
+                (changes, lock(&sh.state).zero)
             };
-            let (changes0, zero0, _) = activity();
+            let (changes0, zero0) = activity();
             let busy = match run_period(sh, &config, pool, &committer, kicked) {
                 Ok(()) => {
-                    let (changes, zero, pages) = activity();
+                    let (changes, zero) = activity();
                     let done = changes - changes0 + zero.abs_diff(zero0);
-                    done > 0 && done * 1024 >= pages
+                    let st = lock(&sh.state);
+                    let pages: usize = st.regions.values().map(|r| r.pages.len()).sum();
+                    done > 0 && done * 1024 >= pages as u64
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "merge period failed; memory is unchanged");
@@ -980,6 +980,8 @@ struct Relook {
 const RELOOK_PERIODS: u64 = 16;
 /// Periods without anything to merge before the engine scans less often (see `engine_loop`).
 const IDLE_PERIODS: u32 = 8;
+/// Every this many periods the VMA count is read again once it is large (see `run_period`).
+const VMA_RECOUNT_PERIODS: u64 = 16;
 /// Below this many VMAs, counting them (reading `/proc/self/maps`) every period is cheap.
 const SMALL_VMA_COUNT: usize = 4096;
 
@@ -1010,7 +1012,7 @@ fn run_period(
         // is re-read every period only while it is small; otherwise every 16th period (the
         // margin covers what the program maps meanwhile; merges add their worst case to the
         // estimate), and by the commit when the estimate reaches the budget (`VmaBudget`).
-        if st.vmas < SMALL_VMA_COUNT || period % 16 == 0 {
+        if st.vmas < SMALL_VMA_COUNT || period % VMA_RECOUNT_PERIODS == 0 {
             st.vmas = sys::map_count()?;
         }
         let view = StoreView {
