@@ -642,6 +642,7 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
             st.zero -= 1;
         }
     }
+    st.store.punch_pending();
 }
 
 /// Replaces the store mapping `[s, e)` by anonymous memory with the same contents: writers are
@@ -2233,6 +2234,10 @@ fn commit(
             }
             verdict[k] = match acts[k] {
                 Some(Action::Zero) if equal[k] => Some(Action::Zero),
+                // Freed since classification named it (the tree can name a copy of an earlier
+                // batch that merged nothing, freed after that batch's commit): mapping it would
+                // map a page the store punches or reuses.
+                Some(Action::Merge(sid)) if !store.is_allocated(sid) => None,
                 Some(Action::Merge(sid)) if store.refs(sid) >= config.max_sharing => {
                     store.retire(sid);
                     None

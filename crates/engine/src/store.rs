@@ -97,6 +97,9 @@ pub(crate) struct Store {
     bump: u32,
     /// Ids free for reuse (released by the tree, or never published).
     free: Vec<KeyId>,
+    /// Ids freed and not yet punched: `punch_pending` punches runs of them with one call each
+    /// (unregistering frees hundreds of thousands), then they are reusable.
+    pending: Vec<KeyId>,
     /// Copies with refs > 0.
     pub(crate) shared: u64,
     /// Sum of refs.
@@ -153,6 +156,7 @@ impl Store {
             entries: Vec::new(),
             bump: 0,
             free: Vec::new(),
+            pending: Vec::new(),
             shared: 0,
             sharing_refs: 0,
             remote,
@@ -185,6 +189,9 @@ impl Store {
         let mut out = Vec::with_capacity(n);
         let fresh = (self.file.capacity - self.bump) as usize;
         let from_bump = n.min(fresh);
+        if from_bump < n {
+            self.punch_pending();
+        }
         out.extend(self.bump..self.bump + from_bump as u32);
         self.bump += from_bump as u32;
         while out.len() < n {
@@ -205,6 +212,11 @@ impl Store {
             self.allocated[id as usize] = true;
         }
         Some(out)
+    }
+
+    /// Whether `id` holds a live copy (allocated and not freed since).
+    pub(crate) fn is_allocated(&self, id: KeyId) -> bool {
+        self.allocated.get(id as usize).copied().unwrap_or(false)
     }
 
     /// Takes the ids whose grace period ended; those already freed become reusable.
@@ -231,6 +243,29 @@ impl Store {
         if let Some(r) = &self.remote {
             r.flush();
         }
+        self.punch_pending();
+    }
+
+    /// Punches the copies freed since the last call, one call per run of consecutive ids, and
+    /// makes their ids reusable (lowest first, so reused ids come in runs too).
+    pub(crate) fn punch_pending(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut ids = std::mem::take(&mut self.pending);
+        ids.sort_unstable();
+        let mut k = 0;
+        while k < ids.len() {
+            let mut m = 1;
+            while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
+                m += 1;
+            }
+            let at = ids[k] as u64 * PAGE as u64;
+            let _ = sys::punch_hole(self.fd(), at, m as u64 * PAGE as u64);
+            k += m;
+        }
+        // `alloc` pops from the end.
+        self.free.extend(ids.iter().rev());
     }
 
     /// Records the outcome of inserting copy `id` (already written) into the tree. Returns the id
@@ -343,7 +378,8 @@ impl Store {
         }
     }
 
-    /// Frees an id nothing maps or indexes: punched and reused here, or released to the daemon.
+    /// Frees an id nothing maps or indexes: punched (by `punch_pending`) and reused here, or
+    /// released to the daemon.
     fn give_back(&mut self, id: KeyId) {
         // Relaxed: see note_fork. A copy freed just before a fork is not mapped by anyone.
         if FORKED.load(Ordering::Relaxed) {
@@ -351,10 +387,7 @@ impl Store {
         }
         match &self.remote {
             Some(r) => r.release(id),
-            None => {
-                let _ = sys::punch_hole(self.fd(), id as u64 * PAGE as u64, PAGE as u64);
-                self.free.push(id);
-            }
+            None => self.pending.push(id),
         }
     }
 
