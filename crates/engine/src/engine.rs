@@ -86,6 +86,11 @@ struct State {
     vmas: usize,
     /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
     unstable: HashMap<u128, (usize, u8), HashOfHash>,
+    /// Read-ahead of newly registered pages (see `read_ahead`): jobs still running, and the
+    /// results of finished ones by address, with the periods since they were installed.
+    ahead_jobs: Vec<AheadJob>,
+    ahead: Vec<AheadBlock>,
+    ahead_age: u32,
 }
 
 struct Shared {
@@ -141,6 +146,8 @@ struct Counters {
 /// A running deduplication engine. Dropping it shuts it down cleanly (see [`Engine::shutdown`]).
 pub struct Engine {
     shared: Arc<Shared>,
+    /// The workers (shared with the engine and commit threads): registration queues read-ahead.
+    pool: Arc<Pool>,
     engine_thread: Option<JoinHandle<()>>,
     commit_thread: Option<JoinHandle<()>>,
     fault_thread: Option<JoinHandle<()>>,
@@ -258,6 +265,9 @@ impl Engine {
                 zero: 0,
                 vmas: 0,
                 unstable: HashMap::default(),
+                ahead_jobs: Vec::new(),
+                ahead: Vec::new(),
+                ahead_age: 0,
             }),
             period_lock: Mutex::new(()),
             config: Mutex::new(config),
@@ -284,6 +294,7 @@ impl Engine {
         // Rendezvous: the classifier hands over a batch when the committer takes it, so it runs
         // at most one batch ahead (bounded copies in flight, and frees feed the next copies).
         let (to_committer, batches) = std::sync::mpsc::sync_channel(0);
+        let engine_pool = pool.clone();
         let (s, p) = (shared.clone(), pool.clone());
         let commit_thread = std::thread::Builder::new()
             .name("pageone-commit".into())
@@ -292,10 +303,11 @@ impl Engine {
         let s = shared.clone();
         let engine_thread = std::thread::Builder::new()
             .name("pageone-engine".into())
-            .spawn(move || engine_loop(&s, &pool, to_committer))
+            .spawn(move || engine_loop(&s, &engine_pool, to_committer))
             .map_err(EngineError::Thread)?;
         Ok(Self {
             shared,
+            pool,
             engine_thread: Some(engine_thread),
             commit_thread: Some(commit_thread),
             fault_thread: Some(fault_thread),
@@ -408,6 +420,7 @@ impl Engine {
                 sums,
             },
         );
+        read_ahead(&mut st, &self.pool, a, end);
         drop(st);
         if self.shared.mode == WatchMode::UffdWp {
             let period = lock(&self.shared.config).merge_period;
@@ -439,6 +452,7 @@ impl Engine {
                 return Err(EngineError::Overlap { addr: a, len });
             }
         }
+        forget_read_ahead(&mut st);
         for k in keys {
             let r = st.regions.remove(&k).expect("listed above");
             unregister_region(&self.shared, &mut st, r);
@@ -536,6 +550,7 @@ impl Engine {
         }
         {
             let mut st = lock(&self.shared.state);
+            forget_read_ahead(&mut st);
             let regions = std::mem::take(&mut st.regions);
             for (_, r) in regions {
                 unregister_region(&self.shared, &mut st, r);
@@ -1005,7 +1020,7 @@ fn run_period(
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
     let period = *lock(&sh.periods);
-    let (candidates, view, waiting) = {
+    let (mut candidates, view, waiting) = {
         let mut st = lock(&sh.state);
         let candidates = watch(sh, &mut st, config, kicked)?;
         // Counting VMAs reads all of /proc/self/maps: megabytes of text with tens of thousands
@@ -1024,6 +1039,10 @@ fn run_period(
         };
         (candidates, view, !st.unstable.is_empty())
     };
+    // Read-ahead still running is waited for when there is something to classify: it is that
+    // same work, started earlier.
+    let wait = !candidates.is_empty();
+    use_read_ahead(sh, &mut candidates, wait);
     tracing::debug!(
         pid = std::process::id(),
         watch_ms = t_watch.elapsed().as_secs_f64() * 1e3,
@@ -1035,9 +1054,9 @@ fn run_period(
     // the first-sighting map. The committer commits a batch while the next one is classified.
     // With a daemon, an empty batch still collects the copies other processes made for pages
     // waiting here.
-    let mut batches: Vec<&[Candidate]> = candidates.chunks(BATCH).collect();
+    let mut batches = batches_by_content(candidates);
     if batches.is_empty() && view.remote.is_some() && waiting {
-        batches.push(&[]);
+        batches.push(Vec::new());
     }
     let mut relook =
         (view.remote.is_some() && waiting && period % RELOOK_PERIODS == 0).then(|| Relook {
@@ -1048,7 +1067,7 @@ fn run_period(
     let mut handed_over = true;
     for batch in batches {
         let t0 = Instant::now();
-        let classified = classify(sh, &view, config, batch.to_vec(), pool, relook.take());
+        let classified = classify(sh, &view, config, batch, pool, relook.take());
         tracing::debug!(
             pid = std::process::id(),
             candidates = classified.cands.len(),
@@ -1086,11 +1105,248 @@ fn run_period(
     Ok(())
 }
 
+/// Orders candidates so that the pages of one content fall in one batch (by the hash or stable
+/// copy read ahead): every batch then pairs its own duplicates and its merges start at once,
+/// instead of the first batches only filling the first-sighting map. Each batch is in address
+/// order (runs of pages get runs of copies). Pages not read ahead keep their order.
+fn batches_by_content(cands: Vec<Candidate>) -> Vec<Vec<Candidate>> {
+    if cands.iter().all(|c| c.pre == Pre::None) {
+        return cands.chunks(BATCH).map(<[Candidate]>::to_vec).collect();
+    }
+    let mut by_hash: HashMap<u128, u32, HashOfHash> = HashMap::default();
+    let mut by_copy: HashMap<KeyId, u32> = HashMap::new();
+    // (first candidate of its content, candidate)
+    let mut order: Vec<(u32, u32)> = Vec::with_capacity(cands.len());
+    for (i, c) in cands.iter().enumerate() {
+        let i = i as u32;
+        let first = match c.pre {
+            Pre::Hash(h) => *by_hash.entry(joined(h)).or_insert(i),
+            Pre::Stable(id) => *by_copy.entry(id).or_insert(i),
+            Pre::None | Pre::Zero => i,
+        };
+        order.push((first, i));
+    }
+    drop(by_hash);
+    order.sort_unstable();
+    let mut out = Vec::with_capacity(cands.len().div_ceil(BATCH));
+    let mut cur: Vec<Candidate> = Vec::with_capacity(BATCH);
+    let mut last = u32::MAX;
+    for (first, i) in order {
+        if cur.len() >= BATCH && first != last {
+            out.push(std::mem::replace(&mut cur, Vec::with_capacity(BATCH)));
+        }
+        cur.push(cands[i as usize]);
+        last = first;
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    for b in &mut out {
+        b.sort_unstable_by_key(|c| c.addr);
+    }
+    out
+}
+
+/// Pages read ahead per part of a read-ahead job (small parts, so that other submitters' parts
+/// are not held up long behind them).
+const AHEAD_PART: usize = 1024;
+/// Periods read-ahead results stay usable: a page's epoch counts its writes in a `u8`, so results
+/// must not outlive a possible wrap-around.
+const AHEAD_PERIODS: u32 = 8;
+
+/// A read-ahead queued on the workers: the pages it reads (in address order) and, per part of
+/// `AHEAD_PART` pages, where the part puts its results.
+struct AheadJob {
+    done: crate::pool::Pending,
+    addrs: Arc<Vec<usize>>,
+    parts: Arc<Vec<Mutex<Vec<Pre>>>>,
+}
+
+/// Results of a finished read-ahead: `pres[i]` is the result for `addrs[i]`.
+struct AheadBlock {
+    addrs: Arc<Vec<usize>>,
+    pres: Vec<Pre>,
+}
+
+/// Reads the present pages of a newly registered range on the workers, in what is otherwise idle
+/// time (the range's pages wait two whole periods before they are candidates): zero, equal to a
+/// stable copy, or else their hash. A page unwritten until it is a candidate skips that work, and
+/// its period's batches are ordered by content. The reads come after the range was armed, so any
+/// write after a read is seen by the watch (the page's epoch changes and the result is not used);
+/// every result is a hint only, as every merge is verified on frozen bytes.
+fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
+    let mut found = Vec::new();
+    let present = sys::ScanQuery {
+        // Present, and neither the zero page nor a file page.
+        category_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE,
+        category_inverted: PAGE_IS_PFNZERO | PAGE_IS_FILE,
+        return_mask: PAGE_IS_PRESENT,
+        ..Default::default()
+    };
+    // Only present pages: reading a missing one would fault (and fill) it.
+    if st.pagemap.scan(start, end, &present, &mut found).is_err() {
+        return;
+    }
+    let addrs: Vec<usize> = found
+        .iter()
+        .flat_map(|r| (r.start as usize..r.end as usize).step_by(PAGE))
+        .collect();
+    if addrs.is_empty() {
+        return;
+    }
+    let addrs = Arc::new(addrs);
+    let n_parts = addrs.len().div_ceil(AHEAD_PART);
+    let parts: Arc<Vec<Mutex<Vec<Pre>>>> =
+        Arc::new((0..n_parts).map(|_| Mutex::new(Vec::new())).collect());
+    let tree = st.store.tree.clone();
+    let store_base = st.store.addr(0);
+    let (a, o) = (addrs.clone(), parts.clone());
+    let done = pool.spawn(
+        n_parts,
+        Arc::new(move |part| {
+            let lo = part * AHEAD_PART;
+            let hi = (lo + AHEAD_PART).min(a.len());
+            let mut buf = Box::new([0u64; WORDS]);
+            let res: Vec<Pre> = a[lo..hi]
+                .iter()
+                .map(|&addr| read_page_ahead(addr, &tree, store_base, &mut buf))
+                .collect();
+            *lock(&o[part]) = res;
+        }),
+    );
+    st.ahead_jobs.push(AheadJob { done, addrs, parts });
+}
+
+/// What classification would find for the page at `addr` (see `read_ahead`).
+fn read_page_ahead(
+    addr: usize,
+    tree: &pageone_index::SdTree<crate::store::StoreKeys>,
+    store_base: usize,
+    buf: &mut [u64; WORDS],
+) -> Pre {
+    if (0..WORDS).all(|i| page_word(addr, i) == 0) {
+        return Pre::Zero;
+    }
+    let key = WordKey(|i| page_word(addr, i));
+    if let Some(e) = tree.candidate(&key) {
+        if live_page_equals(addr, store_base + e.key() as usize * PAGE) {
+            return Pre::Stable(e.key());
+        }
+    }
+    copy_page(addr, buf);
+    let h = xxhash_rust::xxh3::xxh3_128(as_bytes(buf));
+    Pre::Hash([h as u64, (h >> 64) as u64])
+}
+
+/// The hash of `Pre::Hash` as one number.
+fn joined(h: [u64; 2]) -> u128 {
+    h[0] as u128 | (h[1] as u128) << 64
+}
+
+/// Waits for the read-ahead jobs (they read registered pages, which must stay mapped meanwhile)
+/// and drops every result: called when regions are unregistered (the same addresses may be
+/// registered again, with page epochs starting over).
+fn forget_read_ahead(st: &mut State) {
+    for j in st.ahead_jobs.drain(..) {
+        j.done.wait();
+    }
+    st.ahead = Vec::new();
+}
+
+/// Installs the results of finished read-ahead jobs (of all of them when `wait`), and gives the
+/// candidates that are ANON pages unwritten since their read the result.
+fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
+    let jobs: Vec<AheadJob> = {
+        let mut st = lock(&sh.state);
+        let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut st.ahead_jobs)
+            .into_iter()
+            .partition(|j| wait || j.done.is_done());
+        st.ahead_jobs = running;
+        done
+    };
+    let mut st = lock(&sh.state);
+    if !jobs.is_empty() {
+        // Waited for without the state lock: the jobs do not take it.
+        drop(st);
+        for j in &jobs {
+            j.done.wait();
+        }
+        let blocks: Vec<AheadBlock> = jobs
+            .into_iter()
+            .map(|j| {
+                let mut pres = Vec::with_capacity(j.addrs.len());
+                for p in j.parts.iter() {
+                    pres.append(&mut lock(p));
+                }
+                AheadBlock {
+                    addrs: j.addrs,
+                    pres,
+                }
+            })
+            .collect();
+        st = lock(&sh.state);
+        st.ahead.extend(blocks);
+        st.ahead.sort_unstable_by_key(|b| b.addrs[0]);
+        st.ahead_age = 0;
+    } else if !st.ahead.is_empty() {
+        st.ahead_age += 1;
+        if st.ahead_age > AHEAD_PERIODS {
+            st.ahead = Vec::new();
+        }
+    }
+    if st.ahead.is_empty() || cands.is_empty() {
+        return;
+    }
+    let State { ahead, regions, .. } = &mut *st;
+    // Candidates and blocks are in address order; blocks do not overlap (one per registration).
+    let mut blocks = ahead.iter().peekable();
+    let mut at = 0;
+    for c in cands.iter_mut() {
+        while blocks
+            .peek()
+            .is_some_and(|b| b.addrs.last().is_some_and(|&l| l < c.addr))
+        {
+            blocks.next();
+            at = 0;
+        }
+        let Some(b) = blocks.peek() else {
+            break;
+        };
+        while b.addrs.get(at).is_some_and(|&a| a < c.addr) {
+            at += 1;
+        }
+        if b.addrs.get(at) != Some(&c.addr) {
+            continue;
+        }
+        let fresh = regions
+            .get(&c.region)
+            .is_some_and(|r| r.pages[c.index].kind == ANON && r.pages[c.index].epoch == 0);
+        if fresh {
+            if let Some(&pre) = b.pres.get(at) {
+                c.pre = pre;
+            }
+        }
+    }
+}
+
 /// What the committer should do with one candidate page.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Action {
     Zero,
     Merge(KeyId),
+}
+
+/// What reading a page ahead found (see `read_ahead`). A hint only: every merge is verified on
+/// frozen bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Pre {
+    /// Nothing known: classification reads the page.
+    None,
+    Zero,
+    /// Equal to this stable copy when read.
+    Stable(KeyId),
+    /// Matched no stable copy; the xxh3-128 hash of its contents (low word first).
+    Hash([u64; 2]),
 }
 
 #[derive(Clone, Copy)]
@@ -1099,6 +1355,8 @@ struct Candidate {
     region: usize,
     index: usize,
     addr: usize,
+    /// Read ahead, when the page is unwritten since.
+    pre: Pre,
 }
 
 /// Reads word `i` of the page at `addr`, big-endian, with a volatile load (the owner may write it).
@@ -1269,6 +1527,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                             region: r.start,
                             index: i,
                             addr,
+                            pre: Pre::None,
                         });
                     } else {
                         volatile += 1;
@@ -1329,6 +1588,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                     region: r.start,
                     index: i,
                     addr,
+                    pre: Pre::None,
                 });
             } else {
                 volatile += 1;
@@ -1397,6 +1657,7 @@ fn take_waiting(st: &mut State, h: u128) -> Option<Candidate> {
         region: start,
         index,
         addr,
+        pre: Pre::None,
     })
 }
 
@@ -1426,15 +1687,64 @@ fn classify(
 ) -> Classified {
     let t_start = Instant::now();
     let parts = config.workers.clamp(1, pool.size());
-    let addrs: Arc<Vec<usize>> = Arc::new(cands.iter().map(|c| c.addr).collect());
-    // Phase 1: zero check, stable index, hash of first sightings.
+    // A page read ahead whose content is alone in this batch may have a stable copy published
+    // since its read: it looks in the tree as usual (the others are grouped by their hash).
+    let mut in_batch: HashMap<u128, bool, HashOfHash> = HashMap::default();
+    for c in &cands {
+        if let Pre::Hash(h) = c.pre {
+            in_batch
+                .entry(joined(h))
+                .and_modify(|alone| *alone = false)
+                .or_insert(true);
+        }
+    }
+    let items: Arc<Vec<(usize, Pre, bool)>> = Arc::new(
+        cands
+            .iter()
+            .map(|c| {
+                let alone = match c.pre {
+                    Pre::Hash(h) => in_batch.get(&joined(h)).copied().unwrap_or(true),
+                    _ => false,
+                };
+                (c.addr, c.pre, alone)
+            })
+            .collect(),
+    );
+    drop(in_batch);
+    // Phase 1: zero check, stable index, hash of first sightings (done already for pages read
+    // ahead).
     let tree = view.tree.clone();
     let store_base = view.base;
-    let parts_out = pool.map_parts(parts, addrs, move |lo, addrs| {
-        let mut acts = Vec::with_capacity(addrs.len());
+    let parts_out = pool.map_parts(parts, items, move |lo, items| {
+        let mut acts = Vec::with_capacity(items.len());
         let mut hs = Vec::new();
         let mut buf = Box::new([0u64; WORDS]);
-        for (k, &addr) in addrs.iter().enumerate() {
+        for (k, &(addr, pre, alone)) in items.iter().enumerate() {
+            match pre {
+                Pre::Zero => {
+                    acts.push(Some(Action::Zero));
+                    continue;
+                }
+                Pre::Stable(id) => {
+                    acts.push(Some(Action::Merge(id)));
+                    continue;
+                }
+                Pre::Hash(h) => {
+                    let key = WordKey(|i| page_word(addr, i));
+                    let stable = if alone { tree.candidate(&key) } else { None };
+                    match stable {
+                        Some(e) if live_page_equals(addr, store_base + e.key() as usize * PAGE) => {
+                            acts.push(Some(Action::Merge(e.key())));
+                        }
+                        _ => {
+                            acts.push(None);
+                            hs.push((joined(h), (lo + k) as u32));
+                        }
+                    }
+                    continue;
+                }
+                Pre::None => {}
+            }
             if (0..WORDS).all(|i| page_word(addr, i) == 0) {
                 acts.push(Some(Action::Zero));
                 continue;

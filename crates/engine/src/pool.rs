@@ -30,6 +30,24 @@ impl Latch {
     }
 }
 
+/// A job queued with [`Pool::spawn`].
+pub(crate) struct Pending(Arc<Latch>);
+
+impl Pending {
+    /// Waits until every part of the job ran (the workers run queued parts until the pool is
+    /// dropped, so this returns while the pool lives).
+    pub(crate) fn wait(&self) {
+        let mut r = lock(&self.0.remaining);
+        while *r > 0 {
+            r = self.0.zero.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        *lock(&self.0.remaining) == 0
+    }
+}
+
 struct Task {
     job: Job,
     part: usize,
@@ -99,9 +117,9 @@ impl Pool {
         Ok(())
     }
 
-    /// Runs `job(part)` for `part` in `0..parts` and waits for all; the calling thread runs parts
-    /// too (its CPU time is its own, not the pool's).
-    pub(crate) fn run(&self, parts: usize, job: Job) {
+    /// Queues `job(part)` for `part` in `0..parts` and returns at once; the workers run the parts
+    /// in order of submission.
+    pub(crate) fn spawn(&self, parts: usize, job: Job) -> Pending {
         let parts = parts.max(1);
         let latch = Arc::new(Latch {
             remaining: Mutex::new(parts),
@@ -118,11 +136,21 @@ impl Pool {
             }
         }
         self.shared.work.notify_all();
+        Pending(latch)
+    }
+
+    /// Runs `job(part)` for `part` in `0..parts` and waits for all; the calling thread runs parts
+    /// too (its CPU time is its own, not the pool's).
+    pub(crate) fn run(&self, parts: usize, job: Job) {
+        let pending = self.spawn(parts, job);
         // Help with this job's parts that no worker took yet.
         loop {
             let mine = {
                 let mut q = lock(&self.shared.queue);
-                let at = q.tasks.iter().position(|t| Arc::ptr_eq(&t.latch, &latch));
+                let at = q
+                    .tasks
+                    .iter()
+                    .position(|t| Arc::ptr_eq(&t.latch, &pending.0));
                 at.and_then(|i| q.tasks.remove(i))
             };
             match mine {
@@ -130,10 +158,7 @@ impl Pool {
                 None => break,
             }
         }
-        let mut r = lock(&latch.remaining);
-        while *r > 0 {
-            r = latch.zero.wait(r).unwrap_or_else(|e| e.into_inner());
-        }
+        pending.wait();
     }
 
     /// Splits `items` into `parts` consecutive chunks and runs `f(first index, chunk)` for each;
@@ -180,11 +205,12 @@ fn worker(sh: &Shared) {
         let task = {
             let mut q = lock(&sh.queue);
             loop {
-                if q.stop {
-                    return;
-                }
+                // Queued parts run even when stopping: someone may wait for them.
                 if let Some(t) = q.tasks.pop_front() {
                     break t;
+                }
+                if q.stop {
+                    return;
                 }
                 q = sh.work.wait(q).unwrap_or_else(|e| e.into_inner());
             }

@@ -1,0 +1,111 @@
+//! Read-ahead of newly registered memory (on the real kernel): a page read at registration and
+//! written before it is merged is classified from its new contents, and a page read before a copy
+//! of its contents was published still finds that copy.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pageone_engine::Engine;
+use pageone_sys as sys;
+
+mod common;
+use common::{check, fill, wait_for, PAGE};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A merge period no test waits out: periods run when `wait_for`/`wait_periods` kick them.
+const NEVER: Duration = Duration::from_secs(3600);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Private anonymous memory of `pages` pages, filled by `content`, as the test's own slice.
+fn filled(pages: usize, content: impl Fn(usize) -> u64) -> &'static mut [u8] {
+    let p = sys::mmap_anonymous(pages * PAGE).unwrap();
+    // SAFETY: a fresh private mapping of this length that nothing else uses; it is leaked (the
+    // test process ends soon), so the slice stays valid.
+    let s = unsafe { std::slice::from_raw_parts_mut(p, pages * PAGE) };
+    for (i, page) in s.chunks_mut(PAGE).enumerate() {
+        fill(page, content(i));
+    }
+    s
+}
+
+#[test]
+fn pages_written_after_their_read_ahead_are_classified_by_their_new_contents() {
+    let _g = serial();
+    // Periods run only when the test asks (`wait_for` kicks them): the writes below land after
+    // the read-ahead (microseconds here) and before the first period.
+    let e = Engine::builder().merge_period(NEVER).build().unwrap();
+    let n = 768;
+    // Two identical halves of n distinct pages.
+    let mut want: Vec<u64> = (0..2 * n).map(|i| (i % n) as u64 + 1).collect();
+    let s = filled(2 * n, |i| want[i]);
+    e.register(s.as_mut_ptr(), s.len()).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    // In the second half: a third of the pages get unique contents, a third all get one common
+    // content (new to the read-ahead), a third stay twins of the first half.
+    for i in n..2 * n {
+        let c = match i % 3 {
+            0 => 1_000_000 + i as u64,
+            1 => 5_000_000,
+            _ => continue,
+        };
+        want[i] = c;
+        fill(&mut s[i * PAGE..(i + 1) * PAGE], c);
+    }
+    let twins = (n..2 * n).filter(|i| i % 3 == 2).count() as u64;
+    let common = (n..2 * n).filter(|i| i % 3 == 1).count() as u64;
+    let st = wait_for(&e, |st| st.pages_sharing >= twins + common - 1);
+    assert_eq!(st.pages_sharing, twins + common - 1, "{st:?}");
+    assert_eq!(st.pages_shared, twins + 1, "{st:?}");
+    // A stale read-ahead result would have grouped written pages with their former twins, and
+    // the comparison on frozen bytes would have refused them.
+    assert_eq!(st.compare_mismatches, 0, "{st:?}");
+    for (i, page) in s.chunks(PAGE).enumerate() {
+        assert!(
+            check(page, want[i]),
+            "page {i} does not hold what was written"
+        );
+    }
+    e.unregister(s.as_mut_ptr(), s.len()).unwrap();
+    assert_eq!(e.stable_pages(), 0);
+}
+
+#[test]
+fn a_page_read_ahead_finds_a_copy_published_after_its_read() {
+    let _g = serial();
+    // Three unchanged periods to merge; two kicked periods after registering `a` count one or
+    // two of them (the first may not count), so `a` is due strictly before `b`, registered then.
+    let e = Engine::builder()
+        .merge_period(NEVER)
+        .merge_periods(3)
+        .build()
+        .unwrap();
+    // `a` holds content 7 twice, `b` once more. `b` is read ahead at its registration, before
+    // `a` is due and its copy published; when `b` is due, its page is the only one of its
+    // content in its batch and must look the copy up (else it waits as a first sighting that
+    // nothing will ever pair with).
+    let a = filled(2, |_| 7);
+    let b = filled(1, |_| 7);
+    e.register(a.as_mut_ptr(), a.len()).unwrap();
+    for _ in 0..2 {
+        assert!(e.wait_periods(1, Duration::from_secs(10)));
+    }
+    assert_eq!(e.stats().pages_sharing, 0, "a is not due yet");
+    e.register(b.as_mut_ptr(), b.len()).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    let a_alone = std::cell::Cell::new(false);
+    let st = wait_for(&e, |st| {
+        a_alone.set(a_alone.get() || st.pages_sharing == 1);
+        st.pages_sharing >= 2
+    });
+    assert!(a_alone.get(), "a merged before b was due: {st:?}");
+    assert_eq!((st.pages_shared, st.pages_sharing), (1, 2), "{st:?}");
+    assert!(a.chunks(PAGE).all(|p| check(p, 7)));
+    assert!(check(b, 7));
+    e.unregister(a.as_mut_ptr(), a.len()).unwrap();
+    e.unregister(b.as_mut_ptr(), b.len()).unwrap();
+    assert_eq!(e.stable_pages(), 0);
+}
