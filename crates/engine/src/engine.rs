@@ -1150,9 +1150,13 @@ fn batches_by_content(cands: Vec<Candidate>) -> Vec<Vec<Candidate>> {
 /// Pages read ahead per part of a read-ahead job (small parts, so that other submitters' parts
 /// are not held up long behind them).
 const AHEAD_PART: usize = 1024;
-/// Periods read-ahead results stay usable: a page's epoch counts its writes in a `u8`, so results
-/// must not outlive a possible wrap-around.
-const AHEAD_PERIODS: u32 = 8;
+/// Most pages read ahead and not yet used, over all registrations (32 bytes each while kept):
+/// beyond that, pages are read when they are candidates, as without read-ahead.
+const AHEAD_MAX_PAGES: usize = 512 * 1024;
+/// Periods read-ahead results are kept after they were installed: pages are due two periods
+/// after registration, one more when registration fell just before a scan. (Epochs count writes
+/// in a `u8`: results must not outlive a wrap-around either.)
+const AHEAD_PERIODS: u32 = 4;
 
 /// A read-ahead queued on the workers: the pages it reads (in address order) and, per part of
 /// `AHEAD_PART` pages, where the part puts its results.
@@ -1187,9 +1191,12 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
     if st.pagemap.scan(start, end, &present, &mut found).is_err() {
         return;
     }
+    let kept: usize = st.ahead_jobs.iter().map(|j| j.addrs.len()).sum::<usize>()
+        + st.ahead.iter().map(|b| b.addrs.len()).sum::<usize>();
     let addrs: Vec<usize> = found
         .iter()
         .flat_map(|r| (r.start as usize..r.end as usize).step_by(PAGE))
+        .take(AHEAD_MAX_PAGES.saturating_sub(kept))
         .collect();
     if addrs.is_empty() {
         return;
@@ -2660,4 +2667,62 @@ fn commit(
     sh.counters
         .vmas
         .store(lock(&sh.state).vmas as u64, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn pre_of(k: u8) -> Pre {
+        match k {
+            0 => Pre::None,
+            1 => Pre::Zero,
+            2..=5 => Pre::Stable(k as KeyId),
+            _ => Pre::Hash([k as u64 % 24, 7]),
+        }
+    }
+
+    proptest! {
+        /// Every candidate lands in exactly one batch, batches are in address order, pages of
+        /// one content (hash or stable copy) share a batch, and a batch is cut only between
+        /// contents once it holds `BATCH` pages.
+        #[test]
+        fn batches_by_content_keep_every_candidate_and_whole_contents(
+            kinds in proptest::collection::vec(0u8..40, 0..(3 * BATCH)),
+        ) {
+            let cands: Vec<Candidate> = kinds
+                .iter()
+                .enumerate()
+                .map(|(i, &k)| Candidate {
+                    region: 0,
+                    index: i,
+                    addr: (i + 1) * PAGE,
+                    pre: pre_of(k),
+                })
+                .collect();
+            let batches = batches_by_content(cands.clone());
+            let mut seen: Vec<usize> = batches.iter().flatten().map(|c| c.index).collect();
+            seen.sort_unstable();
+            prop_assert_eq!(seen, (0..cands.len()).collect::<Vec<_>>());
+            let mut batch_of: HashMap<String, usize> = HashMap::new();
+            for (b, batch) in batches.iter().enumerate() {
+                prop_assert!(batch.windows(2).all(|w| w[0].addr < w[1].addr));
+                for c in batch {
+                    let key = match c.pre {
+                        Pre::Hash(h) => format!("h{h:?}"),
+                        Pre::Stable(id) => format!("s{id}"),
+                        Pre::None | Pre::Zero => continue,
+                    };
+                    let first = *batch_of.entry(key).or_insert(b);
+                    prop_assert_eq!(first, b, "one content split over two batches");
+                }
+            }
+            // Cuts come only after a batch is full: every batch but the last holds BATCH pages
+            // or more.
+            for batch in batches.iter().rev().skip(1) {
+                prop_assert!(batch.len() >= BATCH);
+            }
+        }
+    }
 }
