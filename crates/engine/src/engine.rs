@@ -1054,6 +1054,7 @@ fn run_period(
     // the first-sighting map. The committer commits a batch while the next one is classified.
     // With a daemon, an empty batch still collects the copies other processes made for pages
     // waiting here.
+    let many = candidates.len() >= BATCH;
     let mut batches = batches_by_content(candidates);
     if batches.is_empty() && view.remote.is_some() && waiting {
         batches.push(Vec::new());
@@ -1102,6 +1103,11 @@ fn run_period(
         }
     }
     lock(&sh.state).store.reclaim();
+    if many {
+        // A period with many candidates made large short-lived allocations (candidates,
+        // batches, read-ahead results): give their memory back, it counts against the saving.
+        sys::release_free_heap();
+    }
     Ok(())
 }
 
@@ -1166,10 +1172,11 @@ struct AheadJob {
     parts: Arc<Vec<Mutex<Vec<Pre>>>>,
 }
 
-/// Results of a finished read-ahead: `pres[i]` is the result for `addrs[i]`.
+/// Results of a finished read-ahead: `parts[i / AHEAD_PART][i % AHEAD_PART]` is the result for
+/// `addrs[i]`.
 struct AheadBlock {
     addrs: Arc<Vec<usize>>,
-    pres: Vec<Pre>,
+    parts: Vec<Vec<Pre>>,
 }
 
 /// Reads the present pages of a newly registered range on the workers, in what is otherwise idle
@@ -1203,8 +1210,17 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
     }
     let addrs = Arc::new(addrs);
     let n_parts = addrs.len().div_ceil(AHEAD_PART);
-    let parts: Arc<Vec<Mutex<Vec<Pre>>>> =
-        Arc::new((0..n_parts).map(|_| Mutex::new(Vec::new())).collect());
+    // Allocated here, filled by the workers: results live in this thread's heap, not in the
+    // workers' malloc arenas (which kept the memory after it was freed).
+    let parts: Arc<Vec<Mutex<Vec<Pre>>>> = Arc::new(
+        (0..n_parts)
+            .map(|k| {
+                Mutex::new(Vec::with_capacity(
+                    AHEAD_PART.min(addrs.len() - k * AHEAD_PART),
+                ))
+            })
+            .collect(),
+    );
     let tree = st.store.tree.clone();
     let store_base = st.store.addr(0);
     let (a, o) = (addrs.clone(), parts.clone());
@@ -1213,12 +1229,13 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
         Arc::new(move |part| {
             let lo = part * AHEAD_PART;
             let hi = (lo + AHEAD_PART).min(a.len());
-            let mut buf = Box::new([0u64; WORDS]);
-            let res: Vec<Pre> = a[lo..hi]
-                .iter()
-                .map(|&addr| read_page_ahead(addr, &tree, store_base, &mut buf))
-                .collect();
-            *lock(&o[part]) = res;
+            let mut buf = [0u64; WORDS];
+            let mut res = lock(&o[part]);
+            res.extend(
+                a[lo..hi]
+                    .iter()
+                    .map(|&addr| read_page_ahead(addr, &tree, store_base, &mut buf)),
+            );
         }),
     );
     st.ahead_jobs.push(AheadJob { done, addrs, parts });
@@ -1280,15 +1297,13 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
         }
         let blocks: Vec<AheadBlock> = jobs
             .into_iter()
-            .map(|j| {
-                let mut pres = Vec::with_capacity(j.addrs.len());
-                for p in j.parts.iter() {
-                    pres.append(&mut lock(p));
-                }
-                AheadBlock {
-                    addrs: j.addrs,
-                    pres,
-                }
+            .map(|j| AheadBlock {
+                addrs: j.addrs,
+                parts: j
+                    .parts
+                    .iter()
+                    .map(|p| std::mem::take(&mut *lock(p)))
+                    .collect(),
             })
             .collect();
         st = lock(&sh.state);
@@ -1306,17 +1321,19 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
     }
     let State { ahead, regions, .. } = &mut *st;
     // Candidates and blocks are in address order; blocks do not overlap (one per registration).
-    let mut blocks = ahead.iter().peekable();
-    let mut at = 0;
+    // A block whose pages all came up as candidates has served: it is dropped now (it holds 32
+    // bytes per page).
+    let mut used = vec![0usize; ahead.len()];
+    let (mut bi, mut at) = (0, 0);
     for c in cands.iter_mut() {
-        while blocks
-            .peek()
+        while ahead
+            .get(bi)
             .is_some_and(|b| b.addrs.last().is_some_and(|&l| l < c.addr))
         {
-            blocks.next();
+            bi += 1;
             at = 0;
         }
-        let Some(b) = blocks.peek() else {
+        let Some(b) = ahead.get(bi) else {
             break;
         };
         while b.addrs.get(at).is_some_and(|&a| a < c.addr) {
@@ -1325,15 +1342,25 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
         if b.addrs.get(at) != Some(&c.addr) {
             continue;
         }
+        used[bi] += 1;
         let fresh = regions
             .get(&c.region)
             .is_some_and(|r| r.pages[c.index].kind == ANON && r.pages[c.index].epoch == 0);
         if fresh {
-            if let Some(&pre) = b.pres.get(at) {
+            if let Some(&pre) = b
+                .parts
+                .get(at / AHEAD_PART)
+                .and_then(|p| p.get(at % AHEAD_PART))
+            {
                 c.pre = pre;
             }
         }
     }
+    let mut k = 0;
+    ahead.retain(|b| {
+        k += 1;
+        used[k - 1] < b.addrs.len()
+    });
 }
 
 /// What the committer should do with one candidate page.

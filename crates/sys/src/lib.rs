@@ -243,6 +243,17 @@ pub fn ftruncate(fd: RawFd, len: u64) -> io::Result<()> {
     cvt(unsafe { libc::ftruncate(fd, len as libc::off_t) } as libc::c_long).map(drop)
 }
 
+/// Returns the free memory of the C heap (every malloc arena) to the kernel, after a burst of
+/// large transient allocations; the allocator otherwise keeps it when later chunks pin the top
+/// of a heap. Not an error when there is nothing to return. Does nothing on other C libraries.
+pub fn release_free_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks and trims the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Frees `[offset, offset+len)` of a file without changing its size (reads return zeros).
 pub fn punch_hole(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: no memory is passed to the kernel.
