@@ -1234,15 +1234,16 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
             res.extend(
                 a[lo..hi]
                     .iter()
-                    .map(|&addr| read_page_ahead(addr, &tree, store_base, &mut buf)),
+                    .map(|&addr| read_page(addr, &tree, store_base, &mut buf)),
             );
         }),
     );
     st.ahead_jobs.push(AheadJob { done, addrs, parts });
 }
 
-/// What classification would find for the page at `addr` (see `read_ahead`).
-fn read_page_ahead(
+/// What classification finds for the page at `addr`: zero, equal to a stable copy, or else its
+/// hash (of a snapshot: the page may change meanwhile).
+fn read_page(
     addr: usize,
     tree: &pageone_index::SdTree<crate::store::StoreKeys>,
     store_base: usize,
@@ -1251,15 +1252,25 @@ fn read_page_ahead(
     if (0..WORDS).all(|i| page_word(addr, i) == 0) {
         return Pre::Zero;
     }
-    let key = WordKey(|i| page_word(addr, i));
-    if let Some(e) = tree.candidate(&key) {
-        if live_page_equals(addr, store_base + e.key() as usize * PAGE) {
-            return Pre::Stable(e.key());
-        }
+    if let Some(id) = stable_copy(addr, tree, store_base) {
+        return Pre::Stable(id);
     }
     copy_page(addr, buf);
     let h = xxhash_rust::xxh3::xxh3_128(as_bytes(buf));
     Pre::Hash([h as u64, (h >> 64) as u64])
+}
+
+/// The stable copy equal to the page at `addr`, if the tree has one. The tree names the only copy
+/// that can match; the full compare is done here with plain word loads, faster than through the
+/// tree's key accessor (and the commit compares again, on frozen bytes).
+fn stable_copy(
+    addr: usize,
+    tree: &pageone_index::SdTree<crate::store::StoreKeys>,
+    store_base: usize,
+) -> Option<KeyId> {
+    let key = WordKey(|i| page_word(addr, i));
+    let e = tree.candidate(&key)?;
+    live_page_equals(addr, store_base + e.key() as usize * PAGE).then(|| e.key())
 }
 
 /// The hash of `Pre::Hash` as one number.
@@ -1754,47 +1765,23 @@ fn classify(
         let mut hs = Vec::new();
         let mut buf = Box::new([0u64; WORDS]);
         for (k, &(addr, pre, alone)) in items.iter().enumerate() {
+            // Pages not read ahead are read now, the same way.
+            let pre = match pre {
+                Pre::None => read_page(addr, &tree, store_base, &mut buf),
+                Pre::Hash(h) if alone => {
+                    stable_copy(addr, &tree, store_base).map_or(Pre::Hash(h), Pre::Stable)
+                }
+                p => p,
+            };
             match pre {
-                Pre::Zero => {
-                    acts.push(Some(Action::Zero));
-                    continue;
-                }
-                Pre::Stable(id) => {
-                    acts.push(Some(Action::Merge(id)));
-                    continue;
-                }
+                Pre::Zero => acts.push(Some(Action::Zero)),
+                Pre::Stable(id) => acts.push(Some(Action::Merge(id))),
                 Pre::Hash(h) => {
-                    let key = WordKey(|i| page_word(addr, i));
-                    let stable = if alone { tree.candidate(&key) } else { None };
-                    match stable {
-                        Some(e) if live_page_equals(addr, store_base + e.key() as usize * PAGE) => {
-                            acts.push(Some(Action::Merge(e.key())));
-                        }
-                        _ => {
-                            acts.push(None);
-                            hs.push((joined(h), (lo + k) as u32));
-                        }
-                    }
-                    continue;
+                    acts.push(None);
+                    hs.push((joined(h), (lo + k) as u32));
                 }
-                Pre::None => {}
+                Pre::None => acts.push(None),
             }
-            if (0..WORDS).all(|i| page_word(addr, i) == 0) {
-                acts.push(Some(Action::Zero));
-                continue;
-            }
-            // The tree names the only copy that can match; the full compare is done here with
-            // plain word loads, faster than through the tree's key accessor.
-            let key = WordKey(|i| page_word(addr, i));
-            if let Some(e) = tree.candidate(&key) {
-                if live_page_equals(addr, store_base + e.key() as usize * PAGE) {
-                    acts.push(Some(Action::Merge(e.key())));
-                    continue;
-                }
-            }
-            acts.push(None);
-            copy_page(addr, &mut buf);
-            hs.push((xxhash_rust::xxh3::xxh3_128(as_bytes(&buf)), (lo + k) as u32));
         }
         (acts, hs)
     });
