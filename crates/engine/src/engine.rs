@@ -795,8 +795,15 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
     let shared = st.store.shared;
     let sharing = st.store.sharing_refs.saturating_sub(shared);
     let vmas = c.vmas.load(Ordering::Relaxed);
-    // Our costs: per-page state, the store's index, and each VMA (~200 bytes in the kernel).
-    let meta = (registered / PAGE) as u64 * 8 + st.store.metadata_bytes() + vmas * 200;
+    // Our costs: per-page state, the store's index, each VMA (~200 bytes in the kernel), and
+    // read-ahead results while kept (an address and a result per page).
+    let ahead: usize = st.ahead_jobs.iter().map(|j| j.addrs.len()).sum::<usize>()
+        + st.ahead.iter().map(|b| b.addrs.len()).sum::<usize>();
+    let ahead_bytes = ahead * (std::mem::size_of::<usize>() + std::mem::size_of::<Pre>());
+    let meta = (registered / PAGE) as u64 * 8
+        + st.store.metadata_bytes()
+        + vmas * 200
+        + ahead_bytes as u64;
     Stats {
         pages_shared: shared,
         pages_sharing: sharing,
