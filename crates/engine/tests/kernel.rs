@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use pageone_engine::{Engine, EngineError, WatchMode};
+use pageone_engine::{Engine, EngineError, Region, WatchMode};
 use pageone_sys as sys;
 
 mod common;
@@ -148,6 +148,38 @@ fn merge_cow_zero_unmerge_checksum_fallback() {
     merge_cow_and_zero(WatchMode::Checksum);
 }
 
+/// A new region of two identical halves of `n` distinct pages, once they are merged.
+fn merged_halves(e: &Engine, n: usize) -> Region<'_> {
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let s = wait_for(e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    r
+}
+
+/// Changes byte `at` of a merged page of `merged_halves(e, n)` (a copy-on-write break), writes
+/// it back, and checks that the page merges again and every page holds its contents.
+fn break_and_restore(e: &Engine, r: &mut Region<'_>, n: usize, at: usize) {
+    let mem = r.as_mut_slice();
+    let saved = mem[at];
+    mem[at] = saved.wrapping_add(1);
+    let s = wait_for(e, |s| s.cow_breaks >= 1);
+    assert_eq!((s.cow_breaks, s.pages_sharing), (1, n as u64 - 1), "{s:?}");
+    r.as_mut_slice()[at] = saved;
+    let s = wait_for(e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(
+        s.pages_sharing, n as u64,
+        "the restored page did not merge again: {s:?}"
+    );
+    assert!(r
+        .as_slice()
+        .chunks(PAGE)
+        .enumerate()
+        .all(|(i, p)| check(p, (i % n) as u64 + 1)));
+}
+
 /// A merged page that was written (COW-broken) and later holds a duplicate's contents again is
 /// merged again, and writes racing with that are not lost.
 #[test]
@@ -155,30 +187,10 @@ fn cow_broken_page_merges_again() {
     let _g = serial();
     let e = engine(WatchMode::Auto);
     let n = 64;
-    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
-    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
-        fill(p, (i % n) as u64 + 1);
-    }
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
-    let mem = r.as_mut_slice();
-    let saved = mem[7 * PAGE + 9];
-    mem[7 * PAGE + 9] = saved.wrapping_add(1);
-    let s = wait_for(&e, |s| s.cow_breaks >= 1);
-    assert_eq!((s.cow_breaks, s.pages_sharing), (1, n as u64 - 1), "{s:?}");
-    let mem = r.as_mut_slice();
-    mem[7 * PAGE + 9] = saved;
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert_eq!(
-        s.pages_sharing, n as u64,
-        "the restored page did not merge again: {s:?}"
-    );
-    let mem = r.as_mut_slice();
-    assert!(mem
-        .chunks(PAGE)
-        .enumerate()
-        .all(|(i, p)| check(p, (i % n) as u64 + 1)));
+    let mut r = merged_halves(&e, n);
+    break_and_restore(&e, &mut r, n, 7 * PAGE + 9);
     // And it still copies on write.
+    let mem = r.as_mut_slice();
     mem[7 * PAGE] ^= 0xFF;
     assert!(check(&mem[(n + 7) * PAGE..(n + 8) * PAGE], 8));
 }
@@ -580,11 +592,7 @@ fn settled_memory_is_scanned_less_and_writes_are_still_seen() {
     let _g = serial();
     let e = engine(WatchMode::Auto);
     let n = 32;
-    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
-    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
-        fill(p, (i % n) as u64 + 1);
-    }
-    wait_for(&e, |s| s.pages_sharing >= n as u64);
+    let mut r = merged_halves(&e, n);
     // Settle: 8 quiet periods, then scans every 2, 4, 8 periods (20 ms each).
     std::thread::sleep(Duration::from_millis(1500));
     let s0 = e.stats().full_scans;
@@ -595,18 +603,5 @@ fn settled_memory_is_scanned_less_and_writes_are_still_seen() {
         scans <= 40,
         "{scans} scans in 2 s of a settled region with 20 ms periods"
     );
-    let mem = r.as_mut_slice();
-    let saved = mem[5 * PAGE + 3];
-    mem[5 * PAGE + 3] = saved.wrapping_add(1);
-    let s = wait_for(&e, |s| s.cow_breaks >= 1);
-    assert_eq!(s.cow_breaks, 1, "{s:?}");
-    let mem = r.as_mut_slice();
-    mem[5 * PAGE + 3] = saved;
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
-    assert!(r
-        .as_mut_slice()
-        .chunks(PAGE)
-        .enumerate()
-        .all(|(i, p)| check(p, (i % n) as u64 + 1)));
+    break_and_restore(&e, &mut r, n, 5 * PAGE + 3);
 }
