@@ -797,9 +797,7 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
     let vmas = c.vmas.load(Ordering::Relaxed);
     // Our costs: per-page state, the store's index, each VMA (~200 bytes in the kernel), and
     // read-ahead results while kept (an address and a result per page).
-    let ahead: usize = st.ahead_jobs.iter().map(|j| j.addrs.len()).sum::<usize>()
-        + st.ahead.iter().map(|b| b.addrs.len()).sum::<usize>();
-    let ahead_bytes = ahead * (std::mem::size_of::<usize>() + std::mem::size_of::<Pre>());
+    let ahead_bytes = ahead_pages(st) * (std::mem::size_of::<usize>() + std::mem::size_of::<Pre>());
     let meta = (registered / PAGE) as u64 * 8
         + st.store.metadata_bytes()
         + vmas * 200
@@ -1205,8 +1203,7 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
     if st.pagemap.scan(start, end, &present, &mut found).is_err() {
         return;
     }
-    let kept: usize = st.ahead_jobs.iter().map(|j| j.addrs.len()).sum::<usize>()
-        + st.ahead.iter().map(|b| b.addrs.len()).sum::<usize>();
+    let kept = ahead_pages(st);
     let addrs: Vec<usize> = found
         .iter()
         .flat_map(|r| (r.start as usize..r.end as usize).step_by(PAGE))
@@ -1246,6 +1243,12 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
         }),
     );
     st.ahead_jobs.push(AheadJob { done, addrs, parts });
+}
+
+/// Pages read ahead or being read, whose results are kept.
+fn ahead_pages(st: &State) -> usize {
+    st.ahead_jobs.iter().map(|j| j.addrs.len()).sum::<usize>()
+        + st.ahead.iter().map(|b| b.addrs.len()).sum::<usize>()
 }
 
 /// What classification finds for the page at `addr`: zero, equal to a stable copy, or else its

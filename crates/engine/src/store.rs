@@ -254,15 +254,9 @@ impl Store {
         }
         let mut ids = std::mem::take(&mut self.pending);
         ids.sort_unstable();
-        let mut k = 0;
-        while k < ids.len() {
-            let mut m = 1;
-            while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
-                m += 1;
-            }
+        for (k, m) in id_runs(&ids) {
             let at = ids[k] as u64 * PAGE as u64;
             let _ = sys::punch_hole(self.fd(), at, m as u64 * PAGE as u64);
-            k += m;
         }
         // `alloc` pops from the end.
         self.free.extend(ids.iter().rev());
@@ -455,14 +449,26 @@ impl Store {
 /// published. The kernel reads the sources, which may be changing: every merge is verified later
 /// on frozen bytes.
 pub(crate) fn write_copies(fd: i32, srcs: &[usize], ids: &[KeyId]) -> std::io::Result<()> {
+    for (k, m) in id_runs(ids) {
+        sys::pwrite_pages(fd, &srcs[k..k + m], ids[k] as u64 * PAGE as u64)?;
+    }
+    Ok(())
+}
+
+/// The runs of consecutive ids in `ids`, as (index of the first, length): one file operation
+/// each.
+fn id_runs(ids: &[KeyId]) -> impl Iterator<Item = (usize, usize)> + '_ {
     let mut k = 0;
-    while k < ids.len() {
+    std::iter::from_fn(move || {
+        if k >= ids.len() {
+            return None;
+        }
         let mut m = 1;
         while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
             m += 1;
         }
-        sys::pwrite_pages(fd, &srcs[k..k + m], ids[k] as u64 * PAGE as u64)?;
+        let run = (k, m);
         k += m;
-    }
-    Ok(())
+        Some(run)
+    })
 }
