@@ -132,6 +132,9 @@ enum Bench {
         /// measurement) instead of one process with all regions.
         #[arg(long)]
         processes: bool,
+        /// Run only pageone's side (for profiling it; no ratio is reported).
+        #[arg(long)]
+        pageone_only: bool,
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<std::path::PathBuf>,
@@ -183,6 +186,7 @@ fn main() -> Result<()> {
                     workers,
                     period_ms,
                     processes,
+                    pageone_only,
                     json,
                 },
         } => {
@@ -197,6 +201,7 @@ fn main() -> Result<()> {
                 &p,
                 runs.unwrap_or(if quick { 1 } else { 3 }),
                 processes,
+                pageone_only,
                 json,
             )
         }
@@ -339,6 +344,7 @@ fn bench_ksm(
     p: &dedup::Params,
     runs: usize,
     processes: bool,
+    pageone_only: bool,
     json: Option<std::path::PathBuf>,
 ) -> Result<()> {
     let pageone_side: Side = if processes {
@@ -367,10 +373,12 @@ fn bench_ksm(
     for data in [dedup::Data::Easy, dedup::Data::Hard] {
         for run in 0..runs {
             // Alternate which side goes first, so neither always gets the warmer machine.
-            let order: [Side; 2] = if run % 2 == 0 {
-                [pageone_side, dedup::run_ksm]
+            let order: &[Side] = if pageone_only {
+                &[pageone_side]
+            } else if run % 2 == 0 {
+                &[pageone_side, dedup::run_ksm]
             } else {
-                [dedup::run_ksm, pageone_side]
+                &[dedup::run_ksm, pageone_side]
             };
             for f in order {
                 let s = f(p, data).map_err(anyhow::Error::msg)?;

@@ -33,7 +33,7 @@
 //! slot a client sends is bounds-checked, and a malformed frame ends only that client's
 //! connection.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
@@ -96,9 +96,63 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The daemon's maps: keys are content hashes clients send, so their hashing is seeded per
+/// daemon (a client cannot pick keys that all collide), and fast (every lookup and copy goes
+/// through them).
+type Seeded = foldhash::fast::RandomState;
+
+/// The slots one client holds: a bit per slot (holds are checked and changed for every page a
+/// client looks up, copies or releases).
+#[derive(Default)]
+struct SlotSet {
+    bits: Vec<u64>,
+    len: usize,
+}
+
+impl SlotSet {
+    /// Adds `slot`; returns whether it was absent.
+    fn insert(&mut self, slot: u32) -> bool {
+        let (w, b) = (slot as usize / 64, slot % 64);
+        if w >= self.bits.len() {
+            self.bits.resize(w + 1, 0);
+        }
+        let absent = self.bits[w] & (1 << b) == 0;
+        self.bits[w] |= 1 << b;
+        self.len += absent as usize;
+        absent
+    }
+
+    /// Removes `slot`; returns whether it was present.
+    fn remove(&mut self, slot: u32) -> bool {
+        let (w, b) = (slot as usize / 64, slot % 64);
+        let present = self.bits.get(w).is_some_and(|x| x & (1 << b) != 0);
+        if present {
+            self.bits[w] &= !(1 << b);
+            self.len -= 1;
+        }
+        present
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn into_slots(self) -> impl Iterator<Item = u32> {
+        self.bits.into_iter().enumerate().flat_map(|(w, mut x)| {
+            std::iter::from_fn(move || {
+                (x != 0).then(|| {
+                    let b = x.trailing_zeros();
+                    x &= x - 1;
+                    (w * 64) as u32 + b
+                })
+            })
+        })
+    }
+}
+
 struct Client {
     pid: i32,
-    held: HashSet<u32>,
+    held: SlotSet,
     offers: Vec<(u128, u32)>,
     report: Option<serde_json::Value>,
     /// (when, merges) of the previous report, and the merge rate it gave.
@@ -116,15 +170,15 @@ struct Noted {
 }
 
 struct ScopeState {
-    index: HashMap<u128, u32>,
+    index: HashMap<u128, u32, Seeded>,
     slot_hash: Vec<u128>,
     holders: Vec<u32>,
     free: Vec<u32>,
     bump: u32,
     live: u64,
-    noted: HashMap<u128, Noted>,
+    noted: HashMap<u128, Noted, Seeded>,
     noted_entries: usize,
-    clients: HashMap<u64, Client>,
+    clients: HashMap<u64, Client, Seeded>,
     copies_made: u64,
 }
 
@@ -201,15 +255,15 @@ impl Scope {
             capacity,
             view,
             state: Mutex::new(ScopeState {
-                index: HashMap::new(),
+                index: HashMap::default(),
                 slot_hash: Vec::new(),
                 holders: Vec::new(),
                 free: Vec::new(),
                 bump: 0,
                 live: 0,
-                noted: HashMap::new(),
+                noted: HashMap::default(),
                 noted_entries: 0,
-                clients: HashMap::new(),
+                clients: HashMap::default(),
                 copies_made: 0,
             }),
         })
@@ -402,7 +456,7 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (Some((sc, id, _)), Request::Release(slots)) => {
                     let mut st = lock(&sc.state);
                     for s in slots {
-                        let held = st.clients.get_mut(id).is_some_and(|c| c.held.remove(&s));
+                        let held = st.clients.get_mut(id).is_some_and(|c| c.held.remove(s));
                         if held {
                             st.unhold(sc.fd.as_raw_fd(), s);
                         }
@@ -442,7 +496,7 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
         // Exit, crash or protocol error: the client's holds go (its mappings went with it).
         let mut st = lock(&sc.state);
         if let Some(c) = st.clients.remove(&id) {
-            for s in c.held {
+            for s in c.held.into_slots() {
                 st.unhold(sc.fd.as_raw_fd(), s);
             }
             tracing::info!(client = id, pid = c.pid, scope = %sc.name, "client left");
@@ -514,7 +568,7 @@ fn join(
         id,
         Client {
             pid: cred.pid,
-            held: HashSet::new(),
+            held: SlotSet::default(),
             offers: Vec::new(),
             report: None,
             last: None,
@@ -528,6 +582,7 @@ fn join(
 fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     let mut st = lock(&sc.state);
     let mut answers = Vec::with_capacity(hashes.len());
+    let now = Instant::now();
     for &h in hashes {
         if let Some(&slot) = st.index.get(&h) {
             st.hold(id, slot);
@@ -550,14 +605,14 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
             None => noted.entry(h).or_default(),
         };
         let copy_pending = entry.wanted.is_some_and(|(w, t)| {
-            w != id && clients.contains_key(&w) && t.elapsed() < WANTED_GRACE
+            w != id && clients.contains_key(&w) && now.saturating_duration_since(t) < WANTED_GRACE
         });
         let others = entry
             .clients
             .iter()
             .any(|c| *c != id && clients.contains_key(c));
         if !copy_pending && others {
-            entry.wanted = Some((id, Instant::now()));
+            entry.wanted = Some((id, now));
             answers.push(proto::WANTED);
             continue;
         }
@@ -724,4 +779,28 @@ fn status_json(inner: &Inner) -> serde_json::Value {
         "uptime_secs": inner.started.elapsed().as_secs(),
         "scopes": out,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SlotSet;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    proptest! {
+        /// The bitmap behaves as a set of slots: same answers, same length, same members.
+        #[test]
+        fn slot_set_is_a_set(ops in proptest::collection::vec((any::<bool>(), 0u32..2000), 0..400)) {
+            let (mut bits, mut set) = (SlotSet::default(), BTreeSet::new());
+            for (add, slot) in ops {
+                if add {
+                    prop_assert_eq!(bits.insert(slot), set.insert(slot));
+                } else {
+                    prop_assert_eq!(bits.remove(slot), set.remove(&slot));
+                }
+                prop_assert_eq!(bits.len(), set.len());
+            }
+            prop_assert_eq!(bits.into_slots().collect::<Vec<_>>(), set.into_iter().collect::<Vec<_>>());
+        }
+    }
 }

@@ -1008,7 +1008,8 @@ const SMALL_VMA_COUNT: usize = 4096;
 
 /// What classification needs of the store without its lock: fixed for the engine's life.
 struct StoreView {
-    tree: Arc<pageone_index::SdTree<crate::store::StoreKeys>>,
+    /// The stable tree; `None` with a daemon (see `Store::local_index`).
+    tree: Option<Arc<pageone_index::SdTree<crate::store::StoreKeys>>>,
     base: usize,
     fd: i32,
     remote: Option<Arc<crate::remote::Remote>>,
@@ -1037,7 +1038,7 @@ fn run_period(
             st.vmas = sys::map_count()?;
         }
         let view = StoreView {
-            tree: st.store.tree.clone(),
+            tree: st.store.local_index(),
             base: st.store.addr(0),
             fd: st.store.fd(),
             remote: st.store.remote.clone(),
@@ -1060,10 +1061,10 @@ fn run_period(
     // With a daemon, an empty batch still collects the copies other processes made for pages
     // waiting here.
     let many = candidates.len() >= BATCH;
-    let mut batches = batches_by_content(candidates);
-    if batches.is_empty() && view.remote.is_some() && waiting {
-        batches.push(Vec::new());
-    }
+    let t_order = Instant::now();
+    let batches = batches_by_content(candidates);
+    tracing::debug!(order_ms = t_order.elapsed().as_secs_f64() * 1e3, "order");
+    let collect_only = (batches.is_empty() && view.remote.is_some() && waiting).then(Vec::new);
     let mut relook =
         (view.remote.is_some() && waiting && period % RELOOK_PERIODS == 0).then(|| Relook {
             skip: (period / RELOOK_PERIODS) as usize * crate::proto::MAX_ITEMS,
@@ -1071,7 +1072,7 @@ fn run_period(
         });
     let budget = limit.saturating_sub(config.vma_margin);
     let mut handed_over = true;
-    for batch in batches {
+    for batch in batches.chain(collect_only) {
         let t0 = Instant::now();
         let classified = classify(sh, &view, config, batch, pool, relook.take());
         tracing::debug!(
@@ -1120,42 +1121,87 @@ fn run_period(
 /// copy read ahead): every batch then pairs its own duplicates and its merges start at once,
 /// instead of the first batches only filling the first-sighting map. Each batch is in address
 /// order (runs of pages get runs of copies). Pages not read ahead keep their order.
-fn batches_by_content(cands: Vec<Candidate>) -> Vec<Vec<Candidate>> {
-    if cands.iter().all(|c| c.pre == Pre::None) {
-        return cands.chunks(BATCH).map(<[Candidate]>::to_vec).collect();
-    }
-    let mut by_hash: HashMap<u128, u32, HashOfHash> = HashMap::default();
-    let mut by_copy: HashMap<KeyId, u32> = HashMap::new();
-    // (first candidate of its content, candidate)
-    let mut order: Vec<(u32, u32)> = Vec::with_capacity(cands.len());
-    for (i, c) in cands.iter().enumerate() {
-        let i = i as u32;
-        let first = match c.pre {
-            Pre::Hash(h) => *by_hash.entry(joined(h)).or_insert(i),
-            Pre::Stable(id) => *by_copy.entry(id).or_insert(i),
-            Pre::None | Pre::Zero => i,
-        };
-        order.push((first, i));
-    }
-    drop(by_hash);
-    order.sort_unstable();
-    let mut out = Vec::with_capacity(cands.len().div_ceil(BATCH));
-    let mut cur: Vec<Candidate> = Vec::with_capacity(BATCH);
-    let mut last = u32::MAX;
-    for (first, i) in order {
-        if cur.len() >= BATCH && first != last {
-            out.push(std::mem::replace(&mut cur, Vec::with_capacity(BATCH)));
+///
+/// The contents are chained in one pass (no sort: this runs while the committer waits for the
+/// first batch), and each batch is gathered only when it is taken.
+fn batches_by_content(cands: Vec<Candidate>) -> ContentBatches {
+    let n = cands.len();
+    // next[i]: the next candidate of i's content; heads start a content (or stand alone).
+    let mut next = vec![u32::MAX; n];
+    let mut head = vec![true; n];
+    if cands.iter().any(|c| c.pre != Pre::None) {
+        // (first, last) candidate of each content.
+        let mut ends: HashMap<u128, (u32, u32), HashOfHash> =
+            HashMap::with_capacity_and_hasher(n / 4, HashOfHash::default());
+        for (i, c) in cands.iter().enumerate() {
+            let key = match c.pre {
+                Pre::Hash(h) => joined(h),
+                // Spread over the key space (an odd multiplier is a bijection): the map uses
+                // the low bits as they are. Sharing a key with a hash only batches them together.
+                Pre::Stable(id) => {
+                    (id as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835)
+                }
+                Pre::None | Pre::Zero => continue,
+            };
+            let i = i as u32;
+            match ends.entry(key) {
+                std::collections::hash_map::Entry::Occupied(mut o) => {
+                    let (_, last) = o.get_mut();
+                    next[*last as usize] = i;
+                    *last = i;
+                    head[i as usize] = false;
+                }
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert((i, i));
+                }
+            }
         }
-        cur.push(cands[i as usize]);
-        last = first;
     }
-    if !cur.is_empty() {
-        out.push(cur);
+    ContentBatches {
+        cands,
+        next,
+        head,
+        at: 0,
     }
-    for b in &mut out {
-        b.sort_unstable_by_key(|c| c.addr);
+}
+
+/// The batches of [`batches_by_content`], gathered one at a time.
+struct ContentBatches {
+    cands: Vec<Candidate>,
+    next: Vec<u32>,
+    head: Vec<bool>,
+    /// The next candidate to look at for a head.
+    at: usize,
+}
+
+impl Iterator for ContentBatches {
+    type Item = Vec<Candidate>;
+
+    fn next(&mut self) -> Option<Vec<Candidate>> {
+        let mut take: Vec<u32> = Vec::with_capacity(BATCH);
+        // Whole contents, in the order of their first candidate, until the batch is full.
+        while take.len() < BATCH && self.at < self.cands.len() {
+            if self.head[self.at] {
+                let mut i = self.at as u32;
+                while i != u32::MAX {
+                    take.push(i);
+                    i = self.next[i as usize];
+                }
+            }
+            self.at += 1;
+        }
+        if take.is_empty() {
+            return None;
+        }
+        take.sort_unstable_by_key(|&i| self.cands[i as usize].addr);
+        Some(take.iter().map(|&i| self.cands[i as usize]).collect())
     }
-    out
+}
+
+impl ContentBatches {
+    fn is_empty(&self) -> bool {
+        self.cands.is_empty()
+    }
 }
 
 /// Pages read ahead per part of a read-ahead job (small parts, so that other submitters' parts
@@ -1225,7 +1271,7 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
             })
             .collect(),
     );
-    let tree = st.store.tree.clone();
+    let tree = st.store.local_index();
     let store_base = st.store.addr(0);
     let (a, o) = (addrs.clone(), parts.clone());
     let done = pool.spawn(
@@ -1238,7 +1284,7 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
             res.extend(
                 a[lo..hi]
                     .iter()
-                    .map(|&addr| read_page(addr, &tree, store_base, &mut buf)),
+                    .map(|&addr| read_page(addr, tree.as_deref(), store_base, &mut buf)),
             );
         }),
     );
@@ -1255,14 +1301,14 @@ fn ahead_pages(st: &State) -> usize {
 /// hash (of a snapshot: the page may change meanwhile).
 fn read_page(
     addr: usize,
-    tree: &pageone_index::SdTree<crate::store::StoreKeys>,
+    tree: Option<&pageone_index::SdTree<crate::store::StoreKeys>>,
     store_base: usize,
     buf: &mut [u64; WORDS],
 ) -> Pre {
     if (0..WORDS).all(|i| page_word(addr, i) == 0) {
         return Pre::Zero;
     }
-    if let Some(id) = stable_copy(addr, tree, store_base) {
+    if let Some(id) = tree.and_then(|t| stable_copy(addr, t, store_base)) {
         return Pre::Stable(id);
     }
     copy_page(addr, buf);
@@ -1777,10 +1823,11 @@ fn classify(
         for (k, &(addr, pre, alone)) in items.iter().enumerate() {
             // Pages not read ahead are read now, the same way.
             let pre = match pre {
-                Pre::None => read_page(addr, &tree, store_base, &mut buf),
-                Pre::Hash(h) if alone => {
-                    stable_copy(addr, &tree, store_base).map_or(Pre::Hash(h), Pre::Stable)
-                }
+                Pre::None => read_page(addr, tree.as_deref(), store_base, &mut buf),
+                Pre::Hash(h) if alone => match &tree {
+                    Some(t) => stable_copy(addr, t, store_base).map_or(Pre::Hash(h), Pre::Stable),
+                    None => Pre::Hash(h),
+                },
                 p => p,
             };
             match pre {
@@ -2046,7 +2093,11 @@ fn classify(
         .filter(|t| t.2 && !chunk_leaders.contains(&t.0))
         .map(|t| t.1)
         .collect();
-    let mut inserted = insert_parallel(pool, parts, &view.tree, &fresh).into_iter();
+    let mut inserted = match &view.tree {
+        Some(tree) => insert_parallel(pool, parts, tree, &fresh),
+        None => Vec::new(),
+    }
+    .into_iter();
     let mut guard = lock(&sh.state);
     let st = &mut *guard;
     let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(todo.len());
@@ -2056,11 +2107,16 @@ fn classify(
             new_copies.push(id);
             id
         } else if is_new {
-            let ins = inserted
-                .next()
-                .unwrap_or(Err(pageone_index::IndexError::Full(0)));
             new_copies.push(id);
-            match st.store.record_insert(id, ins) {
+            let recorded = if view.tree.is_some() {
+                let ins = inserted
+                    .next()
+                    .unwrap_or(Err(pageone_index::IndexError::Full(0)));
+                st.store.record_insert(id, ins)
+            } else {
+                Ok(st.store.record_adopted(id))
+            };
+            match recorded {
                 Ok(used) => used,
                 Err(e) => {
                     tracing::warn!(error = %e, "stable copy not published");
@@ -2725,7 +2781,7 @@ mod tests {
                     pre: pre_of(k),
                 })
                 .collect();
-            let batches = batches_by_content(cands.clone());
+            let batches: Vec<Vec<Candidate>> = batches_by_content(cands.clone()).collect();
             let mut seen: Vec<usize> = batches.iter().flatten().map(|c| c.index).collect();
             seen.sort_unstable();
             prop_assert_eq!(seen, (0..cands.len()).collect::<Vec<_>>());

@@ -290,6 +290,20 @@ impl Store {
         }
     }
 
+    /// The tree to look pages up in, `None` with a daemon: there the daemon's index answers by
+    /// hash for every copy of the scope (this process's adopted ones included), so walking a
+    /// tree of them here would only repeat that (with reads of the copies' bytes) for every page.
+    pub(crate) fn local_index(&self) -> Option<Arc<SdTree<StoreKeys>>> {
+        self.remote.is_none().then(|| self.tree.clone())
+    }
+
+    /// Records a daemon's slot, new here, as usable for merges (see [`Store::local_index`]: it
+    /// is not put in the tree). Returns the id.
+    pub(crate) fn record_adopted(&mut self, id: KeyId) -> KeyId {
+        self.indexed[id as usize] = true;
+        id
+    }
+
     /// Frees an unpublished, unmapped copy.
     fn discard(&mut self, id: KeyId) {
         self.allocated[id as usize] = false;
