@@ -1790,8 +1790,9 @@ fn classify(
     let parts = config.workers.clamp(1, pool.size());
     // A page read ahead whose content is alone in this batch may have a stable copy published
     // since its read: it looks in the tree as usual (the others are grouped by their hash).
+    // (With a daemon there is no tree here: the daemon is asked by hash either way.)
     let mut in_batch: HashMap<u128, bool, HashOfHash> = HashMap::default();
-    for c in &cands {
+    for c in cands.iter().filter(|_| view.tree.is_some()) {
         if let Pre::Hash(h) = c.pre {
             in_batch
                 .entry(joined(h))
