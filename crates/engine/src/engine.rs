@@ -123,10 +123,11 @@ struct Shared {
     periods: Mutex<u64>,
     period_cv: Condvar,
     kick: (Mutex<bool>, Condvar),
-    /// When the next period should start at the earliest: a period after the latest
-    /// registration, so newly armed memory counts its first unchanged period at the first scan
-    /// instead of waiting for a second one (the engine defers a period by one at most).
-    not_before: Mutex<Option<Instant>>,
+    /// When the next period should start: a period after the latest registration, so newly
+    /// armed memory counts its first unchanged period at the first scan instead of waiting for a
+    /// second one; but no later than two periods after the first registration since the last
+    /// scan (registering all the time cannot hold periods off). `(latest + period, cap)`.
+    not_before: Mutex<Option<(Instant, Instant)>>,
     counters: Counters,
     /// CPU clocks of the engine's threads (engine, committer, faults, workers).
     clocks: Arc<Mutex<Vec<sys::CpuClock>>>,
@@ -424,9 +425,13 @@ impl Engine {
         drop(st);
         if self.shared.mode == WatchMode::UffdWp {
             let period = lock(&self.shared.config).merge_period;
-            let t = Instant::now() + period;
+            let now = Instant::now();
+            let t = now + period;
             let mut nb = lock(&self.shared.not_before);
-            *nb = Some(nb.map_or(t, |old| old.max(t)));
+            *nb = Some(match *nb {
+                Some((old, cap)) => (old.max(t), cap),
+                None => (t, now + period * 2),
+            });
             drop(nb);
             // Wake the sleeping engine loop so it takes the new deadline.
             self.shared.kick.1.notify_all();
@@ -925,12 +930,15 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         let (m, cv) = &sh.kick;
         let mut k = lock(m);
         while !*k && !sh.stop.load(Ordering::SeqCst) {
-            // Deferred to a period after the latest registration, by one period at most, so
-            // registering memory all the time cannot hold periods off.
+            // Deferred to a period after the latest registration (see `not_before`). The bound
+            // is counted from the first registration, not from the last scan: counted from the
+            // scan (one period at most), a burst of registrations that began late in a period,
+            // or after idle periods, was scanned in its middle, so its regions came up as
+            // candidates in different periods, the later ones behind the others' merge work.
             let deadline = match *lock(&sh.not_before) {
-                Some(t) => {
+                Some((t, cap)) => {
                     idle = 0;
-                    t.clamp(t0 + period, t0 + 2 * period)
+                    t.min(cap)
                 }
                 None => t0 + period * stretch,
             };
@@ -950,7 +958,7 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
         }
         // A registration after the deadline keeps its own for the next period.
         let mut nb = lock(&sh.not_before);
-        if nb.is_some_and(|t| t <= Instant::now()) {
+        if nb.is_some_and(|(t, cap)| t.min(cap) <= Instant::now()) {
             *nb = None;
         }
     }

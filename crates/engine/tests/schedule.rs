@@ -1,0 +1,80 @@
+//! The period schedule around registrations (on the real kernel): the regions of one burst of
+//! registrations become candidates in the same period, wherever the burst falls between scans.
+
+use std::time::{Duration, Instant};
+
+use pageone_engine::Engine;
+use pageone_sys as sys;
+
+mod common;
+use common::{check, fill, PAGE};
+
+/// Private anonymous memory of `pages` pages, filled by `content`, as the test's own slice.
+fn filled(pages: usize, content: impl Fn(usize) -> u64) -> &'static mut [u8] {
+    let p = sys::mmap_anonymous(pages * PAGE).unwrap();
+    // SAFETY: a fresh private mapping of this length that nothing else uses; it is leaked (the
+    // test process ends soon), so the slice stays valid.
+    let s = unsafe { std::slice::from_raw_parts_mut(p, pages * PAGE) };
+    for (i, page) in s.chunks_mut(PAGE).enumerate() {
+        fill(page, content(i));
+    }
+    s
+}
+
+#[test]
+fn a_burst_of_registrations_late_in_a_period_merges_in_one_period() {
+    // Long periods, so that the steps below are far apart from the engine's (this test only
+    // observes the schedule: nothing here kicks a period).
+    let period = Duration::from_millis(400);
+    let e = Engine::builder().merge_period(period).build().unwrap();
+    let n = 1024;
+    let regions: Vec<&'static mut [u8]> = (0..4).map(|_| filled(n, |i| i as u64 + 1)).collect();
+    // Wait for a period to end, then start the burst 0.6 periods later and spread it over half
+    // a period: its last region is armed after the scan a period after the first one's.
+    let scans = e.stats().full_scans;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while e.stats().full_scans == scans && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(period * 6 / 10);
+    for r in &regions {
+        e.register(r.as_ptr() as *mut u8, r.len()).unwrap();
+        std::thread::sleep(period / 6);
+    }
+    // At the end of every period, the merges so far: all or nothing, never some regions
+    // without the others. (Sampled just after each period ends; the next scan is most of a
+    // period later.)
+    let full = 3 * n as u64;
+    let mut ends = Vec::new();
+    let mut last = e.stats().full_scans;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+        let st = e.stats();
+        if st.full_scans != last {
+            last = st.full_scans;
+            ends.push(st.pages_sharing);
+            if st.pages_sharing >= full {
+                break;
+            }
+        }
+    }
+    assert_eq!(
+        ends.last(),
+        Some(&full),
+        "merges at each period's end: {ends:?}"
+    );
+    assert!(
+        ends.iter().all(|&s| s == 0 || s == full),
+        "some regions merged a period after the others: {ends:?}"
+    );
+    for r in &regions {
+        for (i, page) in r.chunks(PAGE).enumerate() {
+            assert!(check(page, i as u64 + 1), "page {i} changed");
+        }
+    }
+    for r in &regions {
+        e.unregister(r.as_ptr() as *mut u8, r.len()).unwrap();
+    }
+    assert_eq!(e.stable_pages(), 0);
+}
