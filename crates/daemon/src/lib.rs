@@ -292,8 +292,10 @@ impl ScopeState {
         }
     }
 
-    /// Drops one holder of `slot`; frees it when none is left.
-    fn unhold(&mut self, fd: i32, slot: u32) {
+    /// Drops one holder of `slot`. When none is left the slot leaves the index and is pushed to
+    /// `dead`: the caller punches it, then gives it to [`ScopeState::reuse`] (not before, or a new
+    /// copy written there could be punched).
+    fn unhold(&mut self, slot: u32, dead: &mut Vec<u32>) {
         let h = &mut self.holders[slot as usize];
         *h -= 1;
         if *h == 0 {
@@ -302,10 +304,40 @@ impl ScopeState {
                 self.index.remove(&hash);
             }
             self.live -= 1;
-            let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
-            self.free.push(slot);
+            dead.push(slot);
         }
     }
+
+    /// Makes punched slots allocatable again.
+    fn reuse(&mut self, punched: Vec<u32>) {
+        self.free.extend(punched);
+    }
+}
+
+/// Punches the slots nobody holds any more, one call per run of consecutive slots, without the
+/// scope's lock (a client leaving with a hundred thousand slots would otherwise hold every
+/// other client's lookups up meanwhile), then makes them reusable.
+fn free_slots(sc: &Scope, mut dead: Vec<u32>) {
+    if dead.is_empty() {
+        return;
+    }
+    dead.sort_unstable();
+    let mut k = 0;
+    while k < dead.len() {
+        let mut m = 1;
+        while k + m < dead.len() && dead[k + m] == dead[k] + m as u32 {
+            m += 1;
+        }
+        let _ = sys::punch_hole(
+            sc.fd.as_raw_fd(),
+            dead[k] as u64 * PAGE as u64,
+            m as u64 * PAGE as u64,
+        );
+        k += m;
+    }
+    // Reused from the end: lowest first, so new copies come in runs.
+    dead.reverse();
+    lock(&sc.state).reuse(dead);
 }
 
 struct Inner {
@@ -454,13 +486,16 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n, false),
                 (Some((sc, id, staging)), Request::CopyFresh(n)) => copy(sc, *id, staging, n, true),
                 (Some((sc, id, _)), Request::Release(slots)) => {
+                    let mut dead = Vec::new();
                     let mut st = lock(&sc.state);
                     for s in slots {
                         let held = st.clients.get_mut(id).is_some_and(|c| c.held.remove(s));
                         if held {
-                            st.unhold(sc.fd.as_raw_fd(), s);
+                            st.unhold(s, &mut dead);
                         }
                     }
+                    drop(st);
+                    free_slots(sc, dead);
                     Reply::Ok
                 }
                 (Some((sc, id, _)), Request::Report(json)) => {
@@ -494,13 +529,16 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
     let was_joined = joined.is_some();
     if let Some((sc, id, _)) = joined {
         // Exit, crash or protocol error: the client's holds go (its mappings went with it).
+        let mut dead = Vec::new();
         let mut st = lock(&sc.state);
         if let Some(c) = st.clients.remove(&id) {
             for s in c.held.into_slots() {
-                st.unhold(sc.fd.as_raw_fd(), s);
+                st.unhold(s, &mut dead);
             }
             tracing::info!(client = id, pid = c.pid, scope = %sc.name, "client left");
         }
+        drop(st);
+        free_slots(&sc, dead);
     }
     was_joined
 }
