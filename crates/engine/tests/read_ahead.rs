@@ -6,10 +6,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use pageone_engine::Engine;
-use pageone_sys as sys;
 
 mod common;
-use common::{check, fill, wait_for, PAGE};
+use common::{check, fill, filled, wait_for, PAGE};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -18,18 +17,6 @@ const NEVER: Duration = Duration::from_secs(3600);
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Private anonymous memory of `pages` pages, filled by `content`, as the test's own slice.
-fn filled(pages: usize, content: impl Fn(usize) -> u64) -> &'static mut [u8] {
-    let p = sys::mmap_anonymous(pages * PAGE).unwrap();
-    // SAFETY: a fresh private mapping of this length that nothing else uses; it is leaked (the
-    // test process ends soon), so the slice stays valid.
-    let s = unsafe { std::slice::from_raw_parts_mut(p, pages * PAGE) };
-    for (i, page) in s.chunks_mut(PAGE).enumerate() {
-        fill(page, content(i));
-    }
-    s
 }
 
 #[test]

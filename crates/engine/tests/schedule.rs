@@ -4,22 +4,9 @@
 use std::time::{Duration, Instant};
 
 use pageone_engine::Engine;
-use pageone_sys as sys;
 
 mod common;
-use common::{check, fill, PAGE};
-
-/// Private anonymous memory of `pages` pages, filled by `content`, as the test's own slice.
-fn filled(pages: usize, content: impl Fn(usize) -> u64) -> &'static mut [u8] {
-    let p = sys::mmap_anonymous(pages * PAGE).unwrap();
-    // SAFETY: a fresh private mapping of this length that nothing else uses; it is leaked (the
-    // test process ends soon), so the slice stays valid.
-    let s = unsafe { std::slice::from_raw_parts_mut(p, pages * PAGE) };
-    for (i, page) in s.chunks_mut(PAGE).enumerate() {
-        fill(page, content(i));
-    }
-    s
-}
+use common::{check, filled, PAGE};
 
 #[test]
 fn a_burst_of_registrations_late_in_a_period_merges_in_one_period() {

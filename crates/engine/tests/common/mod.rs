@@ -18,6 +18,18 @@ pub fn fill(page: &mut [u8], c: u64) {
     }
 }
 
+/// Private anonymous memory of `pages` pages, filled by `content`, as the test's own slice.
+pub fn filled(pages: usize, content: impl Fn(usize) -> u64) -> &'static mut [u8] {
+    let p = pageone_sys::mmap_anonymous(pages * PAGE).unwrap();
+    // SAFETY: a fresh private mapping of this length that nothing else uses; it is leaked (the
+    // test process ends soon), so the slice stays valid.
+    let s = unsafe { std::slice::from_raw_parts_mut(p, pages * PAGE) };
+    for (i, page) in s.chunks_mut(PAGE).enumerate() {
+        fill(page, content(i));
+    }
+    s
+}
+
 pub fn check(page: &[u8], c: u64) -> bool {
     let mut want = [0u8; PAGE];
     fill(&mut want, c);
