@@ -114,6 +114,21 @@ def mem_available_kib(drop=True):
     return 0
 
 
+# Where host memory goes besides the guests' pages, reported per side (not asserted): kernel
+# memory for mappings (page tables, VMAs and other slab) and shared memory (pageone's store).
+BREAKDOWN = ["AnonPages", "Shmem", "PageTables", "SUnreclaim"]
+
+
+def meminfo_kib(names):
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in names:
+                out[key] = int(line.split()[1])
+    return out
+
+
 def pss_kib(pid):
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -263,6 +278,7 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     merging used from the boot to the measurement by `cpu()`)."""
     log(f"{name}: booting {GUESTS} guests of {GUEST_MIB} MiB")
     avail0 = mem_available_kib()
+    parts0 = meminfo_kib(BREAKDOWN)
     cpu0 = cpu()
     t0 = time.time()
     guests = Guests(launcher, initrd, env)
@@ -276,11 +292,16 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
         raise SystemExit(f"{name}: found QEMU pids {pids}")
     pss, avail, secs = settle(guests, status)
     used = avail0 - avail
+    parts = meminfo_kib(BREAKDOWN)
     merging_cpu = cpu() - cpu0
     log(
         f"{name}: QEMU Pss {pss / 1024:.0f} MiB, host memory used {used / 1024:.0f} MiB "
         f"(MemAvailable), settled {secs:.0f} s after the checksums ({time.time() - t0:.0f} s "
         f"after the boot); merging used {merging_cpu:.1f} CPU-s"
+    )
+    log(
+        f"{name}: since before the boot (MiB): "
+        + ", ".join(f"{k} {(parts.get(k, 0) - parts0.get(k, 0)) / 1024:+.0f}" for k in BREAKDOWN)
     )
     guests.go()
     again = guests.wait_for("CHECK2", 240)

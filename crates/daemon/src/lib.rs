@@ -187,28 +187,11 @@ struct Scope {
     uid: u32,
     fd: OwnedFd,
     capacity: u32,
-    /// A read-only view of the whole store (address space only), to hash what was copied.
-    view: usize,
     state: Mutex<ScopeState>,
 }
 
-impl Scope {
-    /// The bytes of `slot`, which must hold a written copy: the daemon writes a slot once, before
-    /// it is published, and clients only have the store read-only, so nobody changes them.
-    fn page(&self, slot: u32) -> &[u8] {
-        assert!(slot < self.capacity);
-        // SAFETY: slot < capacity keeps the page inside the live view; its bytes are immutable
-        // while the slot is allocated (see above), which the caller holds.
-        unsafe { std::slice::from_raw_parts((self.view + slot as usize * PAGE) as *const u8, PAGE) }
-    }
-}
-
-impl Drop for Scope {
-    fn drop(&mut self) {
-        // SAFETY: the view is this scope's own mapping and no slice of it outlives the scope.
-        let _ = unsafe { sys::munmap(self.view as *mut u8, self.capacity as usize * PAGE) };
-    }
-}
+/// Pages read back per call when hashing what the store holds.
+const HASH_CHUNK: usize = 16;
 
 /// Copies `m` pages from page `from` of `staging` to slots `first..first+m` of the store `fd`:
 /// in the kernel when it can, else through a page-sized buffer. Returns whether all arrived.
@@ -246,14 +229,11 @@ impl Scope {
             libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
         )
         .map_err(DaemonError::Store)?;
-        let view = sys::mmap_shared_readonly(fd.as_raw_fd(), bytes as usize)
-            .map_err(DaemonError::Store)? as usize;
         Ok(Self {
             name,
             uid,
             fd,
             capacity,
-            view,
             state: Mutex::new(ScopeState {
                 index: HashMap::default(),
                 slot_hash: Vec::new(),
@@ -699,14 +679,34 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, fresh: bool) -> Reply {
         copied[k..k + m].fill(ok);
         k += m;
     }
-    // The client may write its staging file meanwhile: what is hashed is what the store holds,
-    // and a slot's bytes never change once written.
-    let hashes: Vec<Option<u128>> = (0..n)
-        .map(|k| {
-            let slot = slots[k].filter(|_| copied[k])?;
-            Some(xxhash_rust::xxh3::xxh3_128(sc.page(slot)))
-        })
-        .collect();
+    // The client may write its staging file meanwhile: what is hashed is what the store holds
+    // (a slot's bytes never change once written), read back with `pread`. The daemon does not
+    // map the store: a mapping would take a share of every copy's Pss from the clients that
+    // map it (understating their memory) and cost page tables and faults.
+    let mut hashes: Vec<Option<u128>> = vec![None; n];
+    let mut buf = vec![0u8; HASH_CHUNK * PAGE];
+    let mut k = 0;
+    while k < n {
+        let Some(first) = slots[k].filter(|_| copied[k]) else {
+            k += 1;
+            continue;
+        };
+        let mut m = 1;
+        while k + m < n && m < HASH_CHUNK && copied[k + m] && slots[k + m] == Some(first + m as u32)
+        {
+            m += 1;
+        }
+        // SAFETY: `buf` is this function's own buffer of HASH_CHUNK >= m pages, not borrowed
+        // during the call.
+        let got =
+            unsafe { sys::pread_into(fd, buf.as_mut_ptr(), m * PAGE, first as u64 * PAGE as u64) };
+        if got.is_ok_and(|g| g == m * PAGE) {
+            for (j, page) in buf[..m * PAGE].chunks(PAGE).enumerate() {
+                hashes[k + j] = Some(xxhash_rust::xxh3::xxh3_128(page));
+            }
+        }
+        k += m;
+    }
     let mut out = vec![proto::FAILED; n];
     let new: Vec<(usize, u32)> = (0..n).filter_map(|k| Some((k, slots[k]?))).collect();
     let written: Vec<bool> = new.iter().map(|&(k, _)| hashes[k].is_some()).collect();

@@ -37,6 +37,8 @@ pub(crate) struct Remote {
     client: u64,
     pub(crate) scope: String,
     lost: AtomicBool,
+    /// Whether the staging file holds pages since it was last emptied (see [`Remote::flush`]).
+    staged: AtomicBool,
     /// Slots to release at the next flush (a set, so that a slot granted again before the flush
     /// is simply kept: the daemon's holds are a set per client, not a count).
     releases: Mutex<HashSet<u32>>,
@@ -87,6 +89,7 @@ impl Remote {
                 client,
                 scope,
                 lost: AtomicBool::new(false),
+                staged: AtomicBool::new(false),
                 releases: Mutex::new(HashSet::new()),
                 capacity,
             },
@@ -161,6 +164,8 @@ impl Remote {
             let slots = (|| {
                 // The kernel reads the sources (they may be changing: the daemon hashes what it
                 // copied, and merges are verified on frozen bytes).
+                // Relaxed: read by `flush`, which runs under the same socket lock.
+                self.staged.store(true, Ordering::Relaxed);
                 if let Err(e) = sys::pwrite_pages(self.staging.as_raw_fd(), chunk, 0) {
                     tracing::warn!(error = %e, "pages could not be staged for the daemon");
                     return None;
@@ -195,8 +200,21 @@ impl Remote {
         }
     }
 
-    /// Sends the pending releases.
+    /// Sends the pending releases, and empties the staging file if this period used it (its
+    /// pages would otherwise stay allocated for the process's life: 4 MiB per process once
+    /// merging has settled).
     pub(crate) fn flush(&self) {
+        {
+            let _sock = lock(&self.sock);
+            // Relaxed: copies stage under the socket lock held here.
+            if self.staged.swap(false, Ordering::Relaxed) {
+                let _ = sys::punch_hole(
+                    self.staging.as_raw_fd(),
+                    0,
+                    (proto::STAGING_PAGES * PAGE) as u64,
+                );
+            }
+        }
         let all: Vec<u32> = lock(&self.releases).drain().collect();
         if all.is_empty() {
             return;
