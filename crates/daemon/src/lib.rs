@@ -302,19 +302,7 @@ fn free_slots(sc: &Scope, mut dead: Vec<u32>) {
         return;
     }
     dead.sort_unstable();
-    let mut k = 0;
-    while k < dead.len() {
-        let mut m = 1;
-        while k + m < dead.len() && dead[k + m] == dead[k] + m as u32 {
-            m += 1;
-        }
-        let _ = sys::punch_hole(
-            sc.fd.as_raw_fd(),
-            dead[k] as u64 * PAGE as u64,
-            m as u64 * PAGE as u64,
-        );
-        k += m;
-    }
+    pageone_engine::punch_runs(sc.fd.as_raw_fd(), &dead);
     // Reused from the end: lowest first, so new copies come in runs.
     dead.reverse();
     lock(&sc.state).reuse(dead);

@@ -60,6 +60,7 @@ mod store;
 use std::time::Duration;
 
 pub use engine::{Engine, Region};
+pub use store::punch_runs;
 
 /// How written pages are detected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -254,10 +254,7 @@ impl Store {
         }
         let mut ids = std::mem::take(&mut self.pending);
         ids.sort_unstable();
-        for (k, m) in id_runs(&ids) {
-            let at = ids[k] as u64 * PAGE as u64;
-            let _ = sys::punch_hole(self.fd(), at, m as u64 * PAGE as u64);
-        }
+        punch_runs(self.fd(), &ids);
         // `alloc` pops from the end.
         self.free.extend(ids.iter().rev());
     }
@@ -467,6 +464,16 @@ pub(crate) fn write_copies(fd: i32, srcs: &[usize], ids: &[KeyId]) -> std::io::R
         sys::pwrite_pages(fd, &srcs[k..k + m], ids[k] as u64 * PAGE as u64)?;
     }
     Ok(())
+}
+
+/// Punches the pages `ids` (sorted) of the file `fd`, one call per run of consecutive pages;
+/// errors are ignored (a page left unpunched costs memory, not correctness). Shared with the
+/// daemon, which frees its scopes' slots the same way.
+pub fn punch_runs(fd: i32, ids: &[KeyId]) {
+    for (k, m) in id_runs(ids) {
+        let at = ids[k] as u64 * PAGE as u64;
+        let _ = sys::punch_hole(fd, at, m as u64 * PAGE as u64);
+    }
 }
 
 /// The runs of consecutive ids in `ids`, as (index of the first, length): one file operation
