@@ -140,6 +140,32 @@ def pss_kib(pid):
     return 0
 
 
+def memory_parts_kib(pid):
+    """(anonymous, Rss of memfd mappings, other Rss) of a process, from its smaps."""
+    anon = memfd = other = 0
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            name = ""
+            for line in f:
+                head = line.split(None, 1)[0]
+                if not head.endswith(":") or "-" in head:
+                    parts = line.split(None, 5)
+                    name = parts[5].strip() if len(parts) > 5 else ""
+                elif head == "Rss:":
+                    kib = int(line.split()[1])
+                    if name.startswith("/memfd:"):
+                        memfd += kib
+                    elif not name or name.startswith("["):
+                        pass
+                    else:
+                        other += kib
+                elif head == "Anonymous:":
+                    anon += int(line.split()[1])
+    except OSError:
+        pass
+    return anon, memfd, other
+
+
 def cpu_seconds(pid):
     """User + system CPU of a process (0 if it is gone)."""
     try:
@@ -272,7 +298,7 @@ def settle(guests, status=None):
     return sum(pss_kib(p) for p in guests.pids()), mem_available_kib(), time.time() - t0
 
 
-def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0):
+def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0, extra=()):
     """Boots the guests, checks their data, lets memory settle; returns (Pss KiB of the QEMU
     processes, host memory used since before the boot in KiB by MemAvailable, CPU-seconds the
     merging used from the boot to the measurement by `cpu()`)."""
@@ -303,6 +329,12 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
         f"{name}: since before the boot (MiB): "
         + ", ".join(f"{k} {(parts.get(k, 0) - parts0.get(k, 0)) / 1024:+.0f}" for k in BREAKDOWN)
     )
+    for pid in pids + list(extra):
+        anon, memfd, other = memory_parts_kib(pid)
+        log(
+            f"{name}: pid {pid}: anonymous {anon / 1024:.1f} MiB, memfd Rss {memfd / 1024:.1f} MiB, "
+            f"other file Rss {other / 1024:.1f} MiB"
+        )
     guests.go()
     again = guests.wait_for("CHECK2", 240)
     for g, v in again.items():
@@ -393,7 +425,7 @@ def main():
 
             p_pss, p_used, p_cpu = run_side(
                 "pageone", [PAGEONE, "run", "--scope", "vms", "--daemon", sock, "--"],
-                initrd, env, expected, status, pageone_cpu,
+                initrd, env, expected, status, pageone_cpu, extra=[daemon.pid],
             )
             scope = next(
                 (s for s in last_status.get("scopes", []) if s["scope"] == "vms"), None
@@ -424,8 +456,22 @@ def main():
             daemon.kill()
             daemon.wait()
 
+        ksm_counters = {}
+
+        def ksm_status():
+            for n in ("pages_shared", "pages_sharing", "pages_unshared", "pages_volatile",
+                      "ksm_zero_pages", "general_profit"):
+                try:
+                    with open(f"{KSM}/{n}") as f:
+                        ksm_counters[n] = int(f.read())
+                except (OSError, ValueError):
+                    pass
+
         with KsmKnobs():
-            k_pss, k_used, k_cpu = run_side("ksm", [], initrd, env, expected, cpu=ksmd_cpu_seconds)
+            k_pss, k_used, k_cpu = run_side(
+                "ksm", [], initrd, env, expected, ksm_status, cpu=ksmd_cpu_seconds
+            )
+        log("ksm counters at the measurement: " + ", ".join(f"{k} {v}" for k, v in ksm_counters.items()))
 
         p_saved, k_saved = (base_pss - p_pss) / 1024, (base_pss - k_pss) / 1024
         p_avail, k_avail = (base_used - p_used) / 1024, (base_used - k_used) / 1024

@@ -68,7 +68,67 @@ pub struct Sample {
     /// Pages saved at the end (pages_sharing).
     pub pages_saved: u64,
     pub possible: u64,
+    /// Host memory the merging gave back, by the kernel ([`HostMemory`] before registration
+    /// minus after merging settled): the pages freed less everything the side spent to free them
+    /// (its copies, heaps, page tables, VMAs; KSM's rmap items and stable nodes).
+    pub memory_saved_kib: Option<i64>,
 }
+
+/// Host memory in use by processes and for them, in KiB, by `/proc/meminfo` field: anonymous
+/// pages, shared memory (pageone's stores), page tables, and unreclaimable kernel objects (VMAs,
+/// KSM's rmap items). Page cache and reclaimable slab are left out: they come and go with
+/// whatever else the host does.
+#[derive(Clone, Copy, Debug)]
+pub struct HostMemory([i64; 4]);
+
+const HOST_FIELDS: [&str; 4] = ["AnonPages", "Shmem", "PageTables", "SUnreclaim"];
+
+impl HostMemory {
+    pub fn now() -> Option<Self> {
+        let mut v = [0; 4];
+        for (x, f) in v.iter_mut().zip(HOST_FIELDS) {
+            *x = sys::meminfo_kib(f).ok()? as i64;
+        }
+        Some(Self(v))
+    }
+
+    pub fn total(&self) -> i64 {
+        self.0.iter().sum()
+    }
+
+    /// Per field, how much `self` is above `before`, as text (MiB).
+    pub fn growth_since(&self, before: &Self) -> String {
+        HOST_FIELDS
+            .iter()
+            .zip(self.0.iter().zip(before.0))
+            .map(|(f, (a, b))| format!("{f} {:+.1}", (a - b) as f64 / 1024.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// After a side reached 99%: lets it finish (every page it can save, or `grace`), then waits
+/// `frees` for memory it releases at period ends, and returns what [`HostMemory`] says was
+/// saved since `before` (and prints where it went, per field, to stderr).
+pub fn settle_memory(
+    before: Option<HostMemory>,
+    mut saved_pages: impl FnMut() -> u64,
+    possible: u64,
+    grace: Duration,
+    frees: Duration,
+) -> Option<i64> {
+    let t0 = Instant::now();
+    while saved_pages() < possible && t0.elapsed() < grace {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(frees);
+    let (before, after) = (before?, HostMemory::now()?);
+    eprintln!("    (host memory, MiB: {})", after.growth_since(&before));
+    Some(before.total() - after.total())
+}
+
+/// How long a side may take past 99% to save the rest before memory is measured.
+pub const SETTLE_GRACE: Duration = Duration::from_secs(2);
 
 /// Benchmark parameters.
 #[derive(Clone, Debug)]
@@ -132,6 +192,7 @@ pub fn run_ksm(p: &Params, data: Data) -> Result<Sample, String> {
     let session = ksm::KsmSession::new(0, 100_000).map_err(|e| format!("KSM knobs: {e}"))?;
     let regions = Regions::new(p, data).map_err(|e| e.to_string())?;
     let possible = ((p.regions - 1) * regions.len / PAGE) as u64;
+    let mem0 = HostMemory::now();
     let cpu0 = ksm::ksmd_cpu_ns();
     let t0 = Instant::now();
     for &ptr in &regions.ptrs {
@@ -150,6 +211,13 @@ pub fn run_ksm(p: &Params, data: Data) -> Result<Sample, String> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let cpu = (ksm::ksmd_cpu_ns() - cpu0) as f64 / 1e9;
+    let memory_saved_kib = settle_memory(
+        mem0,
+        || ksm::read("pages_sharing").unwrap_or(0),
+        possible,
+        SETTLE_GRACE,
+        2 * p.merge_period,
+    );
     let saved = ksm::read("pages_sharing").unwrap_or(0);
     session.stop_and_unmerge().map_err(|e| e.to_string())?;
     if !regions.verify(data) {
@@ -162,6 +230,7 @@ pub fn run_ksm(p: &Params, data: Data) -> Result<Sample, String> {
         cpu_seconds: cpu,
         pages_saved: saved,
         possible,
+        memory_saved_kib,
     })
 }
 
@@ -174,6 +243,7 @@ pub fn run_pageone(p: &Params, data: Data) -> Result<Sample, String> {
         .map_err(|e| format!("engine: {e}"))?;
     let regions = Regions::new(p, data).map_err(|e| e.to_string())?;
     let possible = ((p.regions - 1) * regions.len / PAGE) as u64;
+    let mem0 = HostMemory::now();
     let cpu0 = engine.stats().worker_cpu_ns;
     let t0 = Instant::now();
     for &ptr in &regions.ptrs {
@@ -190,8 +260,15 @@ pub fn run_pageone(p: &Params, data: Data) -> Result<Sample, String> {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+    let cpu = (engine.stats().worker_cpu_ns - cpu0) as f64 / 1e9;
+    let memory_saved_kib = settle_memory(
+        mem0,
+        || engine.stats().pages_sharing,
+        possible,
+        SETTLE_GRACE,
+        2 * p.merge_period,
+    );
     let s = engine.stats();
-    let cpu = (s.worker_cpu_ns - cpu0) as f64 / 1e9;
     if !regions.verify(data) {
         return Err("pageone run: data changed".into());
     }
@@ -206,6 +283,7 @@ pub fn run_pageone(p: &Params, data: Data) -> Result<Sample, String> {
         cpu_seconds: cpu,
         pages_saved: s.pages_sharing,
         possible,
+        memory_saved_kib,
     })
 }
 
@@ -217,6 +295,13 @@ pub fn median_time(samples: &[&Sample]) -> Option<f64> {
         .collect::<Option<_>>()?;
     t.sort_by(f64::total_cmp);
     t.get(t.len() / 2).copied()
+}
+
+/// The median memory saved (KiB) of the samples that measured it.
+pub fn median_memory_saved(samples: &[&Sample]) -> Option<i64> {
+    let mut m: Vec<i64> = samples.iter().filter_map(|s| s.memory_saved_kib).collect();
+    m.sort_unstable();
+    m.get(m.len() / 2).copied()
 }
 
 /// The median CPU-seconds of the samples.

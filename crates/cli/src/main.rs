@@ -328,6 +328,12 @@ fn bench_sdtree(quick: bool, runs: Option<usize>, json: Option<std::path::PathBu
 /// One side of the engine-vs-KSM benchmark.
 type Side = fn(&dedup::Params, dedup::Data) -> Result<dedup::Sample, String>;
 
+fn mib_text(kib: Option<i64>) -> String {
+    kib.map_or("unknown".into(), |k| {
+        format!("{:.1} MiB", k as f64 / 1024.0)
+    })
+}
+
 /// The pageone side with one process per region, sharing through a daemon.
 fn run_pageone_processes(p: &dedup::Params, data: dedup::Data) -> Result<dedup::Sample, String> {
     scope::bench_side(
@@ -383,7 +389,7 @@ fn bench_ksm(
             for f in order {
                 let s = f(p, data).map_err(anyhow::Error::msg)?;
                 eprintln!(
-                    "  {} {} run {}: {} s to 99%, {:.2} CPU-s, saved {}/{} pages",
+                    "  {} {} run {}: {} s to 99%, {:.2} CPU-s, saved {}/{} pages, host memory saved {}",
                     s.side,
                     s.data,
                     run + 1,
@@ -391,15 +397,16 @@ fn bench_ksm(
                         .map_or("not reached".into(), |t| format!("{t:.2}")),
                     s.cpu_seconds,
                     s.pages_saved,
-                    s.possible
+                    s.possible,
+                    mib_text(s.memory_saved_kib)
                 );
                 samples.push(s);
             }
         }
     }
     println!(
-        "{:<8} {:<5} {:>14} {:>12}",
-        "side", "data", "s to 99%", "CPU-s"
+        "{:<8} {:<5} {:>14} {:>12} {:>20}",
+        "side", "data", "s to 99%", "CPU-s", "memory saved"
     );
     let mut summary = Vec::new();
     for data in [dedup::Data::Easy, dedup::Data::Hard] {
@@ -410,12 +417,15 @@ fn bench_ksm(
                 .collect();
             let t = dedup::median_time(&v);
             let c = dedup::median_cpu(&v);
+            let m = dedup::median_memory_saved(&v);
             println!(
-                "{side:<8} {data:<5} {:>14} {c:>12.2}",
-                t.map_or("not reached".into(), |t| format!("{t:.2}"))
+                "{side:<8} {data:<5} {:>14} {c:>12.2} {:>20}",
+                t.map_or("not reached".into(), |t| format!("{t:.2}")),
+                mib_text(m)
             );
             summary.push(serde_json::json!({
-                "side": side, "data": data, "median_seconds_to_99": t, "median_cpu_seconds": c
+                "side": side, "data": data, "median_seconds_to_99": t, "median_cpu_seconds": c,
+                "median_memory_saved_kib": m
             }));
         }
     }
@@ -431,6 +441,22 @@ fn bench_ksm(
             println!(
                 "{data}: pageone is {:.1}x faster than KSM to 99% (target >= 4x)",
                 k / p1
+            );
+        }
+    }
+    for data in [dedup::Data::Easy, dedup::Data::Hard] {
+        let mem = |side: &str| {
+            let v: Vec<&dedup::Sample> = samples
+                .iter()
+                .filter(|s| s.side == side && s.data == data)
+                .collect();
+            dedup::median_memory_saved(&v)
+        };
+        if let (Some(k), Some(p1)) = (mem("ksm"), mem("pageone")) {
+            println!(
+                "{data}: host memory saved, pageone {} vs KSM {} (target: at least KSM's)",
+                mib_text(Some(p1)),
+                mib_text(Some(k))
             );
         }
     }

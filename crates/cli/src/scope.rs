@@ -24,6 +24,9 @@ pub fn socket_or_default(socket: Option<PathBuf>) -> PathBuf {
 pub fn daemon(socket: Option<PathBuf>, exit_when_idle: bool) -> Result<()> {
     let mut config = DaemonConfig::new(socket_or_default(socket));
     config.exit_when_idle = exit_when_idle;
+    // The daemon's tables grow and shrink with what its clients note and share: big ones get
+    // their own mappings so that shrinking them gives the memory back.
+    pageone_sys::set_heap_mmap_threshold(128 << 10);
     let d = Daemon::bind(config)?;
     eprintln!("pageone daemon listening on {}", d.socket().display());
     d.run().context("the daemon stopped serving")
@@ -87,6 +90,8 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
 /// `OK` or `BAD <page>`. At end of input it verifies, unregisters and exits (1 if data was wrong).
 /// With `defer`, registration waits for a `GO` line (so a benchmark times merging, not filling).
 /// With `distinct` (at least 1), page i holds content `i % distinct` (many pages per content).
+/// `REWRITE` gives every page new content, unlike any before (the next generation), and prints
+/// `REWRITTEN`.
 pub fn client(
     mib: usize,
     hard: bool,
@@ -95,9 +100,12 @@ pub fn client(
     defer: bool,
     distinct: Option<usize>,
 ) -> Result<()> {
-    let content = |i: usize| distinct.map_or(i, |d| i % d.max(1)) as u64;
-    let data = if hard { Data::Hard } else { Data::Easy };
     let len = mib << 20;
+    let generation = std::cell::Cell::new(0u64);
+    let content = |i: usize| {
+        distinct.map_or(i, |d| i % d.max(1)) as u64 + generation.get() * (len / PAGE) as u64
+    };
+    let data = if hard { Data::Hard } else { Data::Easy };
     let engine = Engine::builder()
         .workers(workers)
         .merge_period(Duration::from_millis(period_ms))
@@ -140,6 +148,18 @@ pub fn client(
             "GO" if defer => {
                 engine.register(r, len)?;
                 writeln!(out, "GOING")?
+            }
+            "REWRITE" => {
+                generation.set(generation.get() + 1);
+                for i in 0..len / PAGE {
+                    // SAFETY: page i of the mapping owned by this function; the engine keeps
+                    // writes to it (a merged page is copied on write).
+                    unsafe {
+                        std::ptr::write_bytes(r.add(i * PAGE), 0, PAGE);
+                        fill_page(r.add(i * PAGE), data, content(i));
+                    }
+                }
+                writeln!(out, "REWRITTEN")?
             }
             "KICK" => {
                 engine.wait_periods(1, Duration::from_secs(10));
@@ -236,6 +256,7 @@ pub fn bench_side(
         let st: serde_json::Value = serde_json::from_str(&ask(k, "STATS")?)?;
         clients_cpu0 += st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9;
     }
+    let mem0 = pageone_bench::dedup::HostMemory::now();
     let cpu0 = process_cpu_seconds(daemon.id());
     let t0 = Instant::now();
     for k in 0..procs {
@@ -276,6 +297,13 @@ pub fn bench_side(
     let daemon_cpu = process_cpu_seconds(daemon.id()) - cpu0;
     eprintln!("    (clients' engines {clients_cpu:.2} CPU-s, daemon {daemon_cpu:.2} CPU-s)");
     let cpu = clients_cpu + daemon_cpu;
+    let memory_saved_kib = pageone_bench::dedup::settle_memory(
+        mem0,
+        || measure(&sock).map_or(0, |m| m.0),
+        possible,
+        pageone_bench::dedup::SETTLE_GRACE,
+        Duration::from_millis(2 * period_ms),
+    );
     for k in 0..procs {
         let v = ask(k, "VERIFY")?;
         if v != "OK" {
@@ -295,5 +323,6 @@ pub fn bench_side(
         cpu_seconds: cpu,
         pages_saved: last.0,
         possible,
+        memory_saved_kib,
     })
 }

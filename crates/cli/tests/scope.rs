@@ -440,3 +440,35 @@ fn lying_and_garbage_clients_cannot_affect_others() {
     c1.finish();
     c2.finish();
 }
+
+/// A process that keeps rewriting its unique pages does not grow the daemon's memory: the
+/// content it no longer has is forgotten (its engine sweeps stale first sightings and tells the
+/// daemon), and everything it noted goes when it leaves.
+#[test]
+fn rewritten_unique_pages_are_forgotten_by_the_daemon() {
+    let _g = serial();
+    let path = sock_path("churn");
+    let _daemon = Daemon::start(&path);
+    let pages = 8192; // 32 MiB: more stale first sightings than the engine sweeps for
+    let mut c = Client::start(&path, "churn", 32);
+    let noted = |path: &Path| {
+        scope(&status(path), "churn")
+            .map_or(0, |s| s["noted_first_sightings"].as_u64().unwrap_or(0))
+    };
+    let settled = |c: &mut Client, path: &Path| {
+        noted(path) == pages && c.stats()["pages_unshared"].as_u64() == Some(pages)
+    };
+    wait_for("every page noted", 60, || settled(&mut c, &path));
+    for _ in 0..3 {
+        assert_eq!(c.ask("REWRITE"), "REWRITTEN");
+        // The engine has seen the writes once it completed a period after them.
+        assert_eq!(c.ask("KICK"), "KICKED");
+        assert_eq!(c.ask("KICK"), "KICKED");
+        wait_for("only the new contents noted", 60, || settled(&mut c, &path));
+    }
+    c.verify();
+    c.finish();
+    wait_for("the leaving client's notes dropped", 10, || {
+        noted(&path) == 0
+    });
+}

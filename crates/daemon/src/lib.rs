@@ -160,18 +160,129 @@ struct Client {
     merges_per_sec: f64,
 }
 
-/// Clients that saw one content (by hash) while no copy existed.
+/// Clients that saw one content (by hash) while no copy existed. Kept small (64 bytes with its
+/// key): a scope notes every distinct page its clients have until copies exist.
 #[derive(Default)]
 struct Noted {
-    clients: Vec<u64>,
-    /// The client asked to send the bytes, and when: others are told `NOTED` meanwhile (and get
-    /// the copy offered), so one copy is made, not one per client.
-    wanted: Option<(u64, Instant)>,
+    /// The first client that noted it (0: none; client ids start at 1) and any others (rare:
+    /// clients that asked while a copy was pending).
+    first: u64,
+    more: Vec<u64>,
+    /// The client asked to send the bytes (0: none) and when, in milliseconds since the scope
+    /// began: others are told `NOTED` meanwhile (and get the copy offered), so one copy is made,
+    /// not one per client.
+    wanted_by: u64,
+    wanted_at: u32,
 }
 
+impl Noted {
+    fn clients(&self) -> impl Iterator<Item = u64> + '_ {
+        std::iter::once(self.first)
+            .filter(|&c| c != 0)
+            .chain(self.more.iter().copied())
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        self.first == id || self.more.contains(&id)
+    }
+
+    fn add(&mut self, id: u64) {
+        if self.first == 0 {
+            self.first = id;
+        } else {
+            self.more.push(id);
+        }
+    }
+
+    /// Removes `id`; returns whether it was there.
+    fn remove(&mut self, id: u64) -> bool {
+        if self.wanted_by == id {
+            self.wanted_by = 0;
+        }
+        if self.first == id {
+            self.first = self.more.pop().unwrap_or(0);
+            return true;
+        }
+        let before = self.more.len();
+        self.more.retain(|&c| c != id);
+        self.more.len() < before
+    }
+
+    fn is_empty(&self) -> bool {
+        self.first == 0
+    }
+}
+
+/// The copies in the store by content: slot numbers in a table hashed by their content's hash,
+/// which is kept once per slot (`hash_of`): 5 bytes per table bucket instead of a map's 20.
+struct Index {
+    table: hashbrown::HashTable<u32>,
+    /// Per slot, the hash of what it holds (meaningful while the slot is live).
+    hash_of: Vec<u128>,
+    hasher: Seeded,
+}
+
+impl Index {
+    fn key(&self, h: u128) -> u64 {
+        std::hash::BuildHasher::hash_one(&self.hasher, h)
+    }
+
+    fn get(&self, h: u128) -> Option<u32> {
+        let hash_of = &self.hash_of;
+        self.table
+            .find(self.key(h), |&s| hash_of[s as usize] == h)
+            .copied()
+    }
+
+    /// Makes `slot` (holding content `h`) the copy answered for `h`.
+    fn insert(&mut self, h: u128, slot: u32) {
+        self.hash_of[slot as usize] = h;
+        let key = self.key(h);
+        let Self {
+            table,
+            hash_of,
+            hasher,
+        } = self;
+        match table.entry(
+            key,
+            |&s| hash_of[s as usize] == h,
+            |&s| std::hash::BuildHasher::hash_one(&*hasher, hash_of[s as usize]),
+        ) {
+            hashbrown::hash_table::Entry::Occupied(mut e) => *e.get_mut() = slot,
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                e.insert(slot);
+            }
+        }
+    }
+
+    /// Takes `slot` out of the table, if it is the copy answered for its content.
+    fn remove(&mut self, slot: u32) {
+        let key = self.key(self.hash_of[slot as usize]);
+        if let Ok(e) = self.table.find_entry(key, |&s| s == slot) {
+            e.remove();
+        }
+    }
+
+    /// Gives memory back once most entries are gone.
+    fn compact(&mut self) {
+        if self.table.capacity() > 4 * self.table.len() + COMPACT_MIN {
+            let Self {
+                table,
+                hash_of,
+                hasher,
+            } = self;
+            table.shrink_to(0, |&s| {
+                std::hash::BuildHasher::hash_one(&*hasher, hash_of[s as usize])
+            });
+        }
+    }
+}
+
+/// Tables are shrunk when at most a quarter full and over this many entries of capacity.
+const COMPACT_MIN: usize = 4096;
+
 struct ScopeState {
-    index: HashMap<u128, u32, Seeded>,
-    slot_hash: Vec<u128>,
+    index: Index,
     holders: Vec<u32>,
     free: Vec<u32>,
     bump: u32,
@@ -180,6 +291,7 @@ struct ScopeState {
     noted_entries: usize,
     clients: HashMap<u64, Client, Seeded>,
     copies_made: u64,
+    born: Instant,
 }
 
 struct Scope {
@@ -235,8 +347,11 @@ impl Scope {
             fd,
             capacity,
             state: Mutex::new(ScopeState {
-                index: HashMap::default(),
-                slot_hash: Vec::new(),
+                index: Index {
+                    table: hashbrown::HashTable::new(),
+                    hash_of: Vec::new(),
+                    hasher: Seeded::default(),
+                },
                 holders: Vec::new(),
                 free: Vec::new(),
                 bump: 0,
@@ -245,6 +360,7 @@ impl Scope {
                 noted_entries: 0,
                 clients: HashMap::default(),
                 copies_made: 0,
+                born: Instant::now(),
             }),
         })
     }
@@ -259,7 +375,7 @@ impl ScopeState {
             return None;
         }
         self.bump += 1;
-        self.slot_hash.push(0);
+        self.index.hash_of.push(0);
         self.holders.push(0);
         Some(self.bump - 1)
     }
@@ -279,13 +395,50 @@ impl ScopeState {
         let h = &mut self.holders[slot as usize];
         *h -= 1;
         if *h == 0 {
-            let hash = self.slot_hash[slot as usize];
-            if self.index.get(&hash) == Some(&slot) {
-                self.index.remove(&hash);
-            }
+            self.index.remove(slot);
             self.live -= 1;
             dead.push(slot);
         }
+    }
+
+    /// Milliseconds since the scope began (for `Noted::wanted_at`).
+    fn now_ms(&self) -> u32 {
+        self.born.elapsed().as_millis().min(u32::MAX as u128) as u32
+    }
+
+    /// Drops client `id`'s notes of `hashes` (its pages of that content are gone).
+    fn forget(&mut self, id: u64, hashes: &[u128]) {
+        for h in hashes {
+            if let Some(n) = self.noted.get_mut(h) {
+                if n.remove(id) {
+                    self.noted_entries -= 1;
+                }
+                if n.is_empty() {
+                    self.noted.remove(h);
+                }
+            }
+        }
+        self.compact();
+    }
+
+    /// Drops every note of a client that left.
+    fn forget_client(&mut self, id: u64) {
+        let mut dropped = 0;
+        self.noted.retain(|_, n| {
+            dropped += n.remove(id) as usize;
+            !n.is_empty()
+        });
+        self.noted_entries -= dropped;
+        self.compact();
+    }
+
+    /// Gives the tables' memory back once most of their entries are gone (copies made for
+    /// noted content, copies freed).
+    fn compact(&mut self) {
+        if self.noted.capacity() > 4 * self.noted.len() + COMPACT_MIN {
+            self.noted.shrink_to_fit();
+        }
+        self.index.compact();
     }
 
     /// Makes punched slots allocatable again.
@@ -462,8 +615,13 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                             st.unhold(s, &mut dead);
                         }
                     }
+                    st.compact();
                     drop(st);
                     free_slots(sc, dead);
+                    Reply::Ok
+                }
+                (Some((sc, id, _)), Request::Forget(hashes)) => {
+                    lock(&sc.state).forget(*id, &hashes);
                     Reply::Ok
                 }
                 (Some((sc, id, _)), Request::Report(json)) => {
@@ -503,10 +661,13 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
             for s in c.held.into_slots() {
                 st.unhold(s, &mut dead);
             }
+            st.forget_client(id);
             tracing::info!(client = id, pid = c.pid, scope = %sc.name, "client left");
         }
         drop(st);
         free_slots(&sc, dead);
+        // Its thread's buffers and the tables' shrinking left free heap memory behind.
+        sys::release_free_heap();
     }
     was_joined
 }
@@ -588,9 +749,10 @@ fn join(
 fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     let mut st = lock(&sc.state);
     let mut answers = Vec::with_capacity(hashes.len());
-    let now = Instant::now();
+    let now = st.now_ms();
+    let grace = WANTED_GRACE.as_millis() as u32;
     for &h in hashes {
-        if let Some(&slot) = st.index.get(&h) {
+        if let Some(slot) = st.index.get(h) {
             st.hold(id, slot);
             answers.push(slot);
             continue;
@@ -610,20 +772,17 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
             }
             None => noted.entry(h).or_default(),
         };
-        let copy_pending = entry.wanted.is_some_and(|(w, t)| {
-            w != id && clients.contains_key(&w) && now.saturating_duration_since(t) < WANTED_GRACE
-        });
-        let others = entry
-            .clients
-            .iter()
-            .any(|c| *c != id && clients.contains_key(c));
+        let (w, t) = (entry.wanted_by, entry.wanted_at);
+        let copy_pending =
+            w != 0 && w != id && clients.contains_key(&w) && now.saturating_sub(t) < grace;
+        let others = entry.clients().any(|c| c != id && clients.contains_key(&c));
         if !copy_pending && others {
-            entry.wanted = Some((id, now));
+            (entry.wanted_by, entry.wanted_at) = (id, now);
             answers.push(proto::WANTED);
             continue;
         }
-        if !entry.clients.contains(&id) {
-            entry.clients.push(id);
+        if !entry.contains(id) {
+            entry.add(id);
             *noted_entries += 1;
         }
         answers.push(proto::NOTED);
@@ -701,11 +860,7 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, fresh: bool) -> Reply {
     let mut st = lock(&sc.state);
     for (&(k, slot), ok) in new.iter().zip(written) {
         let h = hashes[k].unwrap_or_default();
-        let existing = if ok && !fresh {
-            st.index.get(&h).copied()
-        } else {
-            None
-        };
+        let existing = if ok && !fresh { st.index.get(h) } else { None };
         if !ok || existing.is_some() {
             // Failed, or another client published the same content meanwhile.
             let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
@@ -717,14 +872,13 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, fresh: bool) -> Reply {
             continue;
         }
         st.index.insert(h, slot);
-        st.slot_hash[slot as usize] = h;
         st.live += 1;
         st.copies_made += 1;
         st.hold(id, slot);
         out[k] = slot;
         if let Some(n) = st.noted.remove(&h) {
-            st.noted_entries -= n.clients.len();
-            for c in n.clients {
+            st.noted_entries -= n.clients().count();
+            for c in n.clients() {
                 if c == id {
                     continue;
                 }
@@ -744,12 +898,13 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, fresh: bool) -> Reply {
     // Pages of this request with the same content as an earlier one get its slot.
     for (k, h) in hashes.iter().enumerate().filter(|_| !fresh) {
         if out[k] == proto::FAILED {
-            if let Some(&s) = h.and_then(|h| st.index.get(&h)) {
+            if let Some(s) = h.and_then(|h| st.index.get(h)) {
                 st.hold(id, s);
                 out[k] = s;
             }
         }
     }
+    st.compact();
     Reply::Slots(out)
 }
 
@@ -794,6 +949,7 @@ fn status_json(inner: &Inner) -> serde_json::Value {
             "zero_pages": zero,
             "saved_bytes": (sharing + zero) * PAGE as u64,
             "copies_made": st.copies_made,
+            "noted_first_sightings": st.noted_entries,
             "store_resident_bytes": resident,
             "merges_per_sec": rate,
             "worker_cpu_ns": cpu,

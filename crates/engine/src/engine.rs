@@ -86,6 +86,11 @@ struct State {
     vmas: usize,
     /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
     unstable: HashMap<u128, (usize, u8), HashOfHash>,
+    /// UNIQUE pages written (or released) since the last sweep: their first-sighting entries are
+    /// stale until [`sweep_first_sightings`] drops them.
+    stale_sightings: usize,
+    /// Periods did work since the C heap's free memory was last returned.
+    heap_dirty: bool,
     /// Read-ahead of newly registered pages (see `read_ahead`): jobs still running, and the
     /// results of finished ones by address, with the periods since they were installed.
     ahead_jobs: Vec<AheadJob>,
@@ -266,6 +271,8 @@ impl Engine {
                 zero: 0,
                 vmas: 0,
                 unstable: HashMap::default(),
+                stale_sightings: 0,
+                heap_dirty: false,
                 ahead_jobs: Vec::new(),
                 ahead: Vec::new(),
                 ahead_age: 0,
@@ -1080,9 +1087,11 @@ fn run_period(
         });
     let budget = limit.saturating_sub(config.vma_margin);
     let mut handed_over = true;
+    let mut worked = false;
     for batch in batches.chain(collect_only) {
         let t0 = Instant::now();
         let classified = classify(sh, &view, config, batch, pool, relook.take());
+        worked |= !classified.cands.is_empty();
         tracing::debug!(
             pid = std::process::id(),
             candidates = classified.cands.len(),
@@ -1116,14 +1125,71 @@ fn run_period(
             let _ = wait.recv();
         }
     }
-    lock(&sh.state).store.reclaim();
-    if many {
+    let trim = {
+        let mut st = lock(&sh.state);
+        sweep_first_sightings(&mut st);
+        st.store.reclaim();
         // A period with many candidates made large short-lived allocations (candidates,
-        // batches, read-ahead results): give their memory back, it counts against the saving.
+        // batches, read-ahead results, offers): their memory goes back at once, it counts
+        // against the saving. Smaller ones go back every few periods of work, or at the first
+        // idle period after some.
+        st.heap_dirty |= worked;
+        let trim = many || (st.heap_dirty && (!worked || period % TRIM_PERIODS == 0));
+        st.heap_dirty &= !trim;
+        trim
+    };
+    if trim {
         sys::release_free_heap();
     }
     Ok(())
 }
+
+/// Drops first-sighting entries whose page was written or released since (found by the page's
+/// kind and epoch), once they are a good part of the map: a guest that keeps rewriting unique
+/// pages would otherwise grow the map by an entry per content it ever held, and the daemon's
+/// notes with it (it is told to forget them). The map's memory shrinks with it.
+fn sweep_first_sightings(st: &mut State) {
+    let stale = st.stale_sightings;
+    if stale < SWEEP_MIN_STALE || stale * 4 < st.unstable.len() {
+        // Entries taken by merges leave the table large and mostly empty (touched memory).
+        if st.unstable.capacity() > 4 * st.unstable.len() + SWEEP_MIN_STALE {
+            st.unstable.shrink_to_fit();
+        }
+        return;
+    }
+    st.stale_sightings = 0;
+    let State {
+        unstable,
+        regions,
+        store,
+        ..
+    } = st;
+    let mut gone = Vec::new();
+    unstable.retain(|&h, &mut (addr, epoch)| {
+        let live = regions
+            .range(..=addr)
+            .next_back()
+            .and_then(|(&start, r)| r.pages.get((addr - start) / PAGE))
+            .is_some_and(|p| p.kind == UNIQUE && p.epoch == epoch);
+        if !live {
+            gone.push(h);
+        }
+        live
+    });
+    if unstable.capacity() > 2 * unstable.len() + SWEEP_MIN_STALE {
+        unstable.shrink_to_fit();
+    }
+    if let Some(r) = &store.remote {
+        r.forget(gone);
+    }
+}
+
+/// Periods with some work between returns of free heap memory (every period with many
+/// candidates returns it at once).
+const TRIM_PERIODS: u64 = 8;
+
+/// Stale first sightings worth a sweep (below this the map is small anyway).
+const SWEEP_MIN_STALE: usize = 4096;
 
 /// Orders candidates so that the pages of one content fall in one batch (by the hash or stable
 /// copy read ahead): every batch then pairs its own duplicates and its merges start at once,
@@ -1545,6 +1611,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
         pagemap,
         store,
         zero,
+        stale_sightings,
         ..
     } = st;
     for r in regions.values_mut() {
@@ -1666,10 +1733,12 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         p.unchanged = 0;
                         p.epoch = p.epoch.wrapping_add(1);
                         p.writes = p.writes.saturating_add(1).min(config.max_backoff);
+                        *stale_sightings += 1;
                         volatile += 1;
                         continue;
                     }
                     p.kind = ANON;
+                    *stale_sightings += 1;
                 }
                 _ => {}
             }

@@ -16,7 +16,7 @@ use std::os::unix::net::UnixStream;
 
 use pageone_sys as sys;
 
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Most records in one request.
 pub const MAX_ITEMS: usize = 1 << 16;
 /// Largest frame either side accepts.
@@ -40,6 +40,7 @@ const T_RELEASE: u32 = 4;
 const T_REPORT: u32 = 5;
 const T_STATUS: u32 = 6;
 const T_COPY_FRESH: u32 = 7;
+const T_FORGET: u32 = 8;
 const T_WELCOME: u32 = 101;
 const T_ANSWERS: u32 = 102;
 const T_SLOTS: u32 = 103;
@@ -60,6 +61,9 @@ pub enum Request {
     CopyFresh(u32),
     /// Slots this client no longer indexes or maps.
     Release(Vec<u32>),
+    /// Hashes this client looked up earlier whose page it no longer has (written or released):
+    /// it wants no copy of them offered, and the daemon stops remembering its note.
+    Forget(Vec<u128>),
     /// The client's counters as JSON, for `pageone status`.
     Report(String),
     /// `pageone status`: the daemon's view as JSON (no `Hello` needed).
@@ -212,6 +216,14 @@ impl Request {
                 }
                 e.finish()
             }
+            Request::Forget(hs) => {
+                let mut e = Enc::new(T_FORGET);
+                e.u32(hs.len() as u32);
+                for &h in hs {
+                    e.u128(h);
+                }
+                e.finish()
+            }
             Request::Report(s) => {
                 let mut e = Enc::new(T_REPORT);
                 e.bytes(s.as_bytes());
@@ -238,6 +250,10 @@ impl Request {
             T_RELEASE => {
                 let n = d.count(4)?;
                 Request::Release((0..n).map(|_| d.u32()).collect::<Result<_, _>>()?)
+            }
+            T_FORGET => {
+                let n = d.count(16)?;
+                Request::Forget((0..n).map(|_| d.u128()).collect::<Result<_, _>>()?)
             }
             T_REPORT => Request::Report(d.string()?),
             T_STATUS => Request::Status,
@@ -406,6 +422,7 @@ mod tests {
             Request::Copy(12),
             Request::CopyFresh(3),
             Request::Release(vec![3, 4]),
+            Request::Forget(vec![5, u128::MAX]),
             Request::Report("{}".into()),
             Request::Status,
         ];
@@ -446,7 +463,7 @@ mod tests {
             let n = rng.gen_range(0..64);
             let mut f: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
             if n >= 4 && rng.gen_bool(0.5) {
-                f[..4].copy_from_slice(&rng.gen_range(1u32..7).to_le_bytes());
+                f[..4].copy_from_slice(&rng.gen_range(1u32..9).to_le_bytes());
             }
             let _ = Request::decode(&f);
             let _ = Reply::decode(&f);

@@ -42,6 +42,8 @@ pub(crate) struct Remote {
     /// Slots to release at the next flush (a set, so that a slot granted again before the flush
     /// is simply kept: the daemon's holds are a set per client, not a count).
     releases: Mutex<HashSet<u32>>,
+    /// Looked-up hashes whose page is gone, to send at the next flush.
+    forgets: Mutex<Vec<u128>>,
     capacity: u32,
 }
 
@@ -91,6 +93,7 @@ impl Remote {
                 lost: AtomicBool::new(false),
                 staged: AtomicBool::new(false),
                 releases: Mutex::new(HashSet::new()),
+                forgets: Mutex::new(Vec::new()),
                 capacity,
             },
             store,
@@ -200,7 +203,14 @@ impl Remote {
         }
     }
 
-    /// Sends the pending releases, and empties the staging file if this period used it (its
+    /// Tells the daemon at the next flush that this process no longer has pages of these hashes.
+    pub(crate) fn forget(&self, hashes: Vec<u128>) {
+        if !self.is_lost() && !hashes.is_empty() {
+            lock(&self.forgets).extend(hashes);
+        }
+    }
+
+    /// Sends the pending releases and forgotten hashes, and empties the staging file if this period used it (its
     /// pages would otherwise stay allocated for the process's life: 4 MiB per process once
     /// merging has settled).
     pub(crate) fn flush(&self) {
@@ -216,15 +226,21 @@ impl Remote {
             }
         }
         let all: Vec<u32> = lock(&self.releases).drain().collect();
-        if all.is_empty() {
+        let forgets = std::mem::take(&mut *lock(&self.forgets));
+        if all.is_empty() && forgets.is_empty() {
             return;
         }
         let sock = lock(&self.sock);
-        for chunk in all.chunks(proto::MAX_ITEMS) {
-            if !matches!(
-                self.call(&sock, &Request::Release(chunk.to_vec())),
-                Some(Reply::Ok)
-            ) {
+        let requests = all
+            .chunks(proto::MAX_ITEMS)
+            .map(|c| Request::Release(c.to_vec()))
+            .chain(
+                forgets
+                    .chunks(proto::MAX_ITEMS)
+                    .map(|c| Request::Forget(c.to_vec())),
+            );
+        for req in requests {
+            if !matches!(self.call(&sock, &req), Some(Reply::Ok)) {
                 return;
             }
         }

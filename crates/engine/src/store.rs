@@ -91,7 +91,8 @@ pub(crate) struct Store {
     in_tree: Vec<u32>,
     /// Whether the id holds a live copy (allocated and not yet freed).
     allocated: Vec<bool>,
-    /// Entries of published copies, to remove them by handle.
+    /// Entries of published copies, to remove them by handle (as long as the highest id ever
+    /// inserted in the tree).
     entries: Vec<Option<pageone_index::Entry>>,
     /// Next never-used id (ids below it are in use or released).
     bump: u32,
@@ -277,6 +278,9 @@ impl Store {
             Insert::Inserted(e) => {
                 self.indexed[id as usize] = true;
                 self.in_tree[id as usize] += 1;
+                if self.entries.len() <= id as usize {
+                    self.entries.resize(id as usize + 1, None);
+                }
                 self.entries[id as usize] = Some(e);
                 Ok(id)
             }
@@ -337,7 +341,7 @@ impl Store {
     /// Takes copy `id` out of the index (it stays mapped by its pages) so that a new copy is made
     /// for further duplicates: how the per-copy sharing limit is enforced.
     pub(crate) fn retire(&mut self, id: KeyId) {
-        if let Some(e) = self.entries[id as usize].take() {
+        if let Some(e) = self.entries.get_mut(id as usize).and_then(Option::take) {
             self.tree.remove(e);
         }
         self.indexed[id as usize] = false;
@@ -403,7 +407,7 @@ impl Store {
             self.indexed.resize(need, false);
             self.in_tree.resize(need, 0);
             self.allocated.resize(need, false);
-            self.entries.resize(need, None);
+            // `entries` grows only with insertions into the tree (none with a daemon).
         }
     }
 

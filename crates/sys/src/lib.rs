@@ -254,6 +254,22 @@ pub fn release_free_heap() {
     }
 }
 
+/// Makes the C heap give every allocation of at least `bytes` its own mapping, returned to the
+/// kernel when freed. glibc's default raises that threshold after each large free (up to 32 MiB),
+/// after which a process that once had large tables keeps their memory in its heaps. For a
+/// long-running program that owns its allocator settings (the daemon), not for a library inside
+/// a host program. Does nothing on other C libraries.
+pub fn set_heap_mmap_threshold(bytes: usize) {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes the allocator's tuning parameters.
+    unsafe {
+        libc::mallopt(
+            libc::M_MMAP_THRESHOLD,
+            bytes.min(i32::MAX as usize) as libc::c_int,
+        );
+    }
+}
+
 /// Frees `[offset, offset+len)` of a file without changing its size (reads return zeros).
 pub fn punch_hole(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: no memory is passed to the kernel.
