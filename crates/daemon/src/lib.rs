@@ -18,6 +18,8 @@
 //! * `CopyFresh(n)`: the same without the deduplication, for a copy that must be another one:
 //!   the client already maps `max_sharing` pages onto the existing copy of that content.
 //! * `Release(slots)`: the client neither maps nor indexes them any more.
+//! * `Forget(hashes)`: the client's pages of these contents are gone (written or released): its
+//!   notes of them are dropped, so notes stay as many as the clients' live first sightings.
 //!
 //! A slot is freed (hole punched, index entry removed) when no client holds it. Holds are a set
 //! per client, so a client can only drop its own; when a client's socket closes (exit or
