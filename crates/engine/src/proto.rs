@@ -124,6 +124,14 @@ impl Enc {
         self.0.extend_from_slice(&x.to_le_bytes());
         self
     }
+    /// A count, then the hashes.
+    fn hashes(&mut self, hs: &[u128]) -> &mut Self {
+        self.u32(hs.len() as u32);
+        for &h in hs {
+            self.u128(h);
+        }
+        self
+    }
     fn bytes(&mut self, b: &[u8]) -> &mut Self {
         self.u32(b.len() as u32);
         self.0.extend_from_slice(b);
@@ -169,6 +177,10 @@ impl Dec<'_> {
         }
         Ok(n)
     }
+    fn hashes(&mut self) -> Result<Vec<u128>, ProtoError> {
+        let n = self.count(16)?;
+        (0..n).map(|_| self.u128()).collect()
+    }
     fn string(&mut self) -> Result<String, ProtoError> {
         let n = self.count(1)?;
         String::from_utf8(self.take(n)?.to_vec()).map_err(|_| ProtoError::Malformed("not UTF-8"))
@@ -192,10 +204,7 @@ impl Request {
             }
             Request::Lookup(hs) => {
                 let mut e = Enc::new(T_LOOKUP);
-                e.u32(hs.len() as u32);
-                for &h in hs {
-                    e.u128(h);
-                }
+                e.hashes(hs);
                 e.finish()
             }
             Request::Copy(n) => {
@@ -218,10 +227,7 @@ impl Request {
             }
             Request::Forget(hs) => {
                 let mut e = Enc::new(T_FORGET);
-                e.u32(hs.len() as u32);
-                for &h in hs {
-                    e.u128(h);
-                }
+                e.hashes(hs);
                 e.finish()
             }
             Request::Report(s) => {
@@ -241,20 +247,14 @@ impl Request {
                 version: d.u32()?,
                 scope: d.string()?,
             },
-            T_LOOKUP => {
-                let n = d.count(16)?;
-                Request::Lookup((0..n).map(|_| d.u128()).collect::<Result<_, _>>()?)
-            }
+            T_LOOKUP => Request::Lookup(d.hashes()?),
             T_COPY => Request::Copy(d.u32()?),
             T_COPY_FRESH => Request::CopyFresh(d.u32()?),
             T_RELEASE => {
                 let n = d.count(4)?;
                 Request::Release((0..n).map(|_| d.u32()).collect::<Result<_, _>>()?)
             }
-            T_FORGET => {
-                let n = d.count(16)?;
-                Request::Forget((0..n).map(|_| d.u128()).collect::<Result<_, _>>()?)
-            }
+            T_FORGET => Request::Forget(d.hashes()?),
             T_REPORT => Request::Report(d.string()?),
             T_STATUS => Request::Status,
             _ => return Err(ProtoError::Malformed("unknown request")),
