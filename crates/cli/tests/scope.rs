@@ -210,12 +210,8 @@ fn four_processes_in_one_scope_keep_one_copy_per_distinct_page() {
     for c in clients {
         c.finish();
     }
-    // Everyone left: every copy is freed.
-    wait_for("the store emptied", 10, || {
-        let st = status(&path);
-        let sc = scope(&st, "vm").expect("scope vm");
-        sc["pages_shared"].as_u64() == Some(0) && sc["store_resident_bytes"].as_u64() == Some(0)
-    });
+    // Everyone left: the scope is gone, store and all.
+    wait_for("the scope closed", 10, || scope(&status(&path), "vm").is_none());
 }
 
 /// Content shared by more pages than one copy may serve (max_sharing, 256) across processes:
@@ -470,5 +466,49 @@ fn rewritten_unique_pages_are_forgotten_by_the_daemon() {
     c.finish();
     wait_for("the leaving client's notes dropped", 10, || {
         noted(&path) == 0
+    });
+}
+
+/// A scope goes with its last client: its store is closed and nothing of it stays in the
+/// daemon, so a client cycling through scope names cannot run the daemon out of descriptors.
+#[test]
+fn a_scope_closes_when_its_last_client_leaves() {
+    use pageone_engine::proto::{self, Reply, Request};
+    let _g = serial();
+    let path = sock_path("scopes");
+    let daemon = Daemon::start(&path);
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", daemon.0.id()))
+            .unwrap()
+            .count()
+    };
+    let join = |name: &str| {
+        let s = UnixStream::connect(&path).unwrap();
+        let staging = pageone_sys::memfd_create(c"cycling").unwrap();
+        let hello = Request::Hello {
+            version: proto::VERSION,
+            scope: name.into(),
+        };
+        let (r, fd) = proto::call(&s, &hello, Some(&staging)).unwrap();
+        assert!(matches!(r, Reply::Welcome { .. }) && fd.is_some());
+        s
+    };
+    let first = join("cycle-0");
+    let before = fds();
+    for i in 1..200 {
+        drop(join(&format!("cycle-{i}")));
+    }
+    wait_for("only the first scope left", 10, || {
+        status(&path)["scopes"].as_array().map(Vec::len) == Some(1)
+    });
+    assert!(scope(&status(&path), "cycle-0").is_some());
+    assert!(
+        fds() <= before + 2,
+        "descriptors {} after, {before} before",
+        fds()
+    );
+    drop(first);
+    wait_for("no scope left", 10, || {
+        status(&path)["scopes"].as_array().map(Vec::len) == Some(0)
     });
 }

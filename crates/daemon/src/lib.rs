@@ -49,7 +49,8 @@ use pageone_engine::proto::{self, ProtoError, Reply, Request};
 use pageone_sys as sys;
 
 const PAGE: usize = sys::PAGE_SIZE;
-/// First sightings remembered per scope (beyond this, new ones are not noted: fewer merges).
+/// First sightings remembered by the daemon, all scopes together (beyond this, new ones are not
+/// noted: fewer merges; about 1 GiB of notes).
 const MAX_NOTED: usize = 1 << 24;
 /// Offers waiting for one client.
 const MAX_OFFERS: usize = 1 << 20;
@@ -291,6 +292,8 @@ struct ScopeState {
     live: u64,
     noted: HashMap<u128, Noted, Seeded>,
     noted_entries: usize,
+    /// Notes of every scope of the daemon (for [`MAX_NOTED`]).
+    noted_total: Arc<AtomicUsize>,
     clients: HashMap<u64, Client, Seeded>,
     copies_made: u64,
     born: Instant,
@@ -333,7 +336,12 @@ fn copy_pages(staging: i32, from: usize, fd: i32, first: u32, m: usize) -> bool 
 }
 
 impl Scope {
-    fn new(name: String, uid: u32, capacity: u32) -> Result<Self, DaemonError> {
+    fn new(
+        name: String,
+        uid: u32,
+        capacity: u32,
+        noted_total: Arc<AtomicUsize>,
+    ) -> Result<Self, DaemonError> {
         let fd = sys::memfd_create_sealable(c"pageone-scope").map_err(DaemonError::Store)?;
         let bytes = capacity as u64 * PAGE as u64;
         sys::ftruncate(fd.as_raw_fd(), bytes).map_err(DaemonError::Store)?;
@@ -360,6 +368,7 @@ impl Scope {
                 live: 0,
                 noted: HashMap::default(),
                 noted_entries: 0,
+                noted_total,
                 clients: HashMap::default(),
                 copies_made: 0,
                 born: Instant::now(),
@@ -410,17 +419,29 @@ impl ScopeState {
 
     /// Drops client `id`'s notes of `hashes` (its pages of that content are gone).
     fn forget(&mut self, id: u64, hashes: &[u128]) {
+        let mut dropped = 0;
         for h in hashes {
             if let Some(n) = self.noted.get_mut(h) {
-                if n.remove(id) {
-                    self.noted_entries -= 1;
-                }
+                dropped += n.remove(id) as usize;
                 if n.is_empty() {
                     self.noted.remove(h);
                 }
             }
         }
+        self.uncount_notes(dropped);
         self.compact();
+    }
+
+    fn count_notes(&mut self, n: usize) {
+        self.noted_entries += n;
+        // Relaxed: a count compared against a soft limit.
+        self.noted_total.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn uncount_notes(&mut self, n: usize) {
+        self.noted_entries -= n;
+        // Relaxed: see count_notes.
+        self.noted_total.fetch_sub(n, Ordering::Relaxed);
     }
 
     /// Drops every note of a client that left.
@@ -430,7 +451,7 @@ impl ScopeState {
             dropped += n.remove(id) as usize;
             !n.is_empty()
         });
-        self.noted_entries -= dropped;
+        self.uncount_notes(dropped);
         self.compact();
     }
 
@@ -465,7 +486,10 @@ fn free_slots(sc: &Scope, mut dead: Vec<u32>) {
 
 struct Inner {
     config: DaemonConfig,
+    /// Scopes with clients (a scope goes, store and all, when its last client leaves). Lock
+    /// order: `scopes`, then a scope's `state`.
     scopes: Mutex<HashMap<(u32, String), Arc<Scope>>>,
+    noted_total: Arc<AtomicUsize>,
     next_client: AtomicU64,
     connections: AtomicUsize,
     started: Instant,
@@ -505,6 +529,7 @@ impl Daemon {
             inner: Arc::new(Inner {
                 config,
                 scopes: Mutex::new(HashMap::new()),
+                noted_total: Arc::new(AtomicUsize::new(0)),
                 next_client: AtomicU64::new(1),
                 connections: AtomicUsize::new(0),
                 started: Instant::now(),
@@ -668,6 +693,14 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
         }
         drop(st);
         free_slots(&sc, dead);
+        // A scope without clients holds no copies: it goes, with its store's descriptor (else
+        // every scope name ever used would keep one open).
+        let mut scopes = lock(&inner.scopes);
+        if lock(&sc.state).clients.is_empty() {
+            scopes.retain(|_, s| !Arc::ptr_eq(s, &sc));
+            tracing::info!(scope = %sc.name, "scope closed: its last client left");
+        }
+        drop(scopes);
         // Its thread's buffers and the tables' shrinking left free heap memory behind.
         sys::release_free_heap();
     }
@@ -709,28 +742,40 @@ fn join(
         _ => return Err("the staging descriptor is not a regular file".into()),
     }
     let cred = sys::peer_cred(sock.as_raw_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
-    let sc = {
-        let mut scopes = lock(&inner.scopes);
-        let key = (cred.uid, scope.to_string());
-        match scopes.get(&key) {
-            Some(s) => s.clone(),
-            None => {
-                let name = if cred.uid == 0 {
-                    scope.to_string()
-                } else {
-                    format!("{}@uid{}", scope, cred.uid)
-                };
-                let s = Arc::new(
-                    Scope::new(name, cred.uid, inner.config.capacity_pages)
-                        .map_err(|e| format!("{e}"))?,
-                );
-                scopes.insert(key, s.clone());
-                s
-            }
+    // The client is added under the scopes' lock, so that a scope whose last client is leaving
+    // meanwhile is either kept for it or already gone (and made anew here).
+    let mut scopes = lock(&inner.scopes);
+    let key = (cred.uid, scope.to_string());
+    let sc = match scopes.get(&key) {
+        Some(s) => s.clone(),
+        None => {
+            let name = if cred.uid == 0 {
+                scope.to_string()
+            } else {
+                format!("{}@uid{}", scope, cred.uid)
+            };
+            let s = Arc::new(
+                Scope::new(
+                    name,
+                    cred.uid,
+                    inner.config.capacity_pages,
+                    inner.noted_total.clone(),
+                )
+                .map_err(|e| format!("{e}"))?,
+            );
+            scopes.insert(key.clone(), s.clone());
+            s
         }
     };
-    let store_ro =
-        sys::reopen_readonly(sc.fd.as_raw_fd()).map_err(|e| format!("store not shareable: {e}"))?;
+    let store_ro = match sys::reopen_readonly(sc.fd.as_raw_fd()) {
+        Ok(fd) => fd,
+        Err(e) => {
+            if lock(&sc.state).clients.is_empty() {
+                scopes.remove(&key);
+            }
+            return Err(format!("store not shareable: {e}"));
+        }
+    };
     // Relaxed: a unique counter.
     let id = inner.next_client.fetch_add(1, Ordering::Relaxed);
     lock(&sc.state).clients.insert(
@@ -744,6 +789,7 @@ fn join(
             merges_per_sec: 0.0,
         },
     );
+    drop(scopes);
     tracing::info!(client = id, pid = cred.pid, uid = cred.uid, scope = %sc.name, "client joined");
     Ok((sc, id, staging, store_ro))
 }
@@ -753,19 +799,16 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     let mut answers = Vec::with_capacity(hashes.len());
     let now = st.now_ms();
     let grace = WANTED_GRACE.as_millis() as u32;
+    let mut added = 0;
     for &h in hashes {
         if let Some(slot) = st.index.get(h) {
             st.hold(id, slot);
             answers.push(slot);
             continue;
         }
-        let ScopeState {
-            noted,
-            clients,
-            noted_entries,
-            ..
-        } = &mut *st;
-        let full = *noted_entries >= MAX_NOTED;
+        // Relaxed: see count_notes.
+        let full = st.noted_total.load(Ordering::Relaxed) + added >= MAX_NOTED;
+        let ScopeState { noted, clients, .. } = &mut *st;
         let entry = match noted.get_mut(&h) {
             Some(e) => e,
             None if full => {
@@ -785,10 +828,11 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
         }
         if !entry.contains(id) {
             entry.add(id);
-            *noted_entries += 1;
+            added += 1;
         }
         answers.push(proto::NOTED);
     }
+    st.count_notes(added);
     let offers = st
         .clients
         .get_mut(&id)
@@ -879,7 +923,7 @@ fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, fresh: bool) -> Reply {
         st.hold(id, slot);
         out[k] = slot;
         if let Some(n) = st.noted.remove(&h) {
-            st.noted_entries -= n.clients().count();
+            st.uncount_notes(n.clients().count());
             for c in n.clients() {
                 if c == id {
                     continue;
