@@ -211,7 +211,9 @@ fn four_processes_in_one_scope_keep_one_copy_per_distinct_page() {
         c.finish();
     }
     // Everyone left: the scope is gone, store and all.
-    wait_for("the scope closed", 10, || scope(&status(&path), "vm").is_none());
+    wait_for("the scope closed", 10, || {
+        scope(&status(&path), "vm").is_none()
+    });
 }
 
 /// Content shared by more pages than one copy may serve (max_sharing, 256) across processes:
