@@ -210,9 +210,9 @@ impl Remote {
         }
     }
 
-    /// Sends the pending releases and forgotten hashes, and empties the staging file if this period used it (its
-    /// pages would otherwise stay allocated for the process's life: 4 MiB per process once
-    /// merging has settled).
+    /// Sends the pending releases and forgotten hashes, and empties the staging file if this
+    /// period used it (its pages would otherwise stay allocated for the process's life: 4 MiB per
+    /// process once merging has settled).
     pub(crate) fn flush(&self) {
         {
             let _sock = lock(&self.sock);
