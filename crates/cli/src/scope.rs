@@ -46,13 +46,16 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "pageone daemon pid {} on {} (up {} s)",
-        v["pid"], v["socket"], v["uptime_secs"]
+        "pageone daemon pid {} on {} (up {} s), its own memory {:.1} MiB",
+        v["pid"],
+        v["socket"],
+        v["uptime_secs"],
+        v["anonymous_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
     );
     for s in v["scopes"].as_array().into_iter().flatten() {
         println!(
             "scope {}: {} clients, pages shared {}, sharing {}, zero {}, saved {:.1} MiB, \
-             {:.0} merges/s, worker CPU {:.2} s, store resident {:.1} MiB",
+             {:.0} merges/s, worker CPU {:.2} s, store resident {:.1} MiB, noted {}",
             s["scope"],
             s["clients"].as_array().map_or(0, |c| c.len()),
             s["pages_shared"],
@@ -62,6 +65,7 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
             s["merges_per_sec"].as_f64().unwrap_or(0.0),
             s["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9,
             s["store_resident_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+            s["noted_first_sightings"],
         );
         for c in s["clients"].as_array().into_iter().flatten() {
             let st = &c["stats"];

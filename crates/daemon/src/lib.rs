@@ -1005,6 +1005,8 @@ fn status_json(inner: &Inner) -> serde_json::Value {
         "pid": std::process::id(),
         "socket": inner.config.socket,
         "uptime_secs": inner.started.elapsed().as_secs(),
+        // The daemon's own memory (its tables), which counts against what its scopes save.
+        "anonymous_bytes": sys::self_smaps_rollup_kib("Anonymous").unwrap_or(0) * 1024,
         "scopes": out,
     })
 }
