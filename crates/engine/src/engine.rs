@@ -1606,6 +1606,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
     let mut entries = Vec::new();
     let mut volatile = 0u64;
     let mut unique = 0u64;
+    let all_pages: usize = st.regions.values().map(|r| r.pages.len()).sum();
     let State {
         regions,
         pagemap,
@@ -1762,6 +1763,11 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
             p.unchanged = p.unchanged.saturating_add(step);
             let needed = config.merge_periods.max(p.writes);
             if p.unchanged >= needed {
+                if out.capacity() == 0 {
+                    // Room for every page left at once: a registered range becomes candidates all
+                    // together, and growing by doubling would copy and fault in tens of MiB.
+                    out.reserve(all_pages);
+                }
                 out.push(Candidate {
                     region: r.start,
                     index: i,
