@@ -237,6 +237,11 @@ impl Index {
             .copied()
     }
 
+    /// The table key of a slot already in it (for the table's moves when it grows or shrinks).
+    fn key_of<'a>(hasher: &'a Seeded, hash_of: &'a [u128]) -> impl Fn(&u32) -> u64 + 'a {
+        move |&s| std::hash::BuildHasher::hash_one(hasher, hash_of[s as usize])
+    }
+
     /// Makes `slot` (holding content `h`) the copy answered for `h`.
     fn insert(&mut self, h: u128, slot: u32) {
         self.hash_of[slot as usize] = h;
@@ -249,7 +254,7 @@ impl Index {
         match table.entry(
             key,
             |&s| hash_of[s as usize] == h,
-            |&s| std::hash::BuildHasher::hash_one(&*hasher, hash_of[s as usize]),
+            Self::key_of(hasher, hash_of),
         ) {
             hashbrown::hash_table::Entry::Occupied(mut e) => *e.get_mut() = slot,
             hashbrown::hash_table::Entry::Vacant(e) => {
@@ -274,9 +279,7 @@ impl Index {
                 hash_of,
                 hasher,
             } = self;
-            table.shrink_to(0, |&s| {
-                std::hash::BuildHasher::hash_one(&*hasher, hash_of[s as usize])
-            });
+            table.shrink_to(0, Self::key_of(hasher, hash_of));
         }
     }
 }
