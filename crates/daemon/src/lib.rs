@@ -1016,9 +1016,49 @@ fn status_json(inner: &Inner) -> serde_json::Value {
 
 #[cfg(test)]
 mod tests {
-    use super::SlotSet;
+    use super::{Index, SlotSet};
     use proptest::prelude::*;
-    use std::collections::BTreeSet;
+    use std::collections::{BTreeSet, HashMap};
+
+    proptest! {
+        /// The index answers like a map from content to the latest copy stored for it, as slots
+        /// are stored (a free slot, maybe of content another slot has) and freed, and across
+        /// shrinking.
+        #[test]
+        fn index_is_a_map_from_content_to_its_latest_copy(
+            ops in proptest::collection::vec((0u8..4, 0u128..12, 0u32..40), 0..300)
+        ) {
+            let mut index = Index {
+                table: hashbrown::HashTable::new(),
+                hash_of: vec![0; 40],
+                hasher: Default::default(),
+            };
+            let (mut live, mut model) = (HashMap::<u32, u128>::new(), HashMap::<u128, u32>::new());
+            for (op, h, slot) in ops {
+                match op {
+                    0 | 1 if !live.contains_key(&slot) => {
+                        index.insert(h, slot);
+                        live.insert(slot, h);
+                        model.insert(h, slot);
+                    }
+                    2 => {
+                        if let Some(h) = live.remove(&slot) {
+                            index.remove(slot);
+                            if model.get(&h) == Some(&slot) {
+                                model.remove(&h);
+                            }
+                        }
+                    }
+                    3 => index.compact(),
+                    _ => {}
+                }
+                for c in 0..12 {
+                    prop_assert_eq!(index.get(c), model.get(&c).copied());
+                }
+                prop_assert_eq!(index.table.len(), model.len());
+            }
+        }
+    }
 
     proptest! {
         /// The bitmap behaves as a set of slots: same answers, same length, same members.
