@@ -1016,11 +1016,30 @@ fn status_json(inner: &Inner) -> serde_json::Value {
 
 #[cfg(test)]
 mod tests {
-    use super::{Index, SlotSet};
+    use super::{Index, Noted, SlotSet};
     use proptest::prelude::*;
     use std::collections::{BTreeSet, HashMap};
 
     proptest! {
+        /// A note's clients behave as a set (the first kept inline, the others in a list).
+        #[test]
+        fn noted_clients_are_a_set(ops in proptest::collection::vec((any::<bool>(), 1u64..6), 0..60)) {
+            let (mut n, mut set) = (Noted::default(), BTreeSet::new());
+            for (add, id) in ops {
+                if add {
+                    if !n.contains(id) {
+                        n.add(id);
+                    }
+                    set.insert(id);
+                } else {
+                    prop_assert_eq!(n.remove(id), set.remove(&id));
+                }
+                prop_assert_eq!(n.clients().collect::<BTreeSet<_>>(), set.clone());
+                prop_assert_eq!(n.clients().count(), set.len());
+                prop_assert_eq!(n.is_empty(), set.is_empty());
+            }
+        }
+
         /// The index answers like a map from content to the latest copy stored for it, as slots
         /// are stored (a free slot, maybe of content another slot has) and freed, and across
         /// shrinking.
