@@ -455,7 +455,11 @@ impl Store {
 
     /// Bytes of engine metadata attributable to the store (tree nodes and per-copy arrays).
     pub(crate) fn metadata_bytes(&self) -> u64 {
-        (self.tree.nodes_allocated() * 32 + self.refs.len() * 14) as u64
+        // Per id: refs and in_tree (4 bytes each), indexed and allocated (1 each); tree entries
+        // only up to the highest id ever inserted.
+        let per_id = 2 * std::mem::size_of::<u32>() + 2 * std::mem::size_of::<bool>();
+        let entries = self.entries.len() * std::mem::size_of::<Option<pageone_index::Entry>>();
+        (self.tree.nodes_allocated() * 32 + self.refs.len() * per_id + entries) as u64
     }
 }
 
