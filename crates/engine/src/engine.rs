@@ -1166,11 +1166,7 @@ fn sweep_first_sightings(st: &mut State) {
     } = st;
     let mut gone = Vec::new();
     unstable.retain(|&h, &mut (addr, epoch)| {
-        let live = regions
-            .range(..=addr)
-            .next_back()
-            .and_then(|(&start, r)| r.pages.get((addr - start) / PAGE))
-            .is_some_and(|p| p.kind == UNIQUE && p.epoch == epoch);
+        let live = still_waiting(regions, addr, epoch).is_some();
         if !live {
             gone.push(h);
         }
@@ -1834,15 +1830,26 @@ type HashOfHash = std::hash::BuildHasherDefault<IdentityHasher>;
 /// the UNIQUE page of the same epoch (unwritten since it was hashed).
 fn take_waiting(st: &mut State, h: u128) -> Option<Candidate> {
     let (addr, epoch) = st.unstable.remove(&h)?;
-    let (&start, r) = st.regions.range(..=addr).next_back()?;
-    let index = (addr - start) / PAGE;
-    let p = r.pages.get(index)?;
-    (p.kind == UNIQUE && p.epoch == epoch).then_some(Candidate {
-        region: start,
+    let (region, index) = still_waiting(&st.regions, addr, epoch)?;
+    Some(Candidate {
+        region,
         index,
         addr,
         pre: Pre::None,
     })
+}
+
+/// The region and index of the page at `addr` if a first-sighting entry made at `epoch` still
+/// describes it: it is the UNIQUE page of that epoch (unwritten since it was hashed).
+fn still_waiting(
+    regions: &BTreeMap<usize, RegionState>,
+    addr: usize,
+    epoch: u8,
+) -> Option<(usize, usize)> {
+    let (&start, r) = regions.range(..=addr).next_back()?;
+    let index = (addr - start) / PAGE;
+    let p = r.pages.get(index)?;
+    (p.kind == UNIQUE && p.epoch == epoch).then_some((start, index))
 }
 
 /// Adds a candidate with no action yet; returns its number.
