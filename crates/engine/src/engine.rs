@@ -78,7 +78,7 @@ struct State {
     regions: BTreeMap<usize, RegionState>,
     store: Store,
     scratch: usize,
-    pagemap: sys::Pagemap,
+    pagemap: Arc<sys::Pagemap>,
     unshared: u64,
     volatile: u64,
     zero: u64,
@@ -265,7 +265,7 @@ impl Engine {
                 regions: BTreeMap::new(),
                 store,
                 scratch,
-                pagemap: sys::Pagemap::open().map_err(EngineError::Uffd)?,
+                pagemap: Arc::new(sys::Pagemap::open().map_err(EngineError::Uffd)?),
                 unshared: 0,
                 volatile: 0,
                 zero: 0,
@@ -404,9 +404,8 @@ impl Engine {
         if self.shared.mode == WatchMode::UffdWp {
             // Arm the watch now: pages written from here on show up in the next period's scan,
             // which counts the first unchanged period.
-            let mut sink = Vec::new();
             st.pagemap
-                .scan(a, end, &written_query(), &mut sink)
+                .write_protect(a, end)
                 .map_err(EngineError::Uffd)?;
         }
         let n = len / PAGE;
@@ -1285,19 +1284,31 @@ const AHEAD_MAX_PAGES: usize = 512 * 1024;
 /// in a `u8`: results must not outlive a wrap-around either.)
 const AHEAD_PERIODS: u32 = 4;
 
-/// A read-ahead queued on the workers: the pages it reads (in address order) and, per part of
-/// `AHEAD_PART` pages, where the part puts its results.
+/// The results of one read-ahead part: present pages in address order, with what reading each
+/// found.
+type AheadPart = Vec<(usize, Pre)>;
+
+/// A read-ahead queued on the workers: its address range and, per part of `AHEAD_PART` pages,
+/// where the part puts its results.
 struct AheadJob {
     done: crate::pool::Pending,
-    addrs: Arc<Vec<usize>>,
-    parts: Arc<Vec<Mutex<Vec<Pre>>>>,
+    start: usize,
+    end: usize,
+    parts: Arc<Vec<Mutex<AheadPart>>>,
 }
 
-/// Results of a finished read-ahead: `parts[i / AHEAD_PART][i % AHEAD_PART]` is the result for
-/// `addrs[i]`.
+/// Results of a finished read-ahead of `[start, end)`: `parts[k]` holds, in address order, the
+/// present pages of the range's `k`th `AHEAD_PART` pages with what reading them found.
 struct AheadBlock {
-    addrs: Arc<Vec<usize>>,
-    parts: Vec<Vec<Pre>>,
+    start: usize,
+    end: usize,
+    parts: Vec<AheadPart>,
+}
+
+impl AheadBlock {
+    fn pages(&self) -> usize {
+        self.parts.iter().map(Vec::len).sum()
+    }
 }
 
 /// Reads the present pages of a newly registered range on the workers, in what is otherwise idle
@@ -1306,65 +1317,72 @@ struct AheadBlock {
 /// its period's batches are ordered by content. The reads come after the range was armed, so any
 /// write after a read is seen by the watch (the page's epoch changes and the result is not used);
 /// every result is a hint only, as every merge is verified on frozen bytes.
+///
+/// Each part finds its own present pages (`PAGEMAP_SCAN`), so registering costs only the
+/// queueing: the registering thread is the program's own.
 fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
-    let mut found = Vec::new();
-    let present = sys::ScanQuery {
-        // Present, and neither the zero page nor a file page.
-        category_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE,
-        category_inverted: PAGE_IS_PFNZERO | PAGE_IS_FILE,
-        return_mask: PAGE_IS_PRESENT,
-        ..Default::default()
-    };
-    // Only present pages: reading a missing one would fault (and fill) it.
-    if st.pagemap.scan(start, end, &present, &mut found).is_err() {
+    let room = AHEAD_MAX_PAGES.saturating_sub(ahead_pages(st));
+    let end = end.min(start + room * PAGE);
+    if end <= start {
         return;
     }
-    let kept = ahead_pages(st);
-    let addrs: Vec<usize> = found
-        .iter()
-        .flat_map(|r| (r.start as usize..r.end as usize).step_by(PAGE))
-        .take(AHEAD_MAX_PAGES.saturating_sub(kept))
-        .collect();
-    if addrs.is_empty() {
-        return;
-    }
-    let addrs = Arc::new(addrs);
-    let n_parts = addrs.len().div_ceil(AHEAD_PART);
     // Allocated here, filled by the workers: results live in this thread's heap, not in the
     // workers' malloc arenas (which kept the memory after it was freed).
-    let parts: Arc<Vec<Mutex<Vec<Pre>>>> = Arc::new(
+    let pages = (end - start) / PAGE;
+    let n_parts = pages.div_ceil(AHEAD_PART);
+    let parts: Arc<Vec<Mutex<AheadPart>>> = Arc::new(
         (0..n_parts)
-            .map(|k| {
-                Mutex::new(Vec::with_capacity(
-                    AHEAD_PART.min(addrs.len() - k * AHEAD_PART),
-                ))
-            })
+            .map(|k| Mutex::new(Vec::with_capacity(AHEAD_PART.min(pages - k * AHEAD_PART))))
             .collect(),
     );
     let tree = st.store.local_index();
     let store_base = st.store.addr(0);
-    let (a, o) = (addrs.clone(), parts.clone());
+    let pagemap = st.pagemap.clone();
+    let out = parts.clone();
     let done = pool.spawn(
         n_parts,
         Arc::new(move |part| {
-            let lo = part * AHEAD_PART;
-            let hi = (lo + AHEAD_PART).min(a.len());
+            let lo = start + part * AHEAD_PART * PAGE;
+            let hi = (lo + AHEAD_PART * PAGE).min(end);
+            let present = sys::ScanQuery {
+                category_mask: PAGE_IS_PRESENT,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE,
+                ..Default::default()
+            };
+            let mut found = Vec::new();
+            if pagemap.scan(lo, hi, &present, &mut found).is_err() {
+                return;
+            }
             let mut buf = [0u64; WORDS];
-            let mut res = lock(&o[part]);
-            res.extend(
-                a[lo..hi]
-                    .iter()
-                    .map(|&addr| read_page(addr, tree.as_deref(), store_base, &mut buf)),
-            );
+            let mut res = lock(&out[part]);
+            // Only present pages (reading a missing one would fault it in), neither the zero
+            // page nor a file page.
+            let wanted = PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE;
+            for r in found
+                .iter()
+                .filter(|r| r.categories & wanted == PAGE_IS_PRESENT)
+            {
+                for addr in (r.start as usize..r.end as usize).step_by(PAGE) {
+                    res.push((addr, read_page(addr, tree.as_deref(), store_base, &mut buf)));
+                }
+            }
         }),
     );
-    st.ahead_jobs.push(AheadJob { done, addrs, parts });
+    st.ahead_jobs.push(AheadJob {
+        done,
+        start,
+        end,
+        parts,
+    });
 }
 
 /// Pages read ahead or being read, whose results are kept.
 fn ahead_pages(st: &State) -> usize {
-    st.ahead_jobs.iter().map(|j| j.addrs.len()).sum::<usize>()
-        + st.ahead.iter().map(|b| b.addrs.len()).sum::<usize>()
+    st.ahead_jobs
+        .iter()
+        .map(|j| (j.end - j.start) / PAGE)
+        .sum::<usize>()
+        + st.ahead.iter().map(AheadBlock::pages).sum::<usize>()
 }
 
 /// What classification finds for the page at `addr`: zero, equal to a stable copy, or else its
@@ -1435,7 +1453,8 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
         let blocks: Vec<AheadBlock> = jobs
             .into_iter()
             .map(|j| AheadBlock {
-                addrs: j.addrs,
+                start: j.start,
+                end: j.end,
                 parts: j
                     .parts
                     .iter()
@@ -1445,7 +1464,7 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
             .collect();
         st = lock(&sh.state);
         st.ahead.extend(blocks);
-        st.ahead.sort_unstable_by_key(|b| b.addrs[0]);
+        st.ahead.sort_unstable_by_key(|b| b.start);
         st.ahead_age = 0;
     } else if !st.ahead.is_empty() {
         st.ahead_age += 1;
@@ -1461,42 +1480,44 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
     // A block whose pages all came up as candidates has served: it is dropped now (it holds 32
     // bytes per page).
     let mut used = vec![0usize; ahead.len()];
-    let (mut bi, mut at) = (0, 0);
+    // The block, its part and the position in it that the next candidate is looked up from.
+    let (mut bi, mut pi, mut at) = (0, usize::MAX, 0);
     for c in cands.iter_mut() {
-        while ahead
-            .get(bi)
-            .is_some_and(|b| b.addrs.last().is_some_and(|&l| l < c.addr))
-        {
+        while ahead.get(bi).is_some_and(|b| b.end <= c.addr) {
             bi += 1;
-            at = 0;
+            pi = usize::MAX;
         }
         let Some(b) = ahead.get(bi) else {
             break;
         };
-        while b.addrs.get(at).is_some_and(|&a| a < c.addr) {
-            at += 1;
-        }
-        if b.addrs.get(at) != Some(&c.addr) {
+        if c.addr < b.start {
             continue;
         }
+        let part = (c.addr - b.start) / (AHEAD_PART * PAGE);
+        if part != pi {
+            (pi, at) = (part, 0);
+        }
+        let Some(p) = b.parts.get(part) else {
+            continue;
+        };
+        while p.get(at).is_some_and(|&(a, _)| a < c.addr) {
+            at += 1;
+        }
+        let Some(&(_, pre)) = p.get(at).filter(|&&(a, _)| a == c.addr) else {
+            continue;
+        };
         used[bi] += 1;
         let fresh = regions
             .get(&c.region)
             .is_some_and(|r| r.pages[c.index].kind == ANON && r.pages[c.index].epoch == 0);
         if fresh {
-            if let Some(&pre) = b
-                .parts
-                .get(at / AHEAD_PART)
-                .and_then(|p| p.get(at % AHEAD_PART))
-            {
-                c.pre = pre;
-            }
+            c.pre = pre;
         }
     }
     let mut k = 0;
     ahead.retain(|b| {
         k += 1;
-        used[k - 1] < b.addrs.len()
+        used[k - 1] < b.pages()
     });
 }
 

@@ -745,6 +745,37 @@ impl Pagemap {
         Ok(())
     }
 
+    /// Write-protects (async uffd-wp) every page of `[start, end)` not protected yet, reporting
+    /// nothing: `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` and no output vector, which the kernel
+    /// runs as its exclusive write-protect fast path. VMAs without async uffd-wp are skipped.
+    pub fn write_protect(&self, start: usize, end: usize) -> io::Result<()> {
+        let mut cur = start as u64;
+        while cur < end as u64 {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags: PM_SCAN_WP_MATCHING,
+                start: cur,
+                end: end as u64,
+                walk_end: 0,
+                vec: 0,
+                vec_len: 0,
+                max_pages: 0,
+                category_inverted: 0,
+                category_mask: PAGE_IS_WRITTEN,
+                category_anyof_mask: 0,
+                return_mask: PAGE_IS_WRITTEN,
+            };
+            // SAFETY: arg is a live pm_scan_arg without an output vector (vec and vec_len 0).
+            let r = unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) };
+            cvt(r as libc::c_long)?;
+            if arg.walk_end <= cur {
+                break;
+            }
+            cur = arg.walk_end;
+        }
+        Ok(())
+    }
+
     /// Reads classic pagemap entries for the pages of `[start, start + n*4096)`.
     pub fn entries(&self, start: usize, n: usize, out: &mut Vec<u64>) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
