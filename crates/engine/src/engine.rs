@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -1076,7 +1076,7 @@ fn run_period(
     // waiting here.
     let many = candidates.len() >= BATCH;
     let t_order = Instant::now();
-    let batches = batches_by_content(candidates);
+    let batches = batches_by_content(candidates, pool);
     tracing::debug!(order_ms = t_order.elapsed().as_secs_f64() * 1e3, "order");
     let collect_only = (batches.is_empty() && view.remote.is_some() && waiting).then(Vec::new);
     let mut relook =
@@ -1192,44 +1192,69 @@ const SWEEP_MIN_STALE: usize = 4096;
 /// order (runs of pages get runs of copies). Pages not read ahead keep their order.
 ///
 /// The contents are chained in one pass (no sort: this runs while the committer waits for the
-/// first batch), and each batch is gathered only when it is taken.
-fn batches_by_content(cands: Vec<Candidate>) -> ContentBatches {
+/// first batch), split by content over the workers and this thread (each chains the contents
+/// of its share of the key space), and each batch is gathered only when it is taken.
+fn batches_by_content(cands: Vec<Candidate>, pool: &Pool) -> ContentBatches {
     let n = cands.len();
-    // next[i]: the next candidate of i's content; heads start a content (or stand alone).
-    let mut next = vec![u32::MAX; n];
-    let mut head = vec![true; n];
-    if cands.iter().any(|c| c.pre != Pre::None) {
-        // (first, last) candidate of each content.
-        let mut ends: HashMap<u128, (u32, u32), HashOfHash> =
-            HashMap::with_capacity_and_hasher(n / 4, HashOfHash::default());
-        for (i, c) in cands.iter().enumerate() {
-            let key = match c.pre {
-                Pre::Hash(h) => joined(h),
-                // Spread over the key space (an odd multiplier is a bijection): the map uses
-                // the low bits as they are. Sharing a key with a hash only batches them together.
-                Pre::Stable(id) => {
-                    (id as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835)
+    // A content's key: the low word of its hash, or its stable copy spread over the key space
+    // (an odd multiplier is a bijection; the map uses the low bits as they are). Keys shared by
+    // two contents only batch them together. 0: not read ahead (no chain).
+    let keys: Vec<u64> = cands
+        .iter()
+        .map(|c| match c.pre {
+            Pre::Hash(h) => h[0].max(1),
+            Pre::Stable(id) => (id as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            Pre::None | Pre::Zero => 0,
+        })
+        .collect();
+    if keys.iter().all(|&k| k == 0) {
+        return ContentBatches {
+            cands,
+            next: vec![u32::MAX; n],
+            head: vec![true; n],
+            at: 0,
+        };
+    }
+    let parts = if n >= 4 * BATCH { pool.size() + 1 } else { 1 };
+    let keys = Arc::new(keys);
+    // next[i]: the next candidate of i's content; heads start a content (or stand alone). Each
+    // index is written by the one part that owns its key.
+    let next: Arc<Vec<AtomicU32>> = Arc::new((0..n).map(|_| AtomicU32::new(u32::MAX)).collect());
+    let head: Arc<Vec<AtomicBool>> = Arc::new((0..n).map(|_| AtomicBool::new(true)).collect());
+    let (k, nx, hd) = (keys.clone(), next.clone(), head.clone());
+    pool.run(
+        parts,
+        Arc::new(move |part| {
+            // (first, last) candidate of each content of this part.
+            let mut ends: HashMap<u64, (u32, u32), HashOfHash> =
+                HashMap::with_capacity_and_hasher(k.len() / 4 / parts, HashOfHash::default());
+            for (i, &key) in k.iter().enumerate() {
+                // Parts split on high bits: the map's buckets use the low ones.
+                if key == 0 || (key >> 40) as usize % parts != part {
+                    continue;
                 }
-                Pre::None | Pre::Zero => continue,
-            };
-            let i = i as u32;
-            match ends.entry(key) {
-                std::collections::hash_map::Entry::Occupied(mut o) => {
-                    let (_, last) = o.get_mut();
-                    next[*last as usize] = i;
-                    *last = i;
-                    head[i as usize] = false;
-                }
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert((i, i));
+                let i = i as u32;
+                match ends.entry(key) {
+                    std::collections::hash_map::Entry::Occupied(mut o) => {
+                        let (_, last) = o.get_mut();
+                        // Relaxed: read after `pool.run` returns, which waits for this part
+                        // under the pool's latch (its mutex orders the stores before the reads).
+                        nx[*last as usize].store(i, Ordering::Relaxed);
+                        *last = i;
+                        hd[i as usize].store(false, Ordering::Relaxed);
+                    }
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert((i, i));
+                    }
                 }
             }
-        }
-    }
+        }),
+    );
     ContentBatches {
         cands,
-        next,
-        head,
+        // Relaxed: after the parts finished (see above).
+        next: next.iter().map(|x| x.load(Ordering::Relaxed)).collect(),
+        head: head.iter().map(|x| x.load(Ordering::Relaxed)).collect(),
         at: 0,
     }
 }
@@ -1842,6 +1867,9 @@ impl std::hash::Hasher for IdentityHasher {
     }
     fn write_u128(&mut self, v: u128) {
         self.0 = v as u64;
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
     }
 }
 
@@ -2871,7 +2899,8 @@ mod tests {
             0 => Pre::None,
             1 => Pre::Zero,
             2..=5 => Pre::Stable(k as KeyId),
-            _ => Pre::Hash([k as u64 % 24, 7]),
+            // Spread over the key space, as real hashes are (the ordering splits it).
+            _ => Pre::Hash([(k as u64 % 24).wrapping_mul(0x9e37_79b9_7f4a_7c15), 7]),
         }
     }
 
@@ -2881,8 +2910,10 @@ mod tests {
         /// contents once it holds `BATCH` pages.
         #[test]
         fn batches_by_content_keep_every_candidate_and_whole_contents(
-            kinds in proptest::collection::vec(0u8..40, 0..(3 * BATCH)),
+            kinds in proptest::collection::vec(0u8..40, 0..(6 * BATCH)),
         ) {
+            // From 4 * BATCH candidates on, the chaining is split over the workers.
+            let pool = Pool::new(2, Arc::new(Mutex::new(Vec::new()))).unwrap();
             let cands: Vec<Candidate> = kinds
                 .iter()
                 .enumerate()
@@ -2893,7 +2924,7 @@ mod tests {
                     pre: pre_of(k),
                 })
                 .collect();
-            let batches: Vec<Vec<Candidate>> = batches_by_content(cands.clone()).collect();
+            let batches: Vec<Vec<Candidate>> = batches_by_content(cands.clone(), &pool).collect();
             let mut seen: Vec<usize> = batches.iter().flatten().map(|c| c.index).collect();
             seen.sort_unstable();
             prop_assert_eq!(seen, (0..cands.len()).collect::<Vec<_>>());
