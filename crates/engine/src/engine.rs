@@ -1078,6 +1078,13 @@ fn run_period(
     let t_order = Instant::now();
     let batches = batches_by_content(candidates, pool);
     tracing::debug!(order_ms = t_order.elapsed().as_secs_f64() * 1e3, "order");
+    if many {
+        // Contents seen once this period become first sightings (unless a stable copy or
+        // another process has them): room for them at once, instead of rehashing a map of up to
+        // hundreds of thousands of entries into fresh memory doubling after doubling.
+        let singles = batches.singles();
+        lock(&sh.state).unstable.reserve(singles);
+    }
     let collect_only = (batches.is_empty() && view.remote.is_some() && waiting).then(Vec::new);
     let mut relook =
         (view.remote.is_some() && waiting && period % RELOOK_PERIODS == 0).then(|| Relook {
@@ -1295,6 +1302,17 @@ impl Iterator for ContentBatches {
 impl ContentBatches {
     fn is_empty(&self) -> bool {
         self.cands.is_empty()
+    }
+
+    /// Candidates read ahead whose content no other candidate has.
+    fn singles(&self) -> usize {
+        (0..self.cands.len())
+            .filter(|&i| {
+                self.head[i]
+                    && self.next[i] == u32::MAX
+                    && matches!(self.cands[i].pre, Pre::Hash(_))
+            })
+            .count()
     }
 }
 
