@@ -96,3 +96,56 @@ fn a_page_read_ahead_finds_a_copy_published_after_its_read() {
     e.unregister(b.as_mut_ptr(), b.len()).unwrap();
     assert_eq!(e.stable_pages(), 0);
 }
+
+#[test]
+fn read_ahead_over_parts_holes_and_zero_pages_merges_by_contents() {
+    let _g = serial();
+    let e = Engine::builder().merge_period(NEVER).build().unwrap();
+    // Two halves of n pages with the same contents, over several read-ahead parts (1024 pages
+    // each), with pages never touched (holes) and pages only read (the shared zero page) here
+    // and there: every part must pair its results with the right addresses.
+    let n = 2500;
+    let p = pageone_sys::mmap_anonymous(2 * n * PAGE).unwrap();
+    // SAFETY: a fresh private mapping of this length that nothing else uses; it is leaked (the
+    // test process ends soon), so the slice stays valid.
+    let s = unsafe { std::slice::from_raw_parts_mut(p, 2 * n * PAGE) };
+    let hole = |i: usize| i % 7 == 3;
+    let zero = |i: usize| i % 11 == 5;
+    let mut count = vec![0u64; n + 1];
+    for i in 0..2 * n {
+        if hole(i) {
+            continue;
+        }
+        if zero(i) {
+            // SAFETY: the address is inside the mapping above; a read maps the zero page.
+            let _ = unsafe { std::ptr::read_volatile(p.add(i * PAGE)) };
+            continue;
+        }
+        let c = (i % n) as u64 + 1;
+        fill(&mut s[i * PAGE..(i + 1) * PAGE], c);
+        count[c as usize] += 1;
+    }
+    let shared = count.iter().filter(|&&m| m >= 2).count() as u64;
+    let sharing: u64 = count.iter().filter(|&&m| m >= 2).map(|m| m - 1).sum();
+    assert!(sharing > 1000, "the layout leaves pairs to merge");
+    e.register(s.as_mut_ptr(), s.len()).unwrap();
+    let st = wait_for(&e, |st| st.pages_sharing >= sharing);
+    assert_eq!(
+        (st.pages_shared, st.pages_sharing),
+        (shared, sharing),
+        "{st:?}"
+    );
+    // A result given to the wrong page would group pages of different contents, and the
+    // comparison on frozen bytes would refuse them.
+    assert_eq!(st.compare_mismatches, 0, "{st:?}");
+    for (i, page) in s.chunks(PAGE).enumerate() {
+        let want = if hole(i) || zero(i) {
+            0
+        } else {
+            (i % n) as u64 + 1
+        };
+        assert!(check(page, want), "page {i} changed");
+    }
+    e.unregister(s.as_mut_ptr(), s.len()).unwrap();
+    assert_eq!(e.stable_pages(), 0);
+}
