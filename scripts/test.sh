@@ -52,8 +52,8 @@ step "unmodified QEMU guests under pageone run, next to KSM"
 cargo build --release --locked -p pageone -p pageone-preload
 python3 tests/qemu/run.py
 
-step "loom models of the SD tree's lock-free races"
+step "loom models of the SD tree's lock-free races and of PPR's mark/recycle race"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target-loom LOOM_MAX_PREEMPTIONS=3 \
-    cargo test -p pageone-index --test loom --release --locked
+    cargo test -p pageone-index -p pageone-recycler --test loom --release --locked
 
 step "all tests passed"

@@ -134,6 +134,10 @@ struct Shared {
     /// scan (registering all the time cannot hold periods off). `(latest + period, cap)`.
     not_before: Mutex<Option<(Instant, Instant)>>,
     counters: Counters,
+    /// The pool of pages the program marks free (PPR), when it attached one.
+    recycler: Mutex<Option<Arc<pageone_recycler::Pool>>>,
+    /// Slots of tickets whose page the committer released this period.
+    recycled_slots: Mutex<Vec<u32>>,
     /// CPU clocks of the engine's threads (engine, committer, faults, workers).
     clocks: Arc<Mutex<Vec<sys::CpuClock>>>,
 }
@@ -147,6 +151,7 @@ struct Counters {
     vma_limited: AtomicU64,
     vmas: AtomicU64,
     vma_limit: AtomicU64,
+    recycled: AtomicU64,
 }
 
 /// A running deduplication engine. Dropping it shuts it down cleanly (see [`Engine::shutdown`]).
@@ -288,6 +293,8 @@ impl Engine {
             kick: (Mutex::new(false), Condvar::new()),
             not_before: Mutex::new(None),
             counters: Counters::default(),
+            recycler: Mutex::new(None),
+            recycled_slots: Mutex::new(Vec::new()),
             clocks: Arc::default(),
         });
         tracing::info!(mode = %mode, "pageone engine started");
@@ -444,6 +451,14 @@ impl Engine {
         }
         tracing::debug!(addr = a, len, "registered");
         Ok(())
+    }
+
+    /// Recycles the pages the program marks free in `pool` (PPR, see [`pageone_recycler`]):
+    /// every period, marked pages of registered memory are released (their memory goes back to
+    /// the kernel; they read as zeros afterwards) unless unmarked first. Replaces a pool attached
+    /// before.
+    pub fn recycle_from(&self, pool: Arc<pageone_recycler::Pool>) {
+        *lock(&self.shared.recycler) = Some(pool);
     }
 
     /// Unregisters the registered regions inside `[addr, addr+len)`, the equivalent of
@@ -821,6 +836,7 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
         pages_scanned: c.scanned.load(Ordering::Relaxed),
         full_scans: *lock(&sh.periods),
         zero_pages: st.zero,
+        pages_recycled: c.recycled.load(Ordering::Relaxed),
         general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
         merges: c.merges.load(Ordering::Relaxed),
         cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
@@ -1040,9 +1056,19 @@ fn run_period(
     let limit = sys::max_map_count().unwrap_or(65530);
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
     let period = *lock(&sh.periods);
-    let (mut candidates, view, waiting) = {
+    let recycler = lock(&sh.recycler).clone();
+    let (mut candidates, view, waiting, tickets) = {
         let mut st = lock(&sh.state);
-        let candidates = watch(sh, &mut st, config, kicked)?;
+        let mut candidates = watch(sh, &mut st, config, kicked)?;
+        // Pages marked free (PPR) are released this period: they skip the unchanged wait.
+        let tickets = match &recycler {
+            Some(pool) => claim_marked(&st, pool),
+            None => (Vec::new(), Vec::new()),
+        };
+        if !tickets.0.is_empty() {
+            let taken: HashSet<usize> = tickets.0.iter().map(|c| c.addr).collect();
+            candidates.retain(|c| !taken.contains(&c.addr));
+        }
         // Counting VMAs reads all of /proc/self/maps: megabytes of text with tens of thousands
         // of merged runs, which made the count most of an idle QEMU's engine CPU. So the count
         // is re-read every period only while it is small; otherwise every 16th period (the
@@ -1057,7 +1083,7 @@ fn run_period(
             fd: st.store.fd(),
             remote: st.store.remote.clone(),
         };
-        (candidates, view, !st.unstable.is_empty())
+        (candidates, view, !st.unstable.is_empty(), tickets)
     };
     // Read-ahead still running is waited for when there is something to classify: it is that
     // same work, started earlier.
@@ -1092,6 +1118,27 @@ fn run_period(
             take: crate::proto::MAX_ITEMS,
         });
     let budget = limit.saturating_sub(config.vma_margin);
+    let recycling = !tickets.0.is_empty();
+    if recycling {
+        lock(&sh.recycled_slots).clear();
+        let actions = tickets
+            .1
+            .iter()
+            .map(|&s| Some(Action::Recycle(s)))
+            .collect();
+        let batch = Classified {
+            cands: tickets.0.clone(),
+            actions,
+            new_copies: Vec::new(),
+        };
+        // A send fails only when the committer is gone; then nothing is released, and the
+        // tickets are ended below all the same.
+        let _ = committer.send(ToCommitter::Batch {
+            batch,
+            config: config.clone(),
+            budget,
+        });
+    }
     let mut handed_over = true;
     let mut worked = false;
     for batch in batches.chain(collect_only) {
@@ -1125,10 +1172,20 @@ fn run_period(
             break;
         }
     }
-    if handed_over {
+    if handed_over || recycling {
         let (done, wait) = std::sync::mpsc::sync_channel(1);
         if committer.send(ToCommitter::Flush(done)).is_ok() {
             let _ = wait.recv();
+        }
+    }
+    if let (Some(pool), true) = (&recycler, recycling) {
+        // Every ticket ends this period, released or not, so no slot stays claimed.
+        let released: HashSet<u32> = std::mem::take(&mut *lock(&sh.recycled_slots))
+            .into_iter()
+            .collect();
+        for (c, &slot) in tickets.0.iter().zip(&tickets.1) {
+            let ticket = pageone_recycler::Ticket { slot, addr: c.addr };
+            pool.finish(ticket, released.contains(&slot));
         }
     }
     let trim = {
@@ -1148,6 +1205,43 @@ fn run_period(
         sys::release_free_heap();
     }
     Ok(())
+}
+
+/// Most PPR tickets taken per period (the rest wait for the next one).
+const MAX_TICKETS: usize = 1 << 16;
+
+/// Takes the tickets of pages marked free in `pool` that the engine may release: ANON or UNIQUE
+/// pages of registered regions (merged and COW-broken pages live in store mappings, which a
+/// freeze cannot move). Returns them as candidates in address order with their tickets' slots.
+/// The state lock keeps the regions mapped while their words are read; no run is frozen then
+/// (the period's commits start after this), so a read never waits for the committer.
+fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> (Vec<Candidate>, Vec<u32>) {
+    let tickets = pool.claim(MAX_TICKETS, |addr| {
+        let (&start, r) = st.regions.range(..=addr).next_back()?;
+        let index = (addr - start) / PAGE;
+        let p = r.pages.get(index)?;
+        if addr % PAGE != 0 || !matches!(p.kind, ANON | UNIQUE) {
+            return None;
+        }
+        // SAFETY: a page of a registered region, mapped while the state lock is held; volatile
+        // because the program may write it meanwhile (the commit checks again on frozen bytes).
+        Some([0, 1, 2].map(|w| unsafe { std::ptr::read_volatile((addr as *const u64).add(w)) }))
+    });
+    let mut out: Vec<(Candidate, u32)> = tickets
+        .iter()
+        .filter_map(|t| {
+            let (&start, _) = st.regions.range(..=t.addr).next_back()?;
+            let c = Candidate {
+                region: start,
+                index: (t.addr - start) / PAGE,
+                addr: t.addr,
+                pre: Pre::None,
+            };
+            Some((c, t.slot))
+        })
+        .collect();
+    out.sort_unstable_by_key(|(c, _)| c.addr);
+    out.into_iter().unzip()
 }
 
 /// Drops first-sighting entries whose page was written or released since (found by the page's
@@ -1569,6 +1663,8 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
 enum Action {
     Zero,
     Merge(KeyId),
+    /// Release the page if its frozen bytes still hold the PPR mark of this slot's ticket.
+    Recycle(u32),
 }
 
 /// What reading a page ahead found (see `read_ahead`). A hint only: every merge is verified on
@@ -2625,6 +2721,36 @@ fn verify_pages(pool: &Pool, workers: usize, jobs: Vec<(usize, usize)>) -> Vec<b
 }
 
 /// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
+/// Sets `moved[k]` to whether page `k` of the run at `start` moved to scratch slot `k`: the slot
+/// holds a page and the run's address none (see the failed-move note in `commit`). If a scan
+/// fails, `moved` stays as the moves reported it.
+fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: &mut [bool]) {
+    let present = |at: usize| -> Option<Vec<bool>> {
+        let q = sys::ScanQuery {
+            category_mask: PAGE_IS_PRESENT,
+            return_mask: PAGE_IS_PRESENT,
+            ..Default::default()
+        };
+        let mut found = Vec::new();
+        pagemap
+            .scan(at, at + moved.len() * PAGE, &q, &mut found)
+            .ok()?;
+        let mut out = vec![false; moved.len()];
+        for r in &found {
+            let lo = (r.start as usize - at) / PAGE;
+            let hi = ((r.end as usize - at) / PAGE).min(out.len());
+            out[lo..hi].fill(true);
+        }
+        Some(out)
+    };
+    let (Some(slots), Some(live)) = (present(scratch), present(start)) else {
+        return;
+    };
+    for (k, m) in moved.iter_mut().enumerate() {
+        *m = slots[k] && !live[k];
+    }
+}
+
 fn pack_run(start: usize, pages: usize) -> u64 {
     ((start as u64 / PAGE as u64) << 16) | pages as u64
 }
@@ -2650,6 +2776,7 @@ fn commit(
         return;
     }
     let mut budget = VmaBudget::new(budget);
+    let recycler = lock(&sh.recycler).clone();
     todo.sort_unstable_by_key(|&i| cands[i].addr);
     let mut i = 0;
     let mut moved = [false; MAX_RUN];
@@ -2726,6 +2853,7 @@ fn commit(
         // frees copies during a period).
         let (region_key, first_index) = (first.region, first.index);
         let store_base = store.addr(0);
+        let pagemap = guard.pagemap.clone();
         drop(guard);
 
         let tf = Instant::now();
@@ -2736,6 +2864,7 @@ fn commit(
             sh.frozen.store(pack_run(start, n), Ordering::SeqCst);
         }
         moved[..n].fill(false);
+        let mut failed = false;
         let mut off = 0;
         while off < n {
             // SAFETY: the run is registered memory the engine froze (no reference to it exists in
@@ -2755,8 +2884,20 @@ fn commit(
                     off += k;
                 }
                 // A hole, a page shared with a child, or a page busy in the kernel: skip it.
-                _ => off += 1,
+                _ => {
+                    off += 1;
+                    failed = true;
+                }
             }
+        }
+        if failed {
+            // A failed move may still have moved pages: Linux 6.18 can move part of a batch
+            // of pages, meet a concurrent writer, retry from the batch's start and report
+            // EEXIST (its destination is now taken) without counting what it moved. A page left
+            // in scratch and thought unmoved would be discarded with it, losing its writes. So
+            // the page tables say what moved: a page in scratch whose address is empty (frozen
+            // addresses stay empty until the wake).
+            reconcile_moved(&pagemap, start, scratch, &mut moved[..n]);
         }
 
         let tv = Instant::now();
@@ -2767,7 +2908,8 @@ fn commit(
                 _ if !moved[k] => (0, 0),
                 Some(Action::Zero) => (scratch + k * PAGE, 0),
                 Some(Action::Merge(sid)) => (scratch + k * PAGE, store_base + sid as usize * PAGE),
-                None => (0, 0),
+                // Checked below on the mark's three words.
+                Some(Action::Recycle(_)) | None => (0, 0),
             })
             .collect();
         let equal = verify_pages(pool, config.workers, jobs);
@@ -2798,6 +2940,26 @@ fn commit(
                     None
                 }
                 Some(Action::Merge(sid)) if equal[k] => Some(Action::Merge(sid)),
+                Some(Action::Recycle(slot)) => {
+                    let frozen = (scratch + k * PAGE) as *const u64;
+                    // SAFETY: scratch slot k holds the page moved out of the frozen address; only
+                    // the engine knows the scratch area, so nobody writes it meanwhile.
+                    let words =
+                        [0, 1, 2].map(|w| unsafe { std::ptr::read_volatile(frozen.add(w)) });
+                    let ticket = pageone_recycler::Ticket {
+                        slot,
+                        addr: start + k * PAGE,
+                    };
+                    let marked = recycler
+                        .as_ref()
+                        .is_some_and(|p| p.is_marked(&ticket, words));
+                    if marked {
+                        lock(&sh.recycled_slots).push(slot);
+                        sh.counters.recycled.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Released like a zero page; without its mark (unmarked since), put back.
+                    marked.then_some(Action::Zero)
+                }
                 _ => {
                     sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
                     None
@@ -2858,7 +3020,8 @@ fn commit(
                     *zero += 1;
                 }
                 Some(Action::Merge(_)) => {}
-                None => {
+                // (A verdict is never Recycle: a recycled page's is Zero.)
+                None | Some(Action::Recycle(_)) => {
                     p.unchanged = 0;
                     p.kind = ANON;
                     if moved[k] {

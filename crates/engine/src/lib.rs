@@ -60,6 +60,8 @@ mod store;
 use std::time::Duration;
 
 pub use engine::{Engine, Region};
+/// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
+pub use pageone_recycler as recycler;
 pub use store::punch_runs;
 
 /// How written pages are detected.
@@ -187,8 +189,10 @@ pub struct Stats {
     pub pages_scanned: u64,
     /// Periods completed (each examines all registered memory).
     pub full_scans: u64,
-    /// Zero pages released.
+    /// Zero pages released (pages recycled through PPR included).
     pub zero_pages: u64,
+    /// Pages the program marked free (PPR) that the engine released.
+    pub pages_recycled: u64,
     /// Bytes saved minus the engine's own metadata and VMAs (may be negative).
     pub general_profit: i64,
     /// Successful page merges since start.

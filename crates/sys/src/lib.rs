@@ -237,6 +237,21 @@ pub fn memfd_create(name: &CStr) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// A random 64-bit value from the kernel (`getrandom`, blocking only until the pool is seeded
+/// at boot).
+pub fn random_u64() -> io::Result<u64> {
+    let mut v = [0u8; 8];
+    // SAFETY: `v` is a live buffer of 8 bytes.
+    let n = cvt(unsafe { libc::getrandom(v.as_mut_ptr().cast(), v.len(), 0) } as libc::c_long)?;
+    if n != 8 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "getrandom returned short",
+        ));
+    }
+    Ok(u64::from_ne_bytes(v))
+}
+
 /// Sets the size of the file behind `fd`.
 pub fn ftruncate(fd: RawFd, len: u64) -> io::Result<()> {
     // SAFETY: no memory is passed to the kernel.

@@ -1,0 +1,414 @@
+//! PPR, the per-page recycler: a program marks the pages it frees ([`Pool::mark`]: a few atomic
+//! operations and three stores, no system call), the engine releases marked pages within a
+//! period (their memory goes back to the kernel; they read as zeros afterwards), and a program
+//! that reuses a page first takes the mark back ([`Pool::unmark`]).
+//!
+//! # The Pointer-Indicator Pair
+//!
+//! Page contents are arbitrary, so no value written into a page can by itself say "free": any
+//! value could be data. A mark is a *pair*: a **pointer** to the page in a slot of the pool, and
+//! an **indicator** in the page's first three words naming the pool (`tag`), the slot, and the
+//! pool's random `indicator` value. Only a page whose words name a slot that points back at it is
+//! taken as free; a stale or forged indicator names a slot that points elsewhere and is ignored,
+//! and a slot pointing at a page without the indicator is ignored too.
+//!
+//! Marking: take a ticket (`alloc`, modulo the slot count), claim the slot (`0 -> page`), then
+//! write the tag and slot, and the indicator last. A full pool (the slot is still taken) leaves
+//! the page unmarked: it is simply not recycled.
+//!
+//! Unmarking: clear the indicator word first, then give the slot back (`page -> 0`). The program
+//! never waits: if the engine holds the slot's ticket (`page | CLAIMED`), the engine finishes it.
+//!
+//! Recycling (the engine, each period, see [`Pool::claim`]): for every slot holding a page of
+//! registered memory whose words hold the mark for that slot, take the ticket (`page ->
+//! page | CLAIMED`), freeze the page (move it out of the program's address space: any access
+//! waits in the kernel), check the mark again on the frozen bytes ([`Pool::is_marked`]), release
+//! the page if it is there and put it back otherwise, then [`Pool::finish`] the ticket (`-> 0`).
+//! A program that unmarked before the freeze cleared the indicator, so its page is put back with
+//! its contents; a write it makes during the freeze waits and lands on the page put back, or on a
+//! fresh zero page once released. So no write after `unmark` returns is ever lost, by
+//! construction, and no page is released without its mark on frozen bytes.
+//!
+//! The defects of the original design (see the design brief) are avoided: the indicator and tag
+//! are random per pool (not a constant), the engine uses its own copy of the pool's bounds and
+//! bounds-checks every slot and page it reads, no kernel pointer is written into pages, and no
+//! side spins: the program does not wait for the engine at all.
+//!
+//! The slots live in this process; a pool shared with another process (a guest) would put the
+//! same slot array in shared memory, with the engine still trusting only its own bounds.
+
+mod primitive;
+
+use primitive::{fence, AtomicU64, Ordering};
+
+/// Page size the marks and page numbers assume.
+pub const PAGE: usize = 4096;
+/// Slot bit of a ticket the engine holds.
+const CLAIMED: u64 = 1 << 63;
+/// High half of a pool's tag ("PPR!"); the low half is the pool's random id.
+const TAG_MAGIC: u64 = 0x5050_5221 << 32;
+/// Tickets tried by one `mark` before giving up (slots still held by unreleased marks).
+const MARK_TRIES: u64 = 4;
+
+/// Errors creating a pool.
+#[derive(Debug, thiserror::Error)]
+pub enum RecyclerError {
+    #[error("a pool needs between 1 and 2^31 slots, not {0}")]
+    Slots(usize),
+    #[error("no random value for the pool's indicator")]
+    Random(#[source] std::io::Error),
+}
+
+/// A ticket the engine holds: slot `slot` points at the page at `addr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    pub slot: u32,
+    pub addr: usize,
+}
+
+/// Counters of one pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pages marked.
+    pub marked: u64,
+    /// Marks not made because every tried slot was taken.
+    pub full: u64,
+    /// Pages released by the engine.
+    pub recycled: u64,
+    /// Tickets whose page had lost its mark by the freeze (unmarked meanwhile).
+    pub canceled: u64,
+}
+
+/// A pool of marks (see the crate documentation).
+pub struct Pool {
+    slots: Box<[AtomicU64]>,
+    /// Next ticket.
+    alloc: AtomicU64,
+    tag: u64,
+    indicator: u64,
+    marked: AtomicU64,
+    full: AtomicU64,
+    recycled: AtomicU64,
+    canceled: AtomicU64,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("slots", &self.slots.len())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Pool {
+    /// A pool of `slots` slots (rounded up to a power of two): at most that many pages can be
+    /// marked and not yet recycled at once. 8 bytes a slot.
+    pub fn new(slots: usize) -> Result<Self, RecyclerError> {
+        if slots == 0 || slots > 1 << 31 {
+            return Err(RecyclerError::Slots(slots));
+        }
+        let r = pageone_sys::random_u64().map_err(RecyclerError::Random)?;
+        let i = pageone_sys::random_u64().map_err(RecyclerError::Random)?;
+        Ok(Self::with_values(slots, r as u32, i))
+    }
+
+    /// A pool with the given id and indicator (tests pick them; [`Pool::new`] draws them).
+    #[doc(hidden)]
+    pub fn with_values(slots: usize, id: u32, indicator: u64) -> Self {
+        let n = slots.next_power_of_two();
+        Self {
+            slots: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            alloc: AtomicU64::new(0),
+            tag: TAG_MAGIC | id as u64,
+            // Never 0: a cleared indicator word must not read as a mark.
+            indicator: indicator | 1,
+            marked: AtomicU64::new(0),
+            full: AtomicU64::new(0),
+            recycled: AtomicU64::new(0),
+            canceled: AtomicU64::new(0),
+        }
+    }
+
+    /// Slots in the pool.
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        // Relaxed: counters.
+        PoolStats {
+            marked: self.marked.load(Ordering::Relaxed),
+            full: self.full.load(Ordering::Relaxed),
+            recycled: self.recycled.load(Ordering::Relaxed),
+            canceled: self.canceled.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Marks the page at `page` free. Returns whether it was marked (false: the pool is full, the
+    /// page is not recycled). Its first 24 bytes are overwritten.
+    ///
+    /// # Safety
+    /// `page` is the start of a page of this process's memory that the caller owns, freed: the
+    /// caller does not use it again before [`Pool::unmark`] returns for it, and its contents
+    /// may be gone (zeros) by then.
+    pub unsafe fn mark(&self, page: *mut u8) -> bool {
+        let w = page.cast::<u64>();
+        self.mark_with(page as usize, |k, v| {
+            // SAFETY: the caller owns the page; k < 3 words are inside it.
+            unsafe { std::ptr::write_volatile(w.add(k), v) }
+        })
+    }
+
+    /// Takes the mark of the page at `page` back, before the caller reuses it. Afterwards the
+    /// page holds either what it held (without the mark's three words) or zeros (it was
+    /// recycled), and every write to it is kept.
+    ///
+    /// # Safety
+    /// `page` was passed to [`Pool::mark`] of this pool (and not unmarked since), and is still
+    /// mapped: its third word is read, and cleared if it holds this pool's indicator.
+    pub unsafe fn unmark(&self, page: *mut u8) {
+        let w = page.cast::<u64>();
+        self.unmark_with(
+            page as usize,
+            // SAFETY: the caller's page; k < 3 words are inside it.
+            |k| unsafe { std::ptr::read_volatile(w.add(k)) },
+            // SAFETY: as above; the caller owns the page again.
+            |k, v| unsafe { std::ptr::write_volatile(w.add(k), v) },
+        )
+    }
+
+    /// [`Pool::mark`] with the page's words written by `write(word, value)`.
+    #[doc(hidden)]
+    pub fn mark_with(&self, addr: usize, mut write: impl FnMut(usize, u64)) -> bool {
+        let page = (addr / PAGE) as u64;
+        let mask = self.slots.len() as u64 - 1;
+        for _ in 0..MARK_TRIES {
+            // Relaxed: the ticket only picks a slot; the slot's CAS decides.
+            let t = self.alloc.fetch_add(1, Ordering::Relaxed) & mask;
+            // Relaxed: the slot is only a pointer; the engine trusts it only once the page's
+            // words agree, and checks them again on frozen bytes.
+            let taken = self.slots[t as usize]
+                .compare_exchange(0, page, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok();
+            if taken {
+                write(0, self.tag);
+                write(1, t);
+                // Release: pairs with the acquire fence in `claim`: a reader that sees the
+                // indicator sees the tag and slot.
+                fence(Ordering::Release);
+                write(2, self.indicator);
+                // Relaxed: a counter.
+                self.marked.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+        }
+        // Relaxed: a counter.
+        self.full.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    /// [`Pool::unmark`] with the page's words read by `read(word)` and written by `write`.
+    #[doc(hidden)]
+    pub fn unmark_with(
+        &self,
+        addr: usize,
+        read: impl Fn(usize) -> u64,
+        mut write: impl FnMut(usize, u64),
+    ) {
+        if read(2) != self.indicator {
+            // Recycled (zeros) or not marked by this pool: nothing to take back.
+            return;
+        }
+        let slot = read(1);
+        // The indicator goes first: from here on a freeze finds no mark and puts the page back.
+        write(2, 0);
+        write(0, 0);
+        write(1, 0);
+        if let Some(s) = self.slots.get(slot as usize) {
+            // Relaxed: the slot is a pointer (see `mark_with`); if the engine holds the ticket
+            // (CLAIMED), this fails and the engine finishes it.
+            let _ = s.compare_exchange(
+                (addr / PAGE) as u64,
+                0,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Takes the tickets of marked pages, at most `max`. `mark_of(addr)` reads the first three
+    /// words of the page at `addr`, or answers `None` when that is not a page the engine may
+    /// recycle (not registered, merged, ...). A slot whose page shows no mark is left alone
+    /// (its program may be between the two steps of `mark`).
+    pub fn claim(
+        &self,
+        max: usize,
+        mut mark_of: impl FnMut(usize) -> Option<[u64; 3]>,
+    ) -> Vec<Ticket> {
+        let mut out = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if out.len() >= max {
+                break;
+            }
+            // Relaxed: a pointer, trusted only once the page agrees (see `mark_with`).
+            let v = s.load(Ordering::Relaxed);
+            if v == 0 || v & CLAIMED != 0 {
+                continue;
+            }
+            let Some(addr) = (v as usize).checked_mul(PAGE) else {
+                continue;
+            };
+            let Some(words) = mark_of(addr) else {
+                continue;
+            };
+            // Acquire: pairs with the release fence in `mark_with` (the indicator, read by
+            // `mark_of`, was written after the tag and slot).
+            fence(Ordering::Acquire);
+            if !self.names(i as u32, words) {
+                continue;
+            }
+            // Relaxed: the ticket's effect is checked on frozen bytes, not ordered here.
+            if s.compare_exchange(v, v | CLAIMED, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                out.push(Ticket {
+                    slot: i as u32,
+                    addr,
+                });
+            }
+        }
+        out
+    }
+
+    /// Whether `words`, the first three words of the ticket's page read while the page was
+    /// frozen, still hold its mark: only then may the page be released.
+    pub fn is_marked(&self, t: &Ticket, words: [u64; 3]) -> bool {
+        self.names(t.slot, words)
+    }
+
+    /// Slots holding a page or a ticket (tests check that none leaks).
+    #[doc(hidden)]
+    pub fn busy_slots(&self) -> usize {
+        // Relaxed: read after the threads that wrote the slots were joined.
+        self.slots
+            .iter()
+            .filter(|s| s.load(Ordering::Relaxed) != 0)
+            .count()
+    }
+
+    fn names(&self, slot: u32, words: [u64; 3]) -> bool {
+        words[2] == self.indicator && words[0] == self.tag && words[1] == slot as u64
+    }
+
+    /// Ends a ticket: the slot is free again. `released`: the page was released (recycled);
+    /// otherwise its mark was gone (unmarked) or it could not be frozen.
+    pub fn finish(&self, t: Ticket, released: bool) {
+        if let Some(s) = self.slots.get(t.slot as usize) {
+            // Relaxed: no data is published through the slot.
+            s.store(0, Ordering::Relaxed);
+        }
+        let c = if released {
+            &self.recycled
+        } else {
+            &self.canceled
+        };
+        // Relaxed: a counter.
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// A page as three words in memory the test owns.
+    fn words() -> std::cell::RefCell<[u64; 3]> {
+        std::cell::RefCell::new([0; 3])
+    }
+
+    #[test]
+    fn a_mark_is_claimed_checked_and_finished() {
+        let pool = Pool::with_values(8, 7, 99);
+        let page = words();
+        assert!(pool.mark_with(0x7000, |k, v| page.borrow_mut()[k] = v));
+        let t = pool.claim(10, |a| (a == 0x7000).then(|| *page.borrow()));
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].addr, 0x7000);
+        assert!(pool.is_marked(&t[0], *page.borrow()));
+        // Claimed tickets are not claimed twice.
+        assert!(pool.claim(10, |_| Some(*page.borrow())).is_empty());
+        pool.finish(t[0], true);
+        assert_eq!(pool.stats().recycled, 1);
+        assert!(pool.claim(10, |_| Some(*page.borrow())).is_empty());
+    }
+
+    #[test]
+    fn an_unmarked_page_is_not_claimed_and_its_words_are_cleared() {
+        let pool = Pool::with_values(8, 7, 99);
+        let page = words();
+        assert!(pool.mark_with(0x7000, |k, v| page.borrow_mut()[k] = v));
+        pool.unmark_with(
+            0x7000,
+            |k| page.borrow()[k],
+            |k, v| page.borrow_mut()[k] = v,
+        );
+        assert_eq!(*page.borrow(), [0; 3]);
+        assert!(pool.claim(10, |_| Some(*page.borrow())).is_empty());
+    }
+
+    #[test]
+    fn unmark_after_a_claim_cancels_the_release() {
+        let pool = Pool::with_values(8, 7, 99);
+        let page = words();
+        assert!(pool.mark_with(0x7000, |k, v| page.borrow_mut()[k] = v));
+        let t = pool.claim(10, |_| Some(*page.borrow()));
+        pool.unmark_with(
+            0x7000,
+            |k| page.borrow()[k],
+            |k, v| page.borrow_mut()[k] = v,
+        );
+        // The frozen bytes no longer hold the mark: the engine puts the page back.
+        assert!(!pool.is_marked(&t[0], *page.borrow()));
+        pool.finish(t[0], false);
+        assert_eq!(pool.stats().canceled, 1);
+    }
+
+    #[test]
+    fn forged_or_stale_marks_are_ignored() {
+        let pool = Pool::with_values(8, 7, 99);
+        let page = words();
+        assert!(pool.mark_with(0x7000, |k, v| page.borrow_mut()[k] = v));
+        let good = *page.borrow();
+        // Another slot named, another pool's tag, a wrong indicator, another page's slot.
+        let mut w = good;
+        w[1] ^= 1;
+        assert!(pool.claim(10, |_| Some(w)).is_empty());
+        let mut w = good;
+        w[0] ^= 1 << 40;
+        assert!(pool.claim(10, |_| Some(w)).is_empty());
+        let mut w = good;
+        w[2] ^= 2;
+        assert!(pool.claim(10, |_| Some(w)).is_empty());
+        // Pages the engine may not touch are never claimed.
+        assert!(pool.claim(10, |_| None).is_empty());
+        assert_eq!(pool.claim(10, |_| Some(good)).len(), 1);
+    }
+
+    #[test]
+    fn a_full_pool_marks_nothing_more() {
+        let pool = Pool::with_values(2, 7, 99);
+        let mut pages = [[0u64; 3]; 3];
+        assert!(pool.mark_with(0x1000, |k, v| pages[0][k] = v));
+        assert!(pool.mark_with(0x2000, |k, v| pages[1][k] = v));
+        assert!(!pool.mark_with(0x3000, |k, v| pages[2][k] = v));
+        assert_eq!(pages[2], [0; 3], "an unmarked page is left as it was");
+        assert_eq!(pool.stats().full, 1);
+    }
+
+    #[test]
+    fn bad_sizes_are_refused() {
+        assert!(matches!(Pool::new(0), Err(RecyclerError::Slots(0))));
+        assert!(Pool::new(1000).is_ok_and(|p| p.slots() == 1024));
+    }
+}
