@@ -5,9 +5,11 @@
 //! * [`dedup`]: the whole engine against the kernel's KSM on identical regions of seed data: time to
 //!   99% of the possible saving and CPU-seconds, both measured in the same run.
 //! * [`ksm`]: KSM's knobs (saved and restored), counters and `ksmd` CPU time.
+//! * [`ppr`]: PPR (marking freed pages, the engine releasing them) against `madvise(MADV_DONTNEED)`.
 //!
 //! Benchmarks report numbers; they never assert timings. Every run checks the data it measured on.
 
 pub mod dedup;
 pub mod ksm;
+pub mod ppr;
 pub mod sdtree;
