@@ -147,6 +147,12 @@ typedef struct pageone_config pageone_config;
 typedef struct pageone_engine pageone_engine;
 
 /**
+ * A pool of marks of pages the program freed (PPR: `pageone_pool_new`, `pageone_pool_free`).
+ * Thread-safe: any thread may mark and unmark pages.
+ */
+typedef struct pageone_pool pageone_pool;
+
+/**
  * The numeric counters of the engine (`pageone_engine_stats`). The first group has the names
  * and meanings of KSM's counters in `/sys/kernel/mm/ksm`.
  */
@@ -224,6 +230,10 @@ typedef struct pageone_stats {
    * The daemon link: a `pageone_daemon_link`.
    */
   uint32_t daemon;
+  /**
+   * Pages the program marked free (`pageone_pool_mark`) that the engine released.
+   */
+  uint64_t pages_recycled;
 } pageone_stats;
 
 #ifdef __cplusplus
@@ -424,6 +434,65 @@ enum pageone_status pageone_engine_stats(const struct pageone_engine *engine,
  * `engine` must be NULL or a live engine.
  */
 enum pageone_status pageone_engine_kick(const struct pageone_engine *engine);
+
+/**
+ * Creates a pool of `slots` marks (rounded up to a power of two; at most 2^31): at most that
+ * many freed pages can wait for the engine at once. Stores it in `*out` (NULL on failure). Free
+ * it with `pageone_pool_free`, after `pageone_engine_free` of every engine it was given to (or
+ * keep it as long as they run).
+ *
+ * # Safety
+ *
+ * `out` must be NULL or valid for writing one pointer.
+ */
+enum pageone_status pageone_pool_new(size_t slots, struct pageone_pool **out);
+
+/**
+ * Frees a pool. NULL is allowed and does nothing. Engines it was given to keep their own
+ * reference: marks they hold stay valid.
+ *
+ * # Safety
+ *
+ * `pool` must be NULL or a pool from `pageone_pool_new` not yet freed; no other call may use
+ * it concurrently or afterwards.
+ */
+void pageone_pool_free(struct pageone_pool *pool);
+
+/**
+ * Has the engine release the pages marked free in `pool` (PPR): every period, marked pages of
+ * registered memory are given back to the kernel (they read as zeros afterwards) unless
+ * unmarked first. Replaces a pool given before.
+ *
+ * # Safety
+ *
+ * `engine` and `pool` must be NULL or live.
+ */
+enum pageone_status pageone_engine_recycle_from(const struct pageone_engine *engine,
+                                                const struct pageone_pool *pool);
+
+/**
+ * Marks the page at `page` free (a few atomic operations, no system call; its first 24 bytes
+ * are overwritten). Returns 1 if it was marked, 0 if the pool is full or an argument is NULL
+ * or unaligned (the page is then simply not recycled).
+ *
+ * # Safety
+ *
+ * `pool` must be NULL or live. `page` must be NULL or the page-aligned start of a page the
+ * caller owns and does not use again before `pageone_pool_unmark` returns for it; its contents
+ * may be gone (zeros) by then.
+ */
+int pageone_pool_mark(const struct pageone_pool *pool, void *page);
+
+/**
+ * Takes the mark of `page` back before the caller reuses it. Afterwards the page holds what it
+ * held (without the mark's 24 bytes) or zeros (it was recycled); every write to it is kept.
+ *
+ * # Safety
+ *
+ * `pool` must be NULL or live; `page` must be NULL or a page marked with this pool and not
+ * unmarked since, still mapped.
+ */
+void pageone_pool_unmark(const struct pageone_pool *pool, void *page);
 
 /**
  * Blocks until `n` more periods have completed (starting each one at once) or `timeout_ms`

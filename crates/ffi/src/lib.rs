@@ -6,8 +6,8 @@
 //!
 //! * **One prefix.** Every exported symbol, type and constant starts with `pageone_` /
 //!   `PAGEONE_`.
-//! * **Opaque handles.** [`pageone_engine`] and [`pageone_config`] are heap objects owned by the
-//!   caller between `*_new` and `*_free`; C sees only a forward-declared struct. The configuration
+//! * **Opaque handles.** [`pageone_engine`], [`pageone_config`] and [`pageone_pool`] (PPR marks)
+//!   are heap objects owned by the caller between `*_new` and `*_free`; C sees only a forward-declared struct. The configuration
 //!   is a builder (`pageone_config_new`, `pageone_config_set_*`) rather than a C struct, so fields
 //!   can be added later without changing the layout of anything the caller allocates.
 //! * **Status codes only.** Every fallible function returns a [`pageone_status`]: `PAGEONE_OK`
@@ -39,6 +39,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
+use ::pageone_engine::recycler::Pool;
 use ::pageone_engine::{Config, Engine, EngineError, WatchMode};
 
 // The engine is shared between the caller's threads.
@@ -230,6 +231,8 @@ pub struct pageone_stats {
     pub watch_mode: u32,
     /// The daemon link: a `pageone_daemon_link`.
     pub daemon: u32,
+    /// Pages the program marked free (`pageone_pool_mark`) that the engine released.
+    pub pages_recycled: u64,
 }
 
 impl From<&::pageone_engine::Stats> for pageone_stats {
@@ -265,6 +268,7 @@ impl From<&::pageone_engine::Stats> for pageone_stats {
             registered_bytes: s.registered_bytes,
             watch_mode: watch_mode as u32,
             daemon: daemon as u32,
+            pages_recycled: s.pages_recycled,
         }
     }
 }
@@ -279,6 +283,12 @@ pub struct pageone_config {
 /// A running deduplication engine (`pageone_engine_new`, `pageone_engine_free`).
 pub struct pageone_engine {
     engine: Engine,
+}
+
+/// A pool of marks of pages the program freed (PPR: `pageone_pool_new`, `pageone_pool_free`).
+/// Thread-safe: any thread may mark and unmark pages.
+pub struct pageone_pool {
+    pool: std::sync::Arc<Pool>,
 }
 
 /// Runs `f`, turning a panic into `PAGEONE_PANIC`.
@@ -742,6 +752,126 @@ pub unsafe extern "C" fn pageone_engine_kick(engine: *const pageone_engine) -> p
         e.kick();
         PAGEONE_OK
     })
+}
+
+/// Creates a pool of `slots` marks (rounded up to a power of two; at most 2^31): at most that
+/// many freed pages can wait for the engine at once. Stores it in `*out` (NULL on failure). Free
+/// it with `pageone_pool_free`, after `pageone_engine_free` of every engine it was given to (or
+/// keep it as long as they run).
+///
+/// # Safety
+///
+/// `out` must be NULL or valid for writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_pool_new(
+    slots: usize,
+    out: *mut *mut pageone_pool,
+) -> pageone_status {
+    guard(|| {
+        if out.is_null() {
+            return PAGEONE_NULL_ARGUMENT;
+        }
+        // SAFETY: not NULL (checked) and valid for a write by the contract.
+        unsafe { out.write(std::ptr::null_mut()) };
+        match Pool::new(slots) {
+            Ok(pool) => {
+                let p = Box::into_raw(Box::new(pageone_pool {
+                    pool: std::sync::Arc::new(pool),
+                }));
+                // SAFETY: as above.
+                unsafe { out.write(p) };
+                PAGEONE_OK
+            }
+            Err(_) => PAGEONE_INVALID_ARGUMENT,
+        }
+    })
+}
+
+/// Frees a pool. NULL is allowed and does nothing. Engines it was given to keep their own
+/// reference: marks they hold stay valid.
+///
+/// # Safety
+///
+/// `pool` must be NULL or a pool from `pageone_pool_new` not yet freed; no other call may use
+/// it concurrently or afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_pool_free(pool: *mut pageone_pool) {
+    if pool.is_null() {
+        return;
+    }
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: not NULL, from Box::into_raw in pageone_pool_new and not freed yet, with no
+        // concurrent user, by the contract.
+        drop(unsafe { Box::from_raw(pool) });
+    }));
+}
+
+/// Has the engine release the pages marked free in `pool` (PPR): every period, marked pages of
+/// registered memory are given back to the kernel (they read as zeros afterwards) unless
+/// unmarked first. Replaces a pool given before.
+///
+/// # Safety
+///
+/// `engine` and `pool` must be NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_engine_recycle_from(
+    engine: *const pageone_engine,
+    pool: *const pageone_pool,
+) -> pageone_status {
+    // SAFETY: NULL or live by the contract; both are only shared.
+    let (engine, pool) = unsafe { (engine.as_ref(), pool.as_ref()) };
+    let Some(pool) = pool else {
+        return PAGEONE_NULL_ARGUMENT;
+    };
+    with_engine(engine, |e| {
+        e.recycle_from(pool.pool.clone());
+        PAGEONE_OK
+    })
+}
+
+/// Marks the page at `page` free (a few atomic operations, no system call; its first 24 bytes
+/// are overwritten). Returns 1 if it was marked, 0 if the pool is full or an argument is NULL
+/// or unaligned (the page is then simply not recycled).
+///
+/// # Safety
+///
+/// `pool` must be NULL or live. `page` must be NULL or the page-aligned start of a page the
+/// caller owns and does not use again before `pageone_pool_unmark` returns for it; its contents
+/// may be gone (zeros) by then.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_pool_mark(pool: *const pageone_pool, page: *mut c_void) -> c_int {
+    // SAFETY: NULL or live by the contract.
+    let Some(pool) = (unsafe { pool.as_ref() }) else {
+        return 0;
+    };
+    if page.is_null() || (page as usize) % 4096 != 0 {
+        return 0;
+    }
+    // SAFETY: the caller's freed page, by the contract.
+    let marked = catch_unwind(AssertUnwindSafe(|| unsafe { pool.pool.mark(page.cast()) }));
+    marked.unwrap_or(false) as c_int
+}
+
+/// Takes the mark of `page` back before the caller reuses it. Afterwards the page holds what it
+/// held (without the mark's 24 bytes) or zeros (it was recycled); every write to it is kept.
+///
+/// # Safety
+///
+/// `pool` must be NULL or live; `page` must be NULL or a page marked with this pool and not
+/// unmarked since, still mapped.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_pool_unmark(pool: *const pageone_pool, page: *mut c_void) {
+    // SAFETY: NULL or live by the contract.
+    let Some(pool) = (unsafe { pool.as_ref() }) else {
+        return;
+    };
+    if page.is_null() || (page as usize) % 4096 != 0 {
+        return;
+    }
+    // SAFETY: a page this pool marked, by the contract.
+    let _ = catch_unwind(AssertUnwindSafe(|| unsafe {
+        pool.pool.unmark(page.cast())
+    }));
 }
 
 /// The longest wait honoured (about 31 years): longer timeouts are cut to it.

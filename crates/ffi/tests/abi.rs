@@ -208,3 +208,51 @@ fn messages_are_static_strings() {
     let m = unsafe { CStr::from_ptr(pageone_status_message(PAGEONE_OVERLAP as i32)) };
     assert!(m.to_str().unwrap().contains("overlaps"));
 }
+
+#[test]
+fn pages_marked_free_through_the_abi_are_recycled() {
+    let e = engine();
+    let n = 64;
+    let p = mmap(n * PAGE, libc::MAP_PRIVATE).cast::<u8>();
+    let mut pool = ptr::null_mut();
+    // SAFETY: `p` is this test's mapping of n pages; `e` and `pool` are live until freed below.
+    unsafe {
+        for i in 0..n {
+            p.add(i * PAGE + 100).write(i as u8 + 1);
+        }
+        assert_eq!(pageone_pool_new(0, &mut pool), PAGEONE_INVALID_ARGUMENT);
+        assert!(pool.is_null());
+        assert_eq!(pageone_pool_new(256, &mut pool), PAGEONE_OK);
+        assert_eq!(
+            pageone_engine_recycle_from(e, ptr::null()),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(pageone_engine_recycle_from(e, pool), PAGEONE_OK);
+        assert_eq!(pageone_engine_register(e, p.cast(), n * PAGE), PAGEONE_OK);
+        assert_eq!(pageone_pool_mark(pool, ptr::null_mut()), 0);
+        assert_eq!(pageone_pool_mark(pool, p.add(1).cast()), 0, "unaligned");
+        // Even pages freed; page 0 reused at once.
+        for i in (0..n).step_by(2) {
+            assert_eq!(pageone_pool_mark(pool, p.add(i * PAGE).cast()), 1);
+        }
+        pageone_pool_unmark(pool, p.cast());
+        let mut st = pageone_stats::default();
+        for _ in 0..100 {
+            assert_eq!(pageone_engine_wait_periods(e, 1, 10_000), PAGEONE_OK);
+            assert_eq!(pageone_engine_stats(e, &mut st), PAGEONE_OK);
+            if st.pages_recycled >= n as u64 / 2 - 1 {
+                break;
+            }
+        }
+        assert_eq!(st.pages_recycled, n as u64 / 2 - 1, "{st:?}");
+        for i in 0..n {
+            let v = p.add(i * PAGE + 100).read();
+            let want = if i % 2 == 0 && i > 0 { 0 } else { i as u8 + 1 };
+            assert_eq!(v, want, "page {i}");
+        }
+        assert_eq!(pageone_engine_unregister(e, p.cast(), n * PAGE), PAGEONE_OK);
+        pageone_engine_free(e);
+        pageone_pool_free(pool);
+        pageone_pool_free(ptr::null_mut());
+    }
+}
