@@ -47,22 +47,6 @@ fn cycles() -> u64 {
     }
 }
 
-fn present(pagemap: &pageone_sys::Pagemap, addr: usize, pages: usize) -> Result<usize, String> {
-    let q = pageone_sys::ScanQuery {
-        category_mask: pageone_sys::uapi::PAGE_IS_PRESENT,
-        return_mask: pageone_sys::uapi::PAGE_IS_PRESENT,
-        ..Default::default()
-    };
-    let mut found = Vec::new();
-    pagemap
-        .scan(addr, addr + pages * PAGE, &q, &mut found)
-        .map_err(|e| format!("PAGEMAP_SCAN: {e}"))?;
-    Ok(found
-        .iter()
-        .map(|r| (r.end - r.start) as usize / PAGE)
-        .sum())
-}
-
 /// Private anonymous memory of `pages` pages, every page written (distinct contents).
 fn filled(pages: usize) -> Result<*mut u8, String> {
     let p = pageone_sys::mmap_anonymous(pages * PAGE).map_err(|e| format!("mmap: {e}"))?;
@@ -130,7 +114,9 @@ pub fn run_once(mib: usize, period: Duration) -> Result<PprSample, String> {
     }
     s.recycle_seconds = t.elapsed().as_secs_f64();
     s.recycle_cpu_seconds = (engine.stats().worker_cpu_ns - cpu0) as f64 / 1e9;
-    s.present_after = present(&pagemap, base as usize, pages)?;
+    s.present_after = pagemap
+        .count_pages(base as usize, pages, pageone_sys::uapi::PAGE_IS_PRESENT)
+        .map_err(|e| format!("PAGEMAP_SCAN: {e}"))?;
     engine
         .unregister(base, pages * PAGE)
         .map_err(|e| format!("unregister: {e}"))?;

@@ -275,30 +275,24 @@ fn bench_ppr(
     }
     let m = |f: fn(&pageone_bench::ppr::PprSample) -> f64| median(&samples, f);
     println!("{:<34} {:>12} {:>12}", "per freed page", "ns", "cycles");
-    println!(
-        "{:<34} {:>12.1} {:>12.0}",
-        "PPR mark",
-        m(|s| s.mark_ns),
-        m(|s| s.mark_cycles)
-    );
-    println!(
-        "{:<34} {:>12.1} {:>12.0}",
-        "PPR mark, page write-protected",
-        m(|s| s.mark_protected_ns),
-        m(|s| s.mark_protected_cycles)
-    );
-    println!(
-        "{:<34} {:>12.1} {:>12}",
-        "PPR unmark (reuse)",
-        m(|s| s.unmark_ns),
-        ""
-    );
-    println!(
-        "{:<34} {:>12.1} {:>12.0}",
-        "madvise(MADV_DONTNEED), one a page",
-        m(|s| s.dontneed_ns),
-        m(|s| s.dontneed_cycles)
-    );
+    let rows: [(&str, f64, Option<f64>); 4] = [
+        ("PPR mark", m(|s| s.mark_ns), Some(m(|s| s.mark_cycles))),
+        (
+            "PPR mark, page write-protected",
+            m(|s| s.mark_protected_ns),
+            Some(m(|s| s.mark_protected_cycles)),
+        ),
+        ("PPR unmark (reuse)", m(|s| s.unmark_ns), None),
+        (
+            "madvise(MADV_DONTNEED), one a page",
+            m(|s| s.dontneed_ns),
+            Some(m(|s| s.dontneed_cycles)),
+        ),
+    ];
+    for (name, ns, cycles) in rows {
+        let cycles = cycles.map_or(String::new(), |c| format!("{c:.0}"));
+        println!("{name:<34} {ns:>12.1} {cycles:>12}");
+    }
     println!(
         "the program's cost per freed page: PPR {:.1}x cheaper than madvise",
         m(|s| s.dontneed_ns) / m(|s| s.mark_ns).max(f64::MIN_POSITIVE)

@@ -2725,25 +2725,11 @@ fn verify_pages(pool: &Pool, workers: usize, jobs: Vec<(usize, usize)>) -> Vec<b
 /// holds a page and the run's address none (see the failed-move note in `commit`). If a scan
 /// fails, `moved` stays as the moves reported it.
 fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: &mut [bool]) {
-    let present = |at: usize| -> Option<Vec<bool>> {
-        let q = sys::ScanQuery {
-            category_mask: PAGE_IS_PRESENT,
-            return_mask: PAGE_IS_PRESENT,
-            ..Default::default()
-        };
-        let mut found = Vec::new();
-        pagemap
-            .scan(at, at + moved.len() * PAGE, &q, &mut found)
-            .ok()?;
-        let mut out = vec![false; moved.len()];
-        for r in &found {
-            let lo = (r.start as usize - at) / PAGE;
-            let hi = ((r.end as usize - at) / PAGE).min(out.len());
-            out[lo..hi].fill(true);
-        }
-        Some(out)
-    };
-    let (Some(slots), Some(live)) = (present(scratch), present(start)) else {
+    let n = moved.len();
+    let (Ok(slots), Ok(live)) = (
+        pagemap.pages_with(scratch, n, PAGE_IS_PRESENT),
+        pagemap.pages_with(start, n, PAGE_IS_PRESENT),
+    ) else {
         return;
     };
     for (k, m) in moved.iter_mut().enumerate() {

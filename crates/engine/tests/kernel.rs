@@ -280,14 +280,8 @@ fn huge_pages_merge_inside_and_unique_ones_stay_huge() {
     }
     let huge_pages = |start: usize, len: usize| -> usize {
         let pm = sys::Pagemap::open().unwrap();
-        let q = sys::ScanQuery {
-            category_mask: sys::uapi::PAGE_IS_HUGE,
-            return_mask: sys::uapi::PAGE_IS_HUGE,
-            ..Default::default()
-        };
-        let mut v = Vec::new();
-        pm.scan(start, start + len, &q, &mut v).unwrap();
-        v.iter().map(|r| (r.end - r.start) as usize / PAGE).sum()
+        pm.count_pages(start, len / PAGE, sys::uapi::PAGE_IS_HUGE)
+            .unwrap()
     };
     if huge_pages(base, 3 * HUGE) < 3 * per {
         eprintln!("skipped: transparent huge pages are not available here");

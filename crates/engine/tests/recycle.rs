@@ -50,18 +50,12 @@ fn holds(page: &[u8], v: u64) -> bool {
 /// Present pages of `s` by the kernel's page tables.
 fn present(s: &[u8]) -> usize {
     let pm = pageone_sys::Pagemap::open().unwrap();
-    let q = pageone_sys::ScanQuery {
-        category_mask: pageone_sys::uapi::PAGE_IS_PRESENT,
-        return_mask: pageone_sys::uapi::PAGE_IS_PRESENT,
-        ..Default::default()
-    };
-    let mut found = Vec::new();
-    let a = s.as_ptr() as usize;
-    pm.scan(a, a + s.len(), &q, &mut found).unwrap();
-    found
-        .iter()
-        .map(|r| (r.end - r.start) as usize / PAGE)
-        .sum()
+    pm.count_pages(
+        s.as_ptr() as usize,
+        s.len() / PAGE,
+        pageone_sys::uapi::PAGE_IS_PRESENT,
+    )
+    .unwrap()
 }
 
 #[test]

@@ -760,6 +760,34 @@ impl Pagemap {
         Ok(())
     }
 
+    /// Whether each of the `n` pages from `start` has all the categories of `mask` (e.g.
+    /// `PAGE_IS_PRESENT`).
+    pub fn pages_with(&self, start: usize, n: usize, mask: u64) -> io::Result<Vec<bool>> {
+        let q = ScanQuery {
+            category_mask: mask,
+            return_mask: mask,
+            ..Default::default()
+        };
+        let mut found = Vec::new();
+        self.scan(start, start + n * PAGE_SIZE, &q, &mut found)?;
+        let mut out = vec![false; n];
+        for r in &found {
+            let lo = (r.start as usize - start) / PAGE_SIZE;
+            let hi = ((r.end as usize - start) / PAGE_SIZE).min(n);
+            out[lo..hi].fill(true);
+        }
+        Ok(out)
+    }
+
+    /// How many of the `n` pages from `start` have all the categories of `mask`.
+    pub fn count_pages(&self, start: usize, n: usize, mask: u64) -> io::Result<usize> {
+        Ok(self
+            .pages_with(start, n, mask)?
+            .iter()
+            .filter(|&&b| b)
+            .count())
+    }
+
     /// Write-protects (async uffd-wp) every page of `[start, end)` not protected yet, reporting
     /// nothing: `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` and no output vector, which the kernel
     /// runs as its exclusive write-protect fast path. VMAs without async uffd-wp are skipped.
