@@ -729,7 +729,23 @@ impl Pagemap {
         q: &ScanQuery,
         out: &mut Vec<PageRegion>,
     ) -> io::Result<()> {
-        let mut buf = vec![PageRegion::default(); 1024];
+        self.walk(start, end, q, Some(out))
+    }
+
+    /// The `PAGEMAP_SCAN` loop of [`Pagemap::scan`] and [`Pagemap::write_protect`]: resumes at
+    /// `walk_end` until `end`. Without `out` the kernel gets no output vector (then, with
+    /// `PM_SCAN_WP_MATCHING`, it takes its exclusive write-protect path).
+    fn walk(
+        &self,
+        start: usize,
+        end: usize,
+        q: &ScanQuery,
+        mut out: Option<&mut Vec<PageRegion>>,
+    ) -> io::Result<()> {
+        let mut buf = match out {
+            Some(_) => vec![PageRegion::default(); 1024],
+            None => Vec::new(),
+        };
         let mut cur = start as u64;
         while cur < end as u64 {
             let mut arg = PmScanArg {
@@ -738,7 +754,11 @@ impl Pagemap {
                 start: cur,
                 end: end as u64,
                 walk_end: 0,
-                vec: buf.as_mut_ptr() as u64,
+                vec: if buf.is_empty() {
+                    0
+                } else {
+                    buf.as_mut_ptr() as u64
+                },
                 vec_len: buf.len() as u64,
                 max_pages: 0,
                 category_inverted: q.category_inverted,
@@ -746,12 +766,15 @@ impl Pagemap {
                 category_anyof_mask: q.category_anyof_mask,
                 return_mask: q.return_mask,
             };
-            // SAFETY: arg is a live pm_scan_arg whose vec points to buf.len() live regions.
+            // SAFETY: arg is a live pm_scan_arg whose vec points to buf.len() live regions, or
+            // has no vector at all (vec and vec_len 0).
             let n = cvt(
                 unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) }
                     as libc::c_long,
             )? as usize;
-            out.extend_from_slice(&buf[..n]);
+            if let Some(out) = out.as_deref_mut() {
+                out.extend_from_slice(&buf[..n]);
+            }
             if arg.walk_end <= cur {
                 break;
             }
@@ -792,31 +815,13 @@ impl Pagemap {
     /// nothing: `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` and no output vector, which the kernel
     /// runs as its exclusive write-protect fast path. VMAs without async uffd-wp are skipped.
     pub fn write_protect(&self, start: usize, end: usize) -> io::Result<()> {
-        let mut cur = start as u64;
-        while cur < end as u64 {
-            let mut arg = PmScanArg {
-                size: std::mem::size_of::<PmScanArg>() as u64,
-                flags: PM_SCAN_WP_MATCHING,
-                start: cur,
-                end: end as u64,
-                walk_end: 0,
-                vec: 0,
-                vec_len: 0,
-                max_pages: 0,
-                category_inverted: 0,
-                category_mask: PAGE_IS_WRITTEN,
-                category_anyof_mask: 0,
-                return_mask: PAGE_IS_WRITTEN,
-            };
-            // SAFETY: arg is a live pm_scan_arg without an output vector (vec and vec_len 0).
-            let r = unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) };
-            cvt(r as libc::c_long)?;
-            if arg.walk_end <= cur {
-                break;
-            }
-            cur = arg.walk_end;
-        }
-        Ok(())
+        let q = ScanQuery {
+            flags: PM_SCAN_WP_MATCHING,
+            category_mask: PAGE_IS_WRITTEN,
+            return_mask: PAGE_IS_WRITTEN,
+            ..Default::default()
+        };
+        self.walk(start, end, &q, None)
     }
 
     /// Reads classic pagemap entries for the pages of `[start, start + n*4096)`.
