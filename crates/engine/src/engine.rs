@@ -1217,23 +1217,21 @@ const MAX_TICKETS: usize = 1 << 16;
 /// (the period's commits start after this), so a read never waits for the committer.
 fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> (Vec<Candidate>, Vec<u32>) {
     let tickets = pool.claim(MAX_TICKETS, |addr| {
-        let (&start, r) = st.regions.range(..=addr).next_back()?;
-        let index = (addr - start) / PAGE;
-        let p = r.pages.get(index)?;
+        let (_, _, p) = page_at(&st.regions, addr)?;
         if addr % PAGE != 0 || !matches!(p.kind, ANON | UNIQUE) {
             return None;
         }
-        // SAFETY: a page of a registered region, mapped while the state lock is held; volatile
-        // because the program may write it meanwhile (the commit checks again on frozen bytes).
-        Some([0, 1, 2].map(|w| unsafe { std::ptr::read_volatile((addr as *const u64).add(w)) }))
+        // SAFETY: a page of a registered region, mapped while the state lock is held (the
+        // program may write it meanwhile: the commit checks again on frozen bytes).
+        Some(unsafe { mark_words(addr) })
     });
     let mut out: Vec<(Candidate, u32)> = tickets
         .iter()
         .filter_map(|t| {
-            let (&start, _) = st.regions.range(..=t.addr).next_back()?;
+            let (region, index, _) = page_at(&st.regions, t.addr)?;
             let c = Candidate {
-                region: start,
-                index: (t.addr - start) / PAGE,
+                region,
+                index,
                 addr: t.addr,
                 pre: Pre::None,
             };
@@ -2009,10 +2007,24 @@ fn still_waiting(
     addr: usize,
     epoch: u8,
 ) -> Option<(usize, usize)> {
+    let (start, index, p) = page_at(regions, addr)?;
+    (p.kind == UNIQUE && p.epoch == epoch).then_some((start, index))
+}
+
+/// The region (its start), index and state of the registered page holding `addr`.
+fn page_at(regions: &BTreeMap<usize, RegionState>, addr: usize) -> Option<(usize, usize, &Page)> {
     let (&start, r) = regions.range(..=addr).next_back()?;
     let index = (addr - start) / PAGE;
-    let p = r.pages.get(index)?;
-    (p.kind == UNIQUE && p.epoch == epoch).then_some((start, index))
+    Some((start, index, r.pages.get(index)?))
+}
+
+/// The first three words of the page at `addr` (a PPR mark's place), read volatile.
+///
+/// # Safety
+/// `addr` is a mapped, readable page that stays mapped during the call.
+unsafe fn mark_words(addr: usize) -> [u64; 3] {
+    // SAFETY: by the caller's contract; volatile because another thread may write the page.
+    [0, 1, 2].map(|w| unsafe { std::ptr::read_volatile((addr as *const u64).add(w)) })
 }
 
 /// Adds a candidate with no action yet; returns its number.
@@ -2720,7 +2732,6 @@ fn verify_pages(pool: &Pool, workers: usize, jobs: Vec<(usize, usize)>) -> Vec<b
     equal
 }
 
-/// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
 /// Sets `moved[k]` to whether page `k` of the run at `start` moved to scratch slot `k`: the slot
 /// holds a page and the run's address none (see the failed-move note in `commit`). If a scan
 /// fails, `moved` stays as the moves reported it.
@@ -2737,6 +2748,7 @@ fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: 
     }
 }
 
+/// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
 fn pack_run(start: usize, pages: usize) -> u64 {
     ((start as u64 / PAGE as u64) << 16) | pages as u64
 }
@@ -2927,11 +2939,9 @@ fn commit(
                 }
                 Some(Action::Merge(sid)) if equal[k] => Some(Action::Merge(sid)),
                 Some(Action::Recycle(slot)) => {
-                    let frozen = (scratch + k * PAGE) as *const u64;
                     // SAFETY: scratch slot k holds the page moved out of the frozen address; only
                     // the engine knows the scratch area, so nobody writes it meanwhile.
-                    let words =
-                        [0, 1, 2].map(|w| unsafe { std::ptr::read_volatile(frozen.add(w)) });
+                    let words = unsafe { mark_words(scratch + k * PAGE) };
                     let ticket = pageone_recycler::Ticket {
                         slot,
                         addr: start + k * PAGE,
