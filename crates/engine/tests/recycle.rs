@@ -58,15 +58,22 @@ fn present(s: &[u8]) -> usize {
     .unwrap()
 }
 
+/// An engine with `period` recycling from `pool`, and a registered region of `pages` pages
+/// (see [`region`]).
+fn recycling(period: Duration, pages: usize, pool: &Arc<Pool>) -> (Engine, &'static mut [u8]) {
+    let e = Engine::builder().merge_period(period).build().unwrap();
+    let s = region(pages);
+    e.register(s.as_mut_ptr(), s.len()).unwrap();
+    e.recycle_from(pool.clone());
+    (e, s)
+}
+
 #[test]
 fn marked_pages_are_released_and_the_others_keep_their_contents() {
     let _g = serial();
-    let e = Engine::builder().merge_period(NEVER).build().unwrap();
     let n = 512;
-    let s = region(n);
-    e.register(s.as_mut_ptr(), s.len()).unwrap();
     let pool = Arc::new(Pool::new(1024).unwrap());
-    e.recycle_from(pool.clone());
+    let (e, s) = recycling(NEVER, n, &pool);
     let marked = |i: usize| i % 3 == 1;
     let m = (0..n).filter(|&i| marked(i)).count() as u64;
     for i in (0..n).filter(|&i| marked(i)) {
@@ -115,12 +122,9 @@ fn marked_pages_are_released_and_the_others_keep_their_contents() {
 #[test]
 fn pages_unmarked_before_a_period_keep_their_contents() {
     let _g = serial();
-    let e = Engine::builder().merge_period(NEVER).build().unwrap();
     let n = 256;
-    let s = region(n);
-    e.register(s.as_mut_ptr(), s.len()).unwrap();
     let pool = Arc::new(Pool::new(1024).unwrap());
-    e.recycle_from(pool.clone());
+    let (e, s) = recycling(NEVER, n, &pool);
     for i in 0..n {
         // SAFETY: the test's own pages.
         unsafe { pool.mark(s.as_mut_ptr().add(i * PAGE)) };
@@ -151,13 +155,10 @@ fn pages_unmarked_before_a_period_keep_their_contents() {
 #[test]
 fn forged_marks_and_pages_outside_registered_memory_are_never_released() {
     let _g = serial();
-    let e = Engine::builder().merge_period(NEVER).build().unwrap();
     let n = 64;
-    let s = region(n);
-    let outside = region(4);
-    e.register(s.as_mut_ptr(), s.len()).unwrap();
     let pool = Arc::new(Pool::with_values(64, 0xabcd, 0x1234_5678_9abc_def1));
-    e.recycle_from(pool.clone());
+    let (e, s) = recycling(NEVER, n, &pool);
+    let outside = region(4);
     // A mark on memory the engine does not watch.
     // SAFETY: the test's own page.
     assert!(unsafe { pool.mark(outside.as_mut_ptr()) });
@@ -183,7 +184,10 @@ fn forged_marks_and_pages_outside_registered_memory_are_never_released() {
             .chunks(8)
             .all(|w| u64::from_le_bytes(w.try_into().unwrap()) == i as u64 + 1));
     }
-    assert!(holds(&outside[..PAGE], 1) || outside[64..72] == 1u64.to_le_bytes());
+    assert!(
+        holds(&outside[..PAGE], 1),
+        "the page outside was not released"
+    );
     assert_eq!(present(&s[PAGE..]), n - 1);
     e.unregister(s.as_mut_ptr(), s.len()).unwrap();
 }
@@ -191,17 +195,11 @@ fn forged_marks_and_pages_outside_registered_memory_are_never_released() {
 #[test]
 fn writers_racing_the_recycler_never_lose_a_write() {
     let _g = serial();
-    let e = Engine::builder()
-        .merge_period(Duration::from_millis(5))
-        .build()
-        .unwrap();
     let threads = 4;
     let per = 128;
-    let s = region(threads * per);
-    let base = s.as_mut_ptr() as usize;
-    e.register(s.as_mut_ptr(), s.len()).unwrap();
     let pool = Arc::new(Pool::new(1024).unwrap());
-    e.recycle_from(pool.clone());
+    let (e, s) = recycling(Duration::from_millis(5), threads * per, &pool);
+    let base = s.as_mut_ptr() as usize;
     let end = Instant::now() + Duration::from_secs(8);
     let checks: Vec<u64> = std::thread::scope(|sc| {
         let handles: Vec<_> = (0..threads)
