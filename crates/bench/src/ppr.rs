@@ -33,6 +33,33 @@ pub struct PprSample {
     pub recycle_cpu_seconds: f64,
     /// Pages of the region still present in the page tables after recycling (0: all given back).
     pub present_after: usize,
+    /// What the engine's claim costs each period when nothing is marked, for a pool of
+    /// [`IDLE_POOL_SLOTS`] slots (marks for 16 GiB of pages), in microseconds.
+    pub idle_claim_us: f64,
+}
+
+/// Slots of the idle pool whose claim is timed.
+pub const IDLE_POOL_SLOTS: usize = 1 << 22;
+
+/// The median time of a claim on a pool of `slots` slots where nothing is marked (after one
+/// page was marked, claimed and finished, so the pool is not untouched memory).
+fn idle_claim_us(slots: usize) -> f64 {
+    let pool = Pool::with_values(slots, 7, 99);
+    let mut words = [0u64; 3];
+    pool.mark_with(PAGE, |k, v| words[k] = v);
+    for t in pool.claim(usize::MAX, |_| Some(words)) {
+        pool.finish(t, true);
+    }
+    let mut us: Vec<f64> = (0..11)
+        .map(|_| {
+            let t = Instant::now();
+            let got = pool.claim(usize::MAX, |_| None);
+            std::hint::black_box(got);
+            t.elapsed().as_nanos() as f64 / 1e3
+        })
+        .collect();
+    us.sort_by(f64::total_cmp);
+    us[us.len() / 2]
 }
 
 fn cycles() -> u64 {
@@ -73,6 +100,7 @@ pub fn run_once(mib: usize, period: Duration) -> Result<PprSample, String> {
     let pool = Arc::new(Pool::new(2 * pages).map_err(|e| e.to_string())?);
     let mut s = PprSample {
         pages,
+        idle_claim_us: idle_claim_us(IDLE_POOL_SLOTS),
         ..Default::default()
     };
 

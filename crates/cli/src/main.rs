@@ -304,6 +304,11 @@ fn bench_ppr(
         m(|s| s.recycle_cpu_seconds),
         m(|s| s.present_after as f64)
     );
+    println!(
+        "engine's claim with nothing marked: {:.1} us per period for a pool of {} slots",
+        m(|s| s.idle_claim_us),
+        pageone_bench::ppr::IDLE_POOL_SLOTS
+    );
     write_json(&json, &serde_json::to_value(&samples)?)
 }
 

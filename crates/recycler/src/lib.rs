@@ -19,6 +19,11 @@
 //! Unmarking: clear the indicator word first, then give the slot back (`page -> 0`). The program
 //! never waits: if the engine holds the slot's ticket (`page | CLAIMED`), the engine finishes it.
 //!
+//! Marking ends by setting the slot's group bit in a summary (one bit per 64 slots), so that
+//! the engine's claim visits only groups where something was marked, not every slot: a pool sized
+//! for millions of pages costs an idle period a few KiB of reads, not megabytes. A claim clears
+//! the bits it visits and sets back those of groups still holding marks it did not take.
+//!
 //! Recycling (the engine, each period, see [`Pool::claim`]): for every slot holding a page of
 //! registered memory whose words hold the mark for that slot, take the ticket (`page ->
 //! page | CLAIMED`), freeze the page (move it out of the program's address space: any access
@@ -49,6 +54,8 @@ const CLAIMED: u64 = 1 << 63;
 const TAG_MAGIC: u64 = 0x5050_5221 << 32;
 /// Tickets tried by one `mark` before giving up (slots still held by unreleased marks).
 const MARK_TRIES: u64 = 4;
+/// Slots per summary bit, and bits per summary word.
+const GROUP: usize = 64;
 
 /// Errors creating a pool.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +89,9 @@ pub struct PoolStats {
 /// A pool of marks (see the crate documentation).
 pub struct Pool {
     slots: Box<[AtomicU64]>,
+    /// One bit per group of [`GROUP`] slots: set by `mark` after the mark is complete, cleared
+    /// by `claim` when it visits the group (and set again if marks stay there).
+    summary: Box<[AtomicU64]>,
     /// Next ticket.
     alloc: AtomicU64,
     tag: u64,
@@ -117,8 +127,10 @@ impl Pool {
     #[doc(hidden)]
     pub fn with_values(slots: usize, id: u32, indicator: u64) -> Self {
         let n = slots.next_power_of_two();
+        let words = n.div_ceil(GROUP * GROUP);
         Self {
             slots: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            summary: (0..words).map(|_| AtomicU64::new(0)).collect(),
             alloc: AtomicU64::new(0),
             tag: TAG_MAGIC | id as u64,
             // Never 0: a cleared indicator word must not read as a mark.
@@ -198,6 +210,10 @@ impl Pool {
                 // indicator sees the tag and slot.
                 fence(Ordering::Release);
                 write(2, self.indicator);
+                let group = t as usize / GROUP;
+                // Release: pairs with the acquire swap in `claim`: a claim that sees the bit sees
+                // the slot and the page's words written above.
+                self.summary[group / GROUP].fetch_or(1 << (group % GROUP), Ordering::Release);
                 // Relaxed: a counter.
                 self.marked.fetch_add(1, Ordering::Relaxed);
                 return true;
@@ -240,32 +256,75 @@ impl Pool {
     /// Takes the tickets of marked pages, at most `max`. `mark_of(addr)` reads the first three
     /// words of the page at `addr`, or answers `None` when that is not a page the engine may
     /// recycle (not registered, merged, ...). A slot whose page shows no mark is left alone
-    /// (its program may be between the two steps of `mark`).
+    /// (its program may be between the two steps of `mark`). Only groups whose summary bit is
+    /// set are visited: a claim costs what was marked since the last one, not the pool's size.
     pub fn claim(
         &self,
         max: usize,
         mut mark_of: impl FnMut(usize) -> Option<[u64; 3]>,
     ) -> Vec<Ticket> {
         let mut out = Vec::new();
-        for (i, s) in self.slots.iter().enumerate() {
+        for (w, word) in self.summary.iter().enumerate() {
             if out.len() >= max {
                 break;
             }
+            // Acquire: pairs with the release in `mark_with`: the marks of the groups whose bits
+            // are read here are visible below.
+            let mut bits = word.swap(0, Ordering::Acquire);
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let group = w * GROUP + b;
+                if self.claim_group(group, max, &mut out, &mut mark_of) {
+                    // Marks left in the group (not yet complete, not recyclable now, or beyond
+                    // `max`): visited again next time. Relaxed: the bit only says where to look.
+                    word.fetch_or(1 << b, Ordering::Relaxed);
+                }
+                if out.len() >= max {
+                    // Groups not visited keep their bits.
+                    word.fetch_or(bits, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// Claims the marked pages of slots `group * GROUP..`; returns whether slots holding a page
+    /// were left unclaimed there.
+    fn claim_group(
+        &self,
+        group: usize,
+        max: usize,
+        out: &mut Vec<Ticket>,
+        mark_of: &mut impl FnMut(usize) -> Option<[u64; 3]>,
+    ) -> bool {
+        let first = group * GROUP;
+        let end = (first + GROUP).min(self.slots.len());
+        let mut left = false;
+        for (i, s) in self.slots[first..end].iter().enumerate() {
+            let i = first + i;
             // Relaxed: a pointer, trusted only once the page agrees (see `mark_with`).
             let v = s.load(Ordering::Relaxed);
             if v == 0 || v & CLAIMED != 0 {
+                continue;
+            }
+            if out.len() >= max {
+                left = true;
                 continue;
             }
             let Some(addr) = (v as usize).checked_mul(PAGE) else {
                 continue;
             };
             let Some(words) = mark_of(addr) else {
+                left = true;
                 continue;
             };
             // Acquire: pairs with the release fence in `mark_with` (the indicator, read by
             // `mark_of`, was written after the tag and slot).
             fence(Ordering::Acquire);
             if !self.names(i as u32, words) {
+                left = true;
                 continue;
             }
             // Relaxed: the ticket's effect is checked on frozen bytes, not ordered here.
@@ -276,9 +335,11 @@ impl Pool {
                     slot: i as u32,
                     addr,
                 });
+            } else {
+                left = true;
             }
         }
-        out
+        left
     }
 
     /// Whether `words`, the first three words of the ticket's page read while the page was
@@ -404,6 +465,84 @@ mod tests {
         assert!(!pool.mark_with(0x3000, |k, v| pages[2][k] = v));
         assert_eq!(pages[2], [0; 3], "an unmarked page is left as it was");
         assert_eq!(pool.stats().full, 1);
+    }
+
+    #[test]
+    fn claims_find_marks_in_every_summary_word() {
+        // Marks in 3 * 4096 slots: three summary words' worth.
+        let pool = Pool::with_values(3 * GROUP * GROUP, 7, 99);
+        let mut pages = vec![[0u64; 3]; 3 * GROUP * GROUP];
+        for (i, p) in pages.iter_mut().enumerate() {
+            assert!(pool.mark_with((i + 1) * PAGE, |k, v| p[k] = v));
+        }
+        let mut seen = 0;
+        loop {
+            // Small claims: the groups beyond `max` keep their bits.
+            let t = pool.claim(1000, |a| Some(pages[a / PAGE - 1]));
+            if t.is_empty() {
+                break;
+            }
+            seen += t.len();
+            for t in t {
+                pool.finish(t, true);
+            }
+        }
+        assert_eq!(seen, pages.len());
+        assert_eq!(pool.busy_slots(), 0);
+    }
+
+    proptest::proptest! {
+        /// Whatever happened before (marks, unmarks, claims cut short by `max`, pages the engine
+        /// could not take, marks not yet checked), a claim with room takes every page still
+        /// marked: the summary never hides a mark.
+        #[test]
+        fn the_summary_never_hides_a_mark(
+            ops in proptest::collection::vec((0u8..3, 1usize..40, 0usize..4, proptest::prelude::any::<u64>()), 0..200)
+        ) {
+            let pool = Pool::with_values(128, 7, 99);
+            let mut pages: std::collections::HashMap<usize, [u64; 3]> = Default::default();
+            let mut marked = std::collections::BTreeSet::new();
+            for (op, page, max, skip) in ops {
+                let addr = page * PAGE;
+                match op {
+                    0 if !marked.contains(&page) => {
+                        let w = pages.entry(addr).or_default();
+                        if pool.mark_with(addr, |k, v| w[k] = v) {
+                            marked.insert(page);
+                        }
+                    }
+                    1 if marked.contains(&page) => {
+                        let w = pages.entry(addr).or_default();
+                        let r = *w;
+                        pool.unmark_with(addr, |k| r[k], |k, v| w[k] = v);
+                        marked.remove(&page);
+                    }
+                    _ => {
+                        // Pages whose bit is set in `skip` cannot be taken this time.
+                        let t = pool.claim(max, |a| {
+                            (skip >> (a / PAGE % 64) & 1 == 0).then(|| pages.get(&a).copied().unwrap_or_default())
+                        });
+                        for t in t {
+                            let w = pages.entry(t.addr).or_default();
+                            let released = pool.is_marked(&t, *w);
+                            if released {
+                                *w = [0; 3];
+                                marked.remove(&(t.addr / PAGE));
+                            }
+                            pool.finish(t, released);
+                        }
+                    }
+                }
+            }
+            let t = pool.claim(usize::MAX, |a| Some(pages.get(&a).copied().unwrap_or_default()));
+            let got: std::collections::BTreeSet<usize> = t.iter().map(|t| t.addr / PAGE).collect();
+            proptest::prop_assert_eq!(got.len(), t.len());
+            proptest::prop_assert_eq!(got, marked);
+            for t in t {
+                pool.finish(t, true);
+            }
+            proptest::prop_assert_eq!(pool.busy_slots(), 0);
+        }
     }
 
     #[test]
