@@ -86,6 +86,9 @@ enum Command {
         /// Page i holds content i % N (default: every page distinct).
         #[arg(long)]
         distinct: Option<usize>,
+        /// A thread keeps writing one word of every 8th page meanwhile (checked by VERIFY).
+        #[arg(long)]
+        writer: bool,
     },
     /// Benchmarks, each next to its baseline in the same run.
     Bench {
@@ -187,7 +190,16 @@ fn main() -> Result<()> {
             workers,
             defer,
             distinct,
-        } => scope::client(mib, hard, period_ms, workers, defer, distinct),
+            writer,
+        } => scope::client(scope::ClientOptions {
+            mib,
+            hard,
+            period_ms,
+            workers,
+            defer,
+            distinct,
+            writer,
+        }),
         Command::Bench {
             which: Bench::Sdtree { quick, runs, json },
         } => bench_sdtree(quick, runs, json),

@@ -88,6 +88,107 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
     Ok(())
 }
 
+/// Options of [`client`].
+pub struct ClientOptions {
+    pub mib: usize,
+    pub hard: bool,
+    pub period_ms: u64,
+    pub workers: usize,
+    pub defer: bool,
+    pub distinct: Option<usize>,
+    pub writer: bool,
+}
+
+/// Pages the writer thread of a scope client writes: every 8th, at this word.
+const WRITER_STRIDE: usize = 8;
+const WRITER_WORD: usize = 256;
+
+/// A thread that keeps writing word [`WRITER_WORD`] of every [`WRITER_STRIDE`]th page of the
+/// region and records each value; paused while the region is checked or rewritten.
+struct Writer {
+    shadow: std::sync::Arc<Vec<std::sync::atomic::AtomicU64>>,
+    pause: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn start(region: usize, pages: usize) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let shadow: Arc<Vec<AtomicU64>> = Arc::new((0..pages).map(|_| AtomicU64::new(0)).collect());
+        let pause = Arc::new(AtomicBool::new(false));
+        let paused = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sh, pa, pd, st) = (shadow.clone(), pause.clone(), paused.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut round = 1u64;
+            // SeqCst throughout: a test helper, where plain reasoning beats speed.
+            while !st.load(Ordering::SeqCst) {
+                if pa.load(Ordering::SeqCst) {
+                    pd.store(true, Ordering::SeqCst);
+                    while pa.load(Ordering::SeqCst) && !st.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                    pd.store(false, Ordering::SeqCst);
+                    continue;
+                }
+                // A seventh of the written pages per round, a round every 20 ms: each page is
+                // written every 140 ms, so with the tests' 50 ms periods it keeps becoming a
+                // candidate and being written around its merge.
+                let first = 3 + (round % 7) as usize * WRITER_STRIDE;
+                for i in (first..pages).step_by(WRITER_STRIDE * 7) {
+                    let v = round << 32 | i as u64;
+                    // SAFETY: page i of the client's region, which stays mapped while the writer
+                    // runs (it is stopped before the region goes); only this thread writes this
+                    // word, and the engine keeps every write (that is what is tested).
+                    unsafe {
+                        std::ptr::write_volatile(
+                            (region + i * PAGE + WRITER_WORD * 8) as *mut u64,
+                            v,
+                        )
+                    };
+                    sh[i].store(v, Ordering::SeqCst);
+                }
+                round += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        Self {
+            shadow,
+            pause,
+            paused,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Runs `f` with the writer held still.
+    fn paused<T>(&self, f: impl FnOnce() -> T) -> T {
+        use std::sync::atomic::Ordering;
+        self.pause.store(true, Ordering::SeqCst);
+        while !self.paused.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let r = f();
+        self.pause.store(false, Ordering::SeqCst);
+        r
+    }
+
+    /// The value last written to page `i` (0: never written, as the fresh page holds).
+    fn value(&self, i: usize) -> Option<u64> {
+        (i % WRITER_STRIDE == 3).then(|| self.shadow[i].load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    fn stop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Fills `mib` MiB with seed data (identical across processes, unique within), registers it with
 /// an engine that joins the daemon (`$PAGEONE_SOCKET`), prints `READY`, then serves stdin:
 /// `STATS` prints the engine's counters as one JSON line, `VERIFY` checks every byte and prints
@@ -95,15 +196,18 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
 /// With `defer`, registration waits for a `GO` line (so a benchmark times merging, not filling).
 /// With `distinct` (at least 1), page i holds content `i % distinct` (many pages per content).
 /// `REWRITE` gives every page new content, unlike any before (the next generation), and prints
-/// `REWRITTEN`.
-pub fn client(
-    mib: usize,
-    hard: bool,
-    period_ms: u64,
-    workers: usize,
-    defer: bool,
-    distinct: Option<usize>,
-) -> Result<()> {
+/// `REWRITTEN`. With `writer`, a thread keeps writing one word of every 8th page all along, and
+/// every check expects its last value there.
+pub fn client(o: ClientOptions) -> Result<()> {
+    let ClientOptions {
+        mib,
+        hard,
+        period_ms,
+        workers,
+        defer,
+        distinct,
+        writer,
+    } = o;
     let len = mib << 20;
     let generation = std::cell::Cell::new(0u64);
     let content = |i: usize| {
@@ -122,22 +226,34 @@ pub fn client(
     if !defer {
         engine.register(r, len)?;
     }
-    let verify = || -> Option<usize> {
+    let mut writer = writer.then(|| Writer::start(r as usize, len / PAGE));
+    let expected = |i: usize, want: &mut [u8; PAGE]| {
+        // (Hard pages set a few words: the rest must be zero as in the fresh mapping.)
+        want.fill(0);
+        // SAFETY: `want` is a local page.
+        unsafe { fill_page(want.as_mut_ptr(), data, content(i)) };
+        if let Some(v) = writer.as_ref().and_then(|w| w.value(i)) {
+            want[WRITER_WORD * 8..WRITER_WORD * 8 + 8].copy_from_slice(&v.to_ne_bytes());
+        }
+    };
+    let check = || -> Option<usize> {
         let mut want = [0u8; PAGE];
         let mut got = [0u8; PAGE];
         for i in 0..len / PAGE {
-            // (Hard pages set a few words: the rest must be zero as in the fresh mapping.)
-            want.fill(0);
-            // SAFETY: `want` is a local page.
-            unsafe { fill_page(want.as_mut_ptr(), data, content(i)) };
-            // SAFETY: the page is mapped; only this thread writes the region (the engine never
-            // changes contents), so a copy of it is what the program sees.
+            expected(i, &mut want);
+            // SAFETY: the page is mapped; only this thread writes the region while the writer
+            // is paused (the engine never changes contents), so a copy of it is what the
+            // program sees.
             unsafe { std::ptr::copy_nonoverlapping(r.add(i * PAGE), got.as_mut_ptr(), PAGE) };
             if got != want {
                 return Some(i);
             }
         }
         None
+    };
+    let verify = || match &writer {
+        Some(w) => w.paused(check),
+        None => check(),
     };
     let mut out = std::io::stdout().lock();
     writeln!(out, "READY {}", std::process::id())?;
@@ -155,13 +271,21 @@ pub fn client(
             }
             "REWRITE" => {
                 generation.set(generation.get() + 1);
-                for i in 0..len / PAGE {
-                    // SAFETY: page i of the mapping owned by this function; the engine keeps
-                    // writes to it (a merged page is copied on write).
-                    unsafe {
-                        std::ptr::write_bytes(r.add(i * PAGE), 0, PAGE);
-                        fill_page(r.add(i * PAGE), data, content(i));
+                let rewrite = || {
+                    let mut want = [0u8; PAGE];
+                    for i in 0..len / PAGE {
+                        expected(i, &mut want);
+                        // SAFETY: page i of the mapping owned by this function (the writer is
+                        // paused); the engine keeps writes to it (a merged page is copied on
+                        // write).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(want.as_ptr(), r.add(i * PAGE), PAGE)
+                        };
                     }
+                };
+                match &writer {
+                    Some(w) => w.paused(rewrite),
+                    None => rewrite(),
                 }
                 writeln!(out, "REWRITTEN")?
             }
@@ -174,6 +298,9 @@ pub fn client(
         out.flush()?;
     }
     let bad = verify();
+    if let Some(w) = &mut writer {
+        w.stop();
+    }
     engine.unregister(r, len)?;
     engine.shutdown();
     if let Some(i) = bad {

@@ -75,6 +75,16 @@ impl Client {
                 .env("PAGEONE_SCOPE", scope),
         )
     }
+    /// A client whose writer thread keeps writing every 8th page.
+    fn start_writing(path: &Path, scope: &str, mib: usize) -> Self {
+        Self::spawn(
+            Command::new(BIN)
+                .args(["scope-client", "--writer", "--period-ms", "50", "--mib"])
+                .arg(mib.to_string())
+                .env("PAGEONE_SOCKET", path)
+                .env("PAGEONE_SCOPE", scope),
+        )
+    }
     /// With `defer`, the client registers its memory only when told `GO`.
     fn start_with(path: &Path, scope: &str, mib: usize, defer: bool) -> Self {
         Self::spawn(
@@ -311,7 +321,12 @@ fn kill_9_of_clients_and_daemon_leaves_every_survivor_correct() {
     let mut orphans: Vec<Client> = Vec::new();
     for it in 0..iterations {
         while clients.len() < 3 {
-            clients.push(Client::start(&path, "crash", 8));
+            // One of them writes all along.
+            clients.push(if clients.is_empty() {
+                Client::start_writing(&path, "crash", 8)
+            } else {
+                Client::start(&path, "crash", 8)
+            });
         }
         // Let merging run for a random while, then kill someone at that moment.
         std::thread::sleep(Duration::from_millis(50 + rng.next(600)));
@@ -327,10 +342,14 @@ fn kill_9_of_clients_and_daemon_leaves_every_survivor_correct() {
             c.verify();
         }
         for c in orphans.iter_mut() {
-            // It notices at its next period's call to the daemon.
+            // It notices at its next period's call to the daemon, and joins the new one within
+            // a second or so.
             c.ask("KICK");
             let s = c.stats();
-            assert_eq!(s["daemon"], "lost", "iteration {it}: {s}");
+            assert!(
+                s["daemon"] == "lost" || s["daemon"] == "connected",
+                "iteration {it}: {s}"
+            );
         }
         // Survivors still merge, and the daemon's books match the memfd: once merging settled,
         // every live copy is resident and nothing else is.
@@ -371,6 +390,91 @@ fn kill_9_of_clients_and_daemon_leaves_every_survivor_correct() {
             }
         }
     });
+}
+
+/// Inodes of the store files (memfds named `pageone-scope`) process `pid` maps.
+fn store_inodes(pid: u32) -> std::collections::HashSet<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("memfd:pageone-scope"))
+        .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
+        .collect()
+}
+
+/// The daemon dies and another starts on the same socket: its clients join it (within a second
+/// or so), their merged pages move onto the new store, and none maps the dead daemon's store any
+/// more (else all of it stays allocated). A client rewriting all its pages meanwhile, and one
+/// writing every 8th page all along, keep every write.
+#[test]
+fn clients_join_a_new_daemon_and_leave_the_old_store() {
+    let _g = serial();
+    let path = sock_path("rejoin");
+    let mut daemon = Daemon::start(&path);
+    let mib = 16;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut clients: Vec<Client> = (0..3)
+        .map(|_| Client::start(&path, "rejoin", mib))
+        .collect();
+    clients.push(Client::start_writing(&path, "rejoin", mib));
+    wait_for("every page of every client merged", 60, || {
+        clients[..3]
+            .iter_mut()
+            .all(|c| c.stats()["pages_shared"].as_u64() == Some(pages))
+    });
+    wait_for("the writing client's other pages merged", 60, || {
+        clients[3].stats()["pages_shared"].as_u64() >= Some(pages * 7 / 8)
+    });
+    clients[3].verify();
+    let old: Vec<_> = clients.iter().map(|c| store_inodes(c.pid)).collect();
+    assert!(old.iter().all(|s| s.len() == 1), "{old:?}");
+    daemon.kill();
+    for c in &mut clients {
+        c.ask("KICK");
+        c.verify();
+    }
+    let _daemon = Daemon::start(&path);
+    // One client rewrites every page (new contents) while the others move theirs.
+    assert_eq!(clients[2].ask("REWRITE"), "REWRITTEN");
+    wait_for("every client joined the new daemon", 20, || {
+        clients.iter_mut().all(|c| {
+            let s = c.stats();
+            s["daemon"] == "connected" && s["daemon_joins"] == 1
+        })
+    });
+    wait_for(
+        "the unchanged clients merged onto the new store",
+        60,
+        || {
+            clients[..2]
+                .iter_mut()
+                .all(|c| c.stats()["pages_shared"].as_u64() == Some(pages))
+        },
+    );
+    // They moved page by page (merged again while mapping the old copies), not by being made
+    // private first.
+    for c in &mut clients[..2] {
+        assert_eq!(c.stats()["pages_left_private"], 0);
+    }
+    wait_for("no client maps the dead daemon's store", 60, || {
+        clients
+            .iter()
+            .zip(&old)
+            .all(|(c, o)| store_inodes(c.pid).is_disjoint(o))
+    });
+    // The rewriting client's pages were private already (written) when its old mappings went.
+    assert!(clients[2].stats()["pages_left_private"].as_u64() > Some(0));
+    let st = status(&path);
+    let sc = scope(&st, "rejoin").expect("scope rejoin");
+    // The new store holds the unchanged clients' contents once, and what the rewriting client
+    // merged (its pages are alike, not unique: they may merge among themselves or not).
+    assert!(sc["pages_shared"].as_u64() >= Some(pages), "{sc}");
+    for c in &mut clients {
+        c.verify();
+    }
+    for c in clients {
+        c.finish();
+    }
 }
 
 fn raw_frame(tag: u32, body: &[u8]) -> Vec<u8> {

@@ -34,6 +34,16 @@ const BROKEN: u8 = 3;
 /// An unchanged page that matched nothing: it waits in the first-sighting map (no work per period)
 /// until a duplicate shows up or it is written.
 const UNIQUE: u8 = 4;
+/// A page merged onto a store this engine has since replaced (its daemon was lost and another
+/// joined): it still maps that store's copy, and is merged again onto the current store like a
+/// COW-broken page (the copy is in a store mapping). Written, it becomes `BROKEN`.
+const FOREIGN: u8 = 5;
+
+/// Pages living in a store mapping that is not (or no longer) a counted merge: frozen for a merge
+/// with the store mappings' write-protection, not with `UFFDIO_MOVE`.
+fn in_store_mapping(kind: u8) -> bool {
+    kind == BROKEN || kind == FOREIGN
+}
 
 #[derive(Clone, Copy, Default)]
 struct Page {
@@ -152,6 +162,10 @@ struct Counters {
     vmas: AtomicU64,
     vma_limit: AtomicU64,
     recycled: AtomicU64,
+    /// Daemons joined after the start (see `join_again`).
+    joins: AtomicU64,
+    /// Pages made private when leaving replaced stores (see `leave_replaced_stores`).
+    left_private: AtomicU64,
 }
 
 /// A running deduplication engine. Dropping it shuts it down cleanly (see [`Engine::shutdown`]).
@@ -350,11 +364,10 @@ impl Engine {
         let mut st = lock(&self.shared.state);
         // Private anonymous memory, or pages this engine merged and later unmerged (private copies
         // in mappings of its own store, which stay private: they cannot be frozen again).
-        let store_inode = st.store.inode();
         let mut cur = a;
         let mut unmergeable = Vec::new();
         for m in maps.iter().filter(|m| m.end > a && m.start < end) {
-            let ours = m.inode == store_inode && m.perms == "rw-p";
+            let ours = st.store.maps_inode(m.inode) && m.perms == "rw-p";
             if m.start > cur || !(m.is_private_anonymous_rw() || ours) {
                 return Err(EngineError::NotAnonymous { addr: a, len });
             }
@@ -655,11 +668,12 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     unregister_range(&sh.uffd, start, r.len());
     // Merged and COW-broken pages live in mappings of the store: turn those back into anonymous
     // memory, so the range behaves exactly as before registering (e.g. MADV_DONTNEED gives zeros).
-    let inode = st.store.inode();
     let pieces: Vec<(usize, usize)> = sys::self_mappings()
         .unwrap_or_default()
         .iter()
-        .filter(|m| m.inode == inode && m.perms == "rw-p" && m.end > start && m.start < end)
+        .filter(|m| {
+            st.store.maps_inode(m.inode) && m.perms == "rw-p" && m.end > start && m.start < end
+        })
         .map(|m| (m.start.max(start), m.end.min(end)))
         .collect();
     let mut failed = Vec::new();
@@ -837,6 +851,8 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
         full_scans: *lock(&sh.periods),
         zero_pages: st.zero,
         pages_recycled: c.recycled.load(Ordering::Relaxed),
+        daemon_joins: c.joins.load(Ordering::Relaxed),
+        pages_left_private: c.left_private.load(Ordering::Relaxed),
         general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
         merges: c.merges.load(Ordering::Relaxed),
         cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
@@ -899,6 +915,9 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
     // which become candidates again and again without merging, so "no candidates" never
     // comes. A busy period, a registration or a kick brings the period back.
     let mut idle = 0u32;
+    let mut next_join = Instant::now() + REJOIN_INTERVAL;
+    // When to give up waiting for pages to move off stores replaced by `join_again`.
+    let mut retire_at: Option<Instant> = None;
     while !sh.stop.load(Ordering::SeqCst) {
         let t0 = Instant::now();
         let config = Arc::new(lock(&sh.config).clone());
@@ -907,6 +926,18 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
             if let Err(e) = pool.grow(config.workers) {
                 tracing::warn!(error = %e, "could not add workers; keeping {}", pool.size());
             }
+        }
+        if t0 >= next_join {
+            next_join = t0 + REJOIN_INTERVAL;
+            if join_again(sh, &config) {
+                idle = 0;
+                retire_at = Some(t0 + period * RETIRE_PERIODS);
+            }
+        }
+        if retire_at.is_some_and(|t| t0 >= t) {
+            let _period = lock(&sh.period_lock);
+            let mut st = lock(&sh.state);
+            retire_at = (!leave_replaced_stores(sh, &mut st)).then(|| t0 + period * RETIRE_PERIODS);
         }
         {
             let _period = lock(&sh.period_lock);
@@ -984,6 +1015,117 @@ fn engine_loop(sh: &Shared, pool: &Pool, committer: std::sync::mpsc::SyncSender<
             *nb = None;
         }
     }
+}
+
+/// How often a daemon that was lost (or unreachable at the start) is asked for again.
+const REJOIN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Joins the configured daemon when the engine has no link to one (lost, or unreachable at the
+/// start): the new scope store replaces the current one between periods, and every merged page
+/// becomes `FOREIGN`, to be merged again onto the new store (given a copy of its own if no other
+/// process has its content) while it keeps mapping the old copy meanwhile. Returns whether it
+/// joined.
+fn join_again(sh: &Shared, config: &Config) -> bool {
+    let Some(path) = &config.daemon else {
+        return false;
+    };
+    let linked = lock(&sh.state)
+        .store
+        .remote
+        .as_ref()
+        .is_some_and(|r| !r.is_lost());
+    if linked {
+        return false;
+    }
+    // Connecting and greeting happen without locks: the program's calls go on meanwhile.
+    let store = match crate::remote::Remote::connect(path, &config.scope)
+        .and_then(|(remote, fd, capacity)| Store::shared(fd, capacity, remote))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(error = %e, "the pageone daemon is still not reachable");
+            return false;
+        }
+    };
+    let _period = lock(&sh.period_lock);
+    let mut st = lock(&sh.state);
+    // Read-ahead results may name copies of the old store.
+    forget_read_ahead(&mut st);
+    let old = std::mem::replace(&mut st.store, store);
+    st.store.take_over(old);
+    let mut foreign = 0u64;
+    for r in st.regions.values_mut() {
+        for p in r.pages.iter_mut().filter(|p| p.kind == MERGED) {
+            p.kind = FOREIGN;
+            p.unchanged = 0;
+            p.writes = 0;
+            foreign += 1;
+        }
+    }
+    // Relaxed: a counter.
+    sh.counters.joins.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(
+        pages = foreign,
+        "joined the pageone daemon again; merged pages move to its store"
+    );
+    true
+}
+
+/// Periods after a join in which merged pages move to the new store on their own (merged again,
+/// or given a copy of their own) before the rest is made private (`leave_replaced_stores`).
+const RETIRE_PERIODS: u32 = 20;
+
+/// Turns what is left of replaced stores' mappings in registered memory into anonymous memory
+/// (pages written since the join, pages still waiting to move, pages the program dropped): as
+/// long as one page maps a replaced store, all of that store's memory stays allocated (nobody
+/// frees its copies any more). Those pages are watched again like any anonymous page. Returns
+/// whether no such mapping is left.
+fn leave_replaced_stores(sh: &Shared, st: &mut State) -> bool {
+    if !st.store.has_replaced() {
+        return true;
+    }
+    let Ok(maps) = sys::self_mappings() else {
+        return false;
+    };
+    let mut left = false;
+    for m in maps
+        .iter()
+        .filter(|m| st.store.replaced_inode(m.inode) && m.perms == "rw-p")
+    {
+        let Some((_, r)) = st.regions.range_mut(..=m.start).next_back() else {
+            left = true;
+            continue;
+        };
+        let (s, e) = (m.start, m.end.min(r.start + r.len()));
+        // A mapping reaching into the next region is done there at the next call.
+        left |= m.end > e;
+        if s >= e || !anonymize(sh, s, e) {
+            left = true;
+            continue;
+        }
+        // The anonymous mapping moved in carries no registration: watch it as the region's.
+        if let Err(err) = sh.uffd.register(s, e - s, sh.reg_mode) {
+            tracing::warn!(error = %err, "a range left unwatched after leaving a replaced store");
+        } else if sh.mode == WatchMode::UffdWp {
+            let _ = st.pagemap.write_protect(s, e);
+        }
+        let mut made_private = 0;
+        for p in &mut r.pages[(s - r.start) / PAGE..(e - r.start) / PAGE] {
+            if in_store_mapping(p.kind) {
+                p.kind = ANON;
+                p.unchanged = 0;
+                made_private += 1;
+            }
+        }
+        // Relaxed: a counter.
+        sh.counters
+            .left_private
+            .fetch_add(made_private, Ordering::Relaxed);
+    }
+    if !left {
+        st.store.forget_replaced();
+    }
+    !left
 }
 
 /// The committer thread: commits batches in the order the classifier sends them, while the
@@ -1839,6 +1981,36 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                     }
                     continue;
                 }
+                FOREIGN => {
+                    if !present {
+                        continue;
+                    }
+                    let addr = r.start + i * PAGE;
+                    if c & 2 == 0 {
+                        // Written: a private copy now, like a COW-broken page (the replaced
+                        // store kept no count of it).
+                        p.kind = BROKEN;
+                        p.unchanged = 0;
+                        p.back_off(config.max_backoff);
+                        checksum_changed(addr, &mut r.sums[i]);
+                        continue;
+                    }
+                    if sh.store_uffd.is_none() {
+                        continue;
+                    }
+                    p.unchanged = p.unchanged.saturating_add(step);
+                    if p.unchanged >= config.merge_periods.max(p.writes) {
+                        out.push(Candidate {
+                            region: r.start,
+                            index: i,
+                            addr,
+                            pre: Pre::None,
+                        });
+                    } else {
+                        volatile += 1;
+                    }
+                    continue;
+                }
                 BROKEN => {
                     // Private pages in store mappings: watched by checksum (there are few), merged
                     // again through the store mappings' write-protection.
@@ -2210,7 +2382,20 @@ fn classify(
             }
             for (&(h, i, grouped), &a) in keys.iter().zip(&answers) {
                 match a {
-                    crate::proto::NOTED => {}
+                    crate::proto::NOTED => {
+                        // A page still on a replaced store gets a copy here even alone of its
+                        // content: it is a merge already (a copy of its own costs no memory),
+                        // and the replaced store is freed once no page maps it.
+                        let c = &cands[i as usize];
+                        let foreign = st
+                            .regions
+                            .get(&c.region)
+                            .is_some_and(|r| r.pages[c.index].kind == FOREIGN);
+                        if foreign && !grouped {
+                            first.insert(h, (i, true));
+                            groups.push(i);
+                        }
+                    }
                     crate::proto::WANTED => {
                         if !grouped {
                             first.insert(h, (i, true));
@@ -2248,7 +2433,7 @@ fn classify(
             if let Some(r) = st.regions.get_mut(&c.region) {
                 let p = &mut r.pages[c.index];
                 p.unchanged = 0;
-                if p.kind != BROKEN {
+                if !in_store_mapping(p.kind) {
                     p.kind = UNIQUE;
                     st.unstable.insert(h, (c.addr, p.epoch));
                 } else {
@@ -2797,7 +2982,7 @@ fn commit(
             i += 1;
             continue;
         };
-        let broken = |t: usize| region.pages[cands[todo[t]].index].kind == BROKEN;
+        let broken = |t: usize| in_store_mapping(region.pages[cands[todo[t]].index].kind);
         let run_broken = broken(i);
         let mut j = i + 1;
         while j < todo.len()

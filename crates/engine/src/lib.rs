@@ -213,10 +213,18 @@ pub struct Stats {
     /// Registered bytes.
     pub registered_bytes: u64,
     /// The daemon link: "none" (alone), "connected", "lost" (running unshared since it went away)
-    /// or "unreachable" (configured but could not be joined at start).
+    /// or "unreachable" (configured but could not be joined at start). A lost or unreachable
+    /// daemon is asked for again every second; see `daemon_joins`.
     pub daemon: String,
     /// The scope joined at the daemon (empty when alone).
     pub scope: String,
+    /// Times a daemon was joined after the start (after losing one, or after it was unreachable):
+    /// pages merged before move to the new daemon's store.
+    pub daemon_joins: u64,
+    /// Pages that had not moved to the new store some periods after a join (written since,
+    /// dropped by the program, or still waiting) and were made private so that the old store can
+    /// be freed; they merge again like any page.
+    pub pages_left_private: u64,
 }
 
 /// Why an engine operation failed.

@@ -9,6 +9,8 @@
 //!
 //! If the daemon goes away, the process keeps its merged pages (its mappings keep the store
 //! alive) and runs unshared: no new copies, releases are dropped, [`Remote::is_lost`] says so.
+//! The engine asks for a daemon again every second and, when one answers, moves to its store
+//! with a new `Remote` (see `join_again` in the engine).
 //!
 //! A `Remote` is shared by the classifier (lookups and copies, made without the engine's state
 //! lock) and the holders of that lock (releases); one request is on the socket at a time.
@@ -26,6 +28,8 @@ use crate::proto::{self, ProtoError, Reply, Request};
 use crate::EngineError;
 
 const PAGE: usize = sys::PAGE_SIZE;
+/// How long the daemon may take to answer the greeting.
+const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Copies made for content this process noted: `(hash, slot)`, each held for it.
 pub(crate) type Offers = Vec<(u128, u32)>;
@@ -64,7 +68,16 @@ impl Remote {
             version: proto::VERSION,
             scope: scope.to_string(),
         };
+        // A daemon that accepts but never answers must not hold the engine: the greeting has a
+        // deadline (later calls have none; a daemon that hangs mid-call costs merges only).
+        let set_timeout = |t| {
+            sock.set_read_timeout(t)
+                .and_then(|()| sock.set_write_timeout(t))
+                .map_err(|e| EngineError::Daemon(e.to_string()))
+        };
+        set_timeout(Some(HELLO_TIMEOUT))?;
         let (reply, fd) = proto::call(&sock, &hello, Some(&staging)).map_err(refused)?;
+        set_timeout(None)?;
         let (
             Reply::Welcome {
                 capacity,

@@ -48,6 +48,17 @@ pub(crate) struct StoreFile {
     released: Mutex<Vec<KeyId>>,
 }
 
+impl Drop for StoreFile {
+    fn drop(&mut self) {
+        // The view goes with the last reference to the file (the tree's, a read-ahead job's):
+        // nothing reads it afterwards. A store given up for a new daemon's is freed this way
+        // once no merged page maps it any more.
+        // SAFETY: `base` is this file's view of `capacity` pages, mapped by `Store::new` or
+        // `Store::shared` and unmapped only here.
+        let _ = unsafe { sys::munmap(self.base as *mut u8, self.capacity as usize * PAGE) };
+    }
+}
+
 impl StoreFile {
     /// Reads word `i` (big-endian) of copy `id`.
     fn word(&self, id: KeyId, i: usize) -> u64 {
@@ -108,6 +119,9 @@ pub(crate) struct Store {
     /// The daemon, when the store is a scope's shared store: it makes and frees the copies, and
     /// ids are its slots.
     pub(crate) remote: Option<Arc<Remote>>,
+    /// Inodes of the stores this one replaced (a daemon lost, then joined again): pages merged
+    /// onto them may still map them.
+    retired_inodes: Vec<u64>,
 }
 
 impl Store {
@@ -161,7 +175,35 @@ impl Store {
             shared: 0,
             sharing_refs: 0,
             remote,
+            retired_inodes: Vec::new(),
         })
+    }
+
+    /// Takes over from `old`, whose copies may still be mapped by pages merged onto it: its
+    /// mappings are still recognised as store mappings (see [`Store::maps_inode`]). `old` itself
+    /// (its index, its view, its daemon link) goes.
+    pub(crate) fn take_over(&mut self, old: Store) {
+        self.retired_inodes = old.retired_inodes.clone();
+        self.retired_inodes.push(old.inode());
+    }
+
+    /// Whether mappings of file `inode` are mappings of this store or of one it replaced.
+    pub(crate) fn maps_inode(&self, inode: u64) -> bool {
+        inode == self.inode() || self.replaced_inode(inode)
+    }
+
+    /// Whether file `inode` is a store this one replaced.
+    pub(crate) fn replaced_inode(&self, inode: u64) -> bool {
+        self.retired_inodes.contains(&inode)
+    }
+
+    pub(crate) fn has_replaced(&self) -> bool {
+        !self.retired_inodes.is_empty()
+    }
+
+    /// No mapping of a replaced store is left.
+    pub(crate) fn forget_replaced(&mut self) {
+        self.retired_inodes.clear();
     }
 
     /// The memfd's inode number, to recognise this store's mappings in `/proc/self/maps`.
