@@ -431,6 +431,10 @@ fn clients_join_a_new_daemon_and_leave_the_old_store() {
     daemon.kill();
     for c in &mut clients {
         c.ask("KICK");
+    }
+    // (Clients 0 and 1 are not read here: their merged pages have no page table entries until
+    // read, and must move all the same.)
+    for c in &mut clients[2..] {
         c.verify();
     }
     let _daemon = Daemon::start(&path);

@@ -1982,11 +1982,10 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                     continue;
                 }
                 FOREIGN => {
-                    if !present {
-                        continue;
-                    }
+                    // (Not present: not touched since the merge, which maps no page table entry.
+                    // Read, it is the old copy all the same.)
                     let addr = r.start + i * PAGE;
-                    if c & 2 == 0 {
+                    if present && c & 2 == 0 {
                         // Written: a private copy now, like a COW-broken page (the replaced
                         // store kept no count of it).
                         p.kind = BROKEN;
