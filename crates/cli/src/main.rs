@@ -71,25 +71,7 @@ enum Command {
     },
     /// (Tests and benchmarks) one process of seed data under an engine that joins the daemon.
     #[command(hide = true)]
-    ScopeClient {
-        #[arg(long, default_value_t = 64)]
-        mib: usize,
-        #[arg(long)]
-        hard: bool,
-        #[arg(long, default_value_t = 100)]
-        period_ms: u64,
-        #[arg(long, default_value_t = 1)]
-        workers: usize,
-        /// Register only when told `GO` on standard input.
-        #[arg(long)]
-        defer: bool,
-        /// Page i holds content i % N (default: every page distinct).
-        #[arg(long)]
-        distinct: Option<usize>,
-        /// A thread keeps writing one word of every 8th page meanwhile (checked by VERIFY).
-        #[arg(long)]
-        writer: bool,
-    },
+    ScopeClient(scope::ClientOptions),
     /// Benchmarks, each next to its baseline in the same run.
     Bench {
         #[command(subcommand)]
@@ -183,23 +165,7 @@ fn main() -> Result<()> {
             let code = run::run(scope, daemon, cmd)?;
             std::process::exit(code);
         }
-        Command::ScopeClient {
-            mib,
-            hard,
-            period_ms,
-            workers,
-            defer,
-            distinct,
-            writer,
-        } => scope::client(scope::ClientOptions {
-            mib,
-            hard,
-            period_ms,
-            workers,
-            defer,
-            distinct,
-            writer,
-        }),
+        Command::ScopeClient(options) => scope::client(options),
         Command::Bench {
             which: Bench::Sdtree { quick, runs, json },
         } => bench_sdtree(quick, runs, json),

@@ -88,14 +88,25 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
     Ok(())
 }
 
-/// Options of [`client`].
+/// Options of [`client`] (`pageone scope-client`).
+#[derive(clap::Args)]
 pub struct ClientOptions {
+    #[arg(long, default_value_t = 64)]
     pub mib: usize,
+    #[arg(long)]
     pub hard: bool,
+    #[arg(long, default_value_t = 100)]
     pub period_ms: u64,
+    #[arg(long, default_value_t = 1)]
     pub workers: usize,
+    /// Register only when told `GO` on standard input.
+    #[arg(long)]
     pub defer: bool,
+    /// Page i holds content i % N (default: every page distinct).
+    #[arg(long)]
     pub distinct: Option<usize>,
+    /// A thread keeps writing one word of every 8th page meanwhile (checked by VERIFY).
+    #[arg(long)]
     pub writer: bool,
 }
 

@@ -1892,6 +1892,24 @@ fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
     }
 }
 
+/// Counts `step` more unchanged periods for a page in a store mapping (COW-broken or on a replaced
+/// store): a candidate once it waited long enough, else volatile.
+fn unchanged_period(
+    p: &mut Page,
+    step: u8,
+    config: &Config,
+    c: Candidate,
+    out: &mut Vec<Candidate>,
+    volatile: &mut u64,
+) {
+    p.unchanged = p.unchanged.saturating_add(step);
+    if p.unchanged >= config.merge_periods.max(p.writes) {
+        out.push(c);
+    } else {
+        *volatile += 1;
+    }
+}
+
 /// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
 /// A `kicked` period counts as a whole one (the caller asked for it).
 fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Result<Vec<Candidate>> {
@@ -1994,19 +2012,14 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         checksum_changed(addr, &mut r.sums[i]);
                         continue;
                     }
-                    if sh.store_uffd.is_none() {
-                        continue;
-                    }
-                    p.unchanged = p.unchanged.saturating_add(step);
-                    if p.unchanged >= config.merge_periods.max(p.writes) {
-                        out.push(Candidate {
+                    if sh.store_uffd.is_some() {
+                        let c = Candidate {
                             region: r.start,
                             index: i,
                             addr,
                             pre: Pre::None,
-                        });
-                    } else {
-                        volatile += 1;
+                        };
+                        unchanged_period(p, step, config, c, &mut out, &mut volatile);
                     }
                     continue;
                 }
@@ -2023,17 +2036,13 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         volatile += 1;
                         continue;
                     }
-                    p.unchanged = p.unchanged.saturating_add(step);
-                    if p.unchanged >= config.merge_periods.max(p.writes) {
-                        out.push(Candidate {
-                            region: r.start,
-                            index: i,
-                            addr,
-                            pre: Pre::None,
-                        });
-                    } else {
-                        volatile += 1;
-                    }
+                    let c = Candidate {
+                        region: r.start,
+                        index: i,
+                        addr,
+                        pre: Pre::None,
+                    };
+                    unchanged_period(p, step, config, c, &mut out, &mut volatile);
                     continue;
                 }
                 ZERO => {
