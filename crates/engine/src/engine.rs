@@ -2395,10 +2395,11 @@ fn classify(
                         // content: it is a merge already (a copy of its own costs no memory),
                         // and the replaced store is freed once no page maps it.
                         let c = &cands[i as usize];
-                        let foreign = st
-                            .regions
-                            .get(&c.region)
-                            .is_some_and(|r| r.pages[c.index].kind == FOREIGN);
+                        let foreign = st.store.has_replaced()
+                            && st
+                                .regions
+                                .get(&c.region)
+                                .is_some_and(|r| r.pages[c.index].kind == FOREIGN);
                         if foreign && !grouped {
                             first.insert(h, (i, true));
                             groups.push(i);
