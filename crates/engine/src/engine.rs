@@ -1892,19 +1892,25 @@ fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
     }
 }
 
-/// Counts `step` more unchanged periods for a page in a store mapping (COW-broken or on a replaced
-/// store): a candidate once it waited long enough, else volatile.
+/// Counts `step` more unchanged periods for the page at `(region, index, addr)` in a store
+/// mapping (COW-broken or on a replaced store): a candidate once it waited long enough, else
+/// volatile.
 fn unchanged_period(
     p: &mut Page,
     step: u8,
     config: &Config,
-    c: Candidate,
+    (region, index, addr): (usize, usize, usize),
     out: &mut Vec<Candidate>,
     volatile: &mut u64,
 ) {
     p.unchanged = p.unchanged.saturating_add(step);
     if p.unchanged >= config.merge_periods.max(p.writes) {
-        out.push(c);
+        out.push(Candidate {
+            region,
+            index,
+            addr,
+            pre: Pre::None,
+        });
     } else {
         *volatile += 1;
     }
@@ -2013,13 +2019,8 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         continue;
                     }
                     if sh.store_uffd.is_some() {
-                        let c = Candidate {
-                            region: r.start,
-                            index: i,
-                            addr,
-                            pre: Pre::None,
-                        };
-                        unchanged_period(p, step, config, c, &mut out, &mut volatile);
+                        let at = (r.start, i, addr);
+                        unchanged_period(p, step, config, at, &mut out, &mut volatile);
                     }
                     continue;
                 }
@@ -2036,13 +2037,8 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         volatile += 1;
                         continue;
                     }
-                    let c = Candidate {
-                        region: r.start,
-                        index: i,
-                        addr,
-                        pre: Pre::None,
-                    };
-                    unchanged_period(p, step, config, c, &mut out, &mut volatile);
+                    let at = (r.start, i, addr);
+                    unchanged_period(p, step, config, at, &mut out, &mut volatile);
                     continue;
                 }
                 ZERO => {
