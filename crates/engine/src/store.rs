@@ -122,6 +122,8 @@ pub(crate) struct Store {
     /// Inodes of the stores this one replaced (a daemon lost, then joined again): pages merged
     /// onto them may still map them.
     retired_inodes: Vec<u64>,
+    /// The memfd's inode number (read once: it is compared with every mapping of the process).
+    inode: u64,
 }
 
 impl Store {
@@ -159,6 +161,14 @@ impl Store {
             capacity: capacity_pages,
             released: Mutex::new(Vec::new()),
         });
+        let inode = {
+            use std::os::unix::fs::MetadataExt;
+            let dup = file.fd.try_clone().map_err(EngineError::Store)?;
+            std::fs::File::from(dup)
+                .metadata()
+                .map_err(EngineError::Store)?
+                .ino()
+        };
         let tree =
             Arc::new(SdTree::new(StoreKeys(file.clone()), PAGE).map_err(EngineError::Index)?);
         Ok(Self {
@@ -176,6 +186,7 @@ impl Store {
             sharing_refs: 0,
             remote,
             retired_inodes: Vec::new(),
+            inode,
         })
     }
 
@@ -208,13 +219,7 @@ impl Store {
 
     /// The memfd's inode number, to recognise this store's mappings in `/proc/self/maps`.
     pub(crate) fn inode(&self) -> u64 {
-        use std::os::unix::fs::MetadataExt;
-        let f = std::mem::ManuallyDrop::new(
-            // SAFETY: the descriptor stays owned by `self.file`; ManuallyDrop keeps this File from
-            // closing it.
-            unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(self.fd()) },
-        );
-        f.metadata().map(|m| m.ino()).unwrap_or(0)
+        self.inode
     }
 
     pub(crate) fn fd(&self) -> i32 {
