@@ -296,6 +296,33 @@ fn guard(f: impl FnOnce() -> pageone_status) -> pageone_status {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(PAGEONE_PANIC)
 }
 
+/// The body of a `*_new` export: `*out` is NULL until `make` succeeds, then holds the new heap
+/// object (freed by the matching `*_free`); a NULL `out` is refused.
+///
+/// # Safety
+///
+/// `out` must be NULL or valid for writing one pointer.
+unsafe fn new_into<T>(
+    out: *mut *mut T,
+    make: impl FnOnce() -> Result<T, pageone_status>,
+) -> pageone_status {
+    guard(|| {
+        if out.is_null() {
+            return PAGEONE_NULL_ARGUMENT;
+        }
+        // SAFETY: not NULL (checked) and valid for a write by the contract.
+        unsafe { out.write(std::ptr::null_mut()) };
+        match make() {
+            Ok(v) => {
+                // SAFETY: as above.
+                unsafe { out.write(Box::into_raw(Box::new(v))) };
+                PAGEONE_OK
+            }
+            Err(status) => status,
+        }
+    })
+}
+
 fn status_of(r: Result<(), EngineError>) -> pageone_status {
     match r {
         Ok(()) => PAGEONE_OK,
@@ -373,17 +400,14 @@ pub extern "C" fn pageone_status_message(status: c_int) -> *const c_char {
 /// `out` must be NULL or valid for writing one pointer.
 #[no_mangle]
 pub unsafe extern "C" fn pageone_config_new(out: *mut *mut pageone_config) -> pageone_status {
-    guard(|| {
-        if out.is_null() {
-            return PAGEONE_NULL_ARGUMENT;
-        }
-        let cfg = Box::new(pageone_config {
-            config: Config::default(),
-        });
-        // SAFETY: `out` is not NULL (checked) and valid for a write by the contract.
-        unsafe { out.write(Box::into_raw(cfg)) };
-        PAGEONE_OK
-    })
+    // SAFETY: `out` is NULL or valid for writing one pointer by the contract.
+    unsafe {
+        new_into(out, || {
+            Ok(pageone_config {
+                config: Config::default(),
+            })
+        })
+    }
 }
 
 /// Frees a configuration. NULL is allowed and does nothing. Engines created from it are not
@@ -630,27 +654,18 @@ pub unsafe extern "C" fn pageone_engine_new(
     cfg: *const pageone_config,
     out: *mut *mut pageone_engine,
 ) -> pageone_status {
-    guard(|| {
-        if out.is_null() {
-            return PAGEONE_NULL_ARGUMENT;
-        }
-        // SAFETY: not NULL (checked) and valid for a write by the contract.
-        unsafe { out.write(std::ptr::null_mut()) };
+    let make = || {
         // SAFETY: NULL or a live configuration by the contract.
         let config = match unsafe { cfg.as_ref() } {
             Some(c) => c.config.clone(),
             None => Config::default(),
         };
-        match start(&config) {
-            Ok(engine) => {
-                let engine = Box::into_raw(Box::new(pageone_engine { engine }));
-                // SAFETY: as above.
-                unsafe { out.write(engine) };
-                PAGEONE_OK
-            }
-            Err(e) => pageone_status::from(&e),
-        }
-    })
+        start(&config)
+            .map(|engine| pageone_engine { engine })
+            .map_err(|e| pageone_status::from(&e))
+    };
+    // SAFETY: `out` is NULL or valid for writing one pointer by the contract.
+    unsafe { new_into(out, make) }
 }
 
 /// Stops and frees an engine: every registered page becomes private again with its contents
@@ -767,24 +782,16 @@ pub unsafe extern "C" fn pageone_pool_new(
     slots: usize,
     out: *mut *mut pageone_pool,
 ) -> pageone_status {
-    guard(|| {
-        if out.is_null() {
-            return PAGEONE_NULL_ARGUMENT;
-        }
-        // SAFETY: not NULL (checked) and valid for a write by the contract.
-        unsafe { out.write(std::ptr::null_mut()) };
-        match Pool::new(slots) {
-            Ok(pool) => {
-                let p = Box::into_raw(Box::new(pageone_pool {
+    // SAFETY: `out` is NULL or valid for writing one pointer by the contract.
+    unsafe {
+        new_into(out, || {
+            Pool::new(slots)
+                .map(|pool| pageone_pool {
                     pool: std::sync::Arc::new(pool),
-                }));
-                // SAFETY: as above.
-                unsafe { out.write(p) };
-                PAGEONE_OK
-            }
-            Err(_) => PAGEONE_INVALID_ARGUMENT,
-        }
-    })
+                })
+                .map_err(|_| PAGEONE_INVALID_ARGUMENT)
+        })
+    }
 }
 
 /// Frees a pool. NULL is allowed and does nothing. Engines it was given to keep their own
@@ -829,6 +836,23 @@ pub unsafe extern "C" fn pageone_engine_recycle_from(
     })
 }
 
+/// The pool of a mark or unmark call whose arguments can be used: both not NULL, the page
+/// page-aligned.
+///
+/// # Safety
+///
+/// `pool` must be NULL or live for `'a`.
+unsafe fn pool_and_page<'a>(
+    pool: *const pageone_pool,
+    page: *mut c_void,
+) -> Option<&'a pageone_pool> {
+    if page.is_null() || (page as usize) % 4096 != 0 {
+        return None;
+    }
+    // SAFETY: NULL or live by the contract.
+    unsafe { pool.as_ref() }
+}
+
 /// Marks the page at `page` free (a few atomic operations, no system call; its first 24 bytes
 /// are overwritten). Returns 1 if it was marked, 0 if the pool is full or an argument is NULL
 /// or unaligned (the page is then simply not recycled).
@@ -841,12 +865,9 @@ pub unsafe extern "C" fn pageone_engine_recycle_from(
 #[no_mangle]
 pub unsafe extern "C" fn pageone_pool_mark(pool: *const pageone_pool, page: *mut c_void) -> c_int {
     // SAFETY: NULL or live by the contract.
-    let Some(pool) = (unsafe { pool.as_ref() }) else {
+    let Some(pool) = (unsafe { pool_and_page(pool, page) }) else {
         return 0;
     };
-    if page.is_null() || (page as usize) % 4096 != 0 {
-        return 0;
-    }
     // SAFETY: the caller's freed page, by the contract.
     let marked = catch_unwind(AssertUnwindSafe(|| unsafe { pool.pool.mark(page.cast()) }));
     marked.unwrap_or(false) as c_int
@@ -862,12 +883,9 @@ pub unsafe extern "C" fn pageone_pool_mark(pool: *const pageone_pool, page: *mut
 #[no_mangle]
 pub unsafe extern "C" fn pageone_pool_unmark(pool: *const pageone_pool, page: *mut c_void) {
     // SAFETY: NULL or live by the contract.
-    let Some(pool) = (unsafe { pool.as_ref() }) else {
+    let Some(pool) = (unsafe { pool_and_page(pool, page) }) else {
         return;
     };
-    if page.is_null() || (page as usize) % 4096 != 0 {
-        return;
-    }
     // SAFETY: a page this pool marked, by the contract.
     let _ = catch_unwind(AssertUnwindSafe(|| unsafe {
         pool.pool.unmark(page.cast())
