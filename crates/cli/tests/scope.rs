@@ -506,7 +506,7 @@ fn lying_and_garbage_clients_cannot_affect_others() {
         raw_frame(2, &u32::MAX.to_le_bytes()),   // lookup claiming 4G hashes
         raw_frame(3, &5u32.to_le_bytes()),       // copy before hello
         raw_frame(4, &[1, 0, 0, 0, 0, 0, 0, 0]), // release before hello
-        raw_frame(1, &[1, 0, 0, 0, 2, 0, 0, 0, b'x', b'x']), // hello without a staging file
+        raw_frame(1, &[1, 0, 0, 0, 2, 0, 0, 0, b'x', b'x']), // hello without a pipe
     ];
     for g in garbage {
         let mut s = UnixStream::connect(&path).unwrap();
@@ -518,23 +518,49 @@ fn lying_and_garbage_clients_cannot_affect_others() {
         assert!(n == 0 || (n >= 8 && buf[4] == 199), "reply {:?}", &buf[..n]);
     }
     // A client that joined properly and then releases every slot it does not hold, and asks for
-    // copies beyond its staging file: the others keep their copies.
+    // copies of pages its pipe does not hold: the others keep their copies, and the daemon
+    // never waits on the pipe.
     {
         use pageone_engine::proto::{self, Reply, Request};
-        let s = UnixStream::connect(&path).unwrap();
-        let staging = pageone_sys::memfd_create(c"liar").unwrap();
+        use std::os::fd::AsRawFd;
         let hello = Request::Hello {
             version: proto::VERSION,
             scope: "x".into(),
         };
-        let (r, fd) = proto::call(&s, &hello, Some(&staging)).unwrap();
+        // A greeting with a file instead of a pipe is refused.
+        let s = UnixStream::connect(&path).unwrap();
+        let file = pageone_sys::memfd_create(c"liar").unwrap();
+        let refused = proto::call(&s, &hello, Some(&file));
+        assert!(
+            matches!(&refused, Err(proto::ProtoError::Refused(m)) if m.contains("not a pipe")),
+            "{refused:?}"
+        );
+        let s = UnixStream::connect(&path).unwrap();
+        let (pipe_r, pipe_w) = pageone_sys::pipe().unwrap();
+        let (r, fd) = proto::call(&s, &hello, Some(&pipe_r)).unwrap();
         assert!(matches!(r, Reply::Welcome { .. }) && fd.is_some());
         let (r, _) =
             proto::call(&s, &Request::Release((0..pages as u32 * 2).collect()), None).unwrap();
         assert_eq!(r, Reply::Ok);
-        // Its staging file is empty: every copy fails, nothing is published.
+        // An empty pipe: every copy fails, nothing is published.
         let (r, _) = proto::call(&s, &Request::Copy(8), None).unwrap();
         assert_eq!(r, Reply::Slots(vec![proto::FAILED; 8]));
+        // Three pages and a half where eight are named: they fail, and the pipe is emptied.
+        let junk = vec![0x5au8; 3 * PAGE as usize + 100];
+        let mut w = std::fs::File::from(pipe_w.try_clone().unwrap());
+        w.write_all(&junk).unwrap();
+        let (r, _) = proto::call(&s, &Request::Copy(8), None).unwrap();
+        assert_eq!(r, Reply::Slots(vec![proto::FAILED; 8]));
+        assert_eq!(pageone_sys::pipe_pending(pipe_r.as_raw_fd()).unwrap(), 0);
+        // Two whole pages of its own: copied (a client may publish any content of its own).
+        w.write_all(&junk[..2 * PAGE as usize]).unwrap();
+        let (r, _) = proto::call(&s, &Request::Copy(2), None).unwrap();
+        let Reply::Slots(got) = r else {
+            panic!("{r:?}")
+        };
+        assert!(got.iter().all(|&s| s != proto::FAILED), "{got:?}");
+        let (r, _) = proto::call(&s, &Request::Release(got), None).unwrap();
+        assert_eq!(r, Reply::Ok);
         assert!(proto::call(&s, &Request::Copy(1 << 20), None).is_err());
     }
     let st = status(&path);
@@ -594,12 +620,12 @@ fn a_scope_closes_when_its_last_client_leaves() {
     };
     let join = |name: &str| {
         let s = UnixStream::connect(&path).unwrap();
-        let staging = pageone_sys::memfd_create(c"cycling").unwrap();
+        let (pipe, _) = pageone_sys::pipe().unwrap();
         let hello = Request::Hello {
             version: proto::VERSION,
             scope: name.into(),
         };
-        let (r, fd) = proto::call(&s, &hello, Some(&staging)).unwrap();
+        let (r, fd) = proto::call(&s, &hello, Some(&pipe)).unwrap();
         assert!(matches!(r, Reply::Welcome { .. }) && fd.is_some());
         s
     };

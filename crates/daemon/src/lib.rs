@@ -10,11 +10,13 @@
 //!
 //! * `Lookup(hashes)`: per hash, a slot with that content (now *held* for the client), `WANTED`
 //!   (another client noted this content and no copy exists: send the bytes) or `NOTED`;
-//! * `Copy(n)`: copy pages `0..n` of the client's staging memfd into new slots (in the kernel with
-//!   `copy_file_range`, so no bytes pass through the daemon and a client that truncates its
-//!   staging file only makes its copy fail); the daemon hashes what the store then holds, and
-//!   identical content already stored is answered with the existing slot. Clients that noted the
-//!   content get it *offered*.
+//! * `Copy(n)`: copy the `n` pages waiting in the client's pipe into new slots. The client
+//!   `vmsplice`s its pages into the pipe (by reference) and the daemon `splice`s them into the
+//!   store, so the one copy is the store's and no bytes pass through the daemon's memory. The
+//!   pipe must hold exactly `n` pages, else the request's copies fail and the pipe is emptied;
+//!   the daemon never waits on it. The daemon hashes what the store then holds, and identical
+//!   content already stored is answered with the existing slot. Clients that noted the content
+//!   get it *offered*.
 //! * `CopyFresh(n)`: the same without the deduplication, for a copy that must be another one:
 //!   the client already maps `max_sharing` pages onto the existing copy of that content.
 //! * `Release(slots)`: the client neither maps nor indexes them any more.
@@ -313,31 +315,6 @@ struct Scope {
 /// Pages read back per call when hashing what the store holds.
 const HASH_CHUNK: usize = 16;
 
-/// Copies `m` pages from page `from` of `staging` to slots `first..first+m` of the store `fd`:
-/// in the kernel when it can, else through a page-sized buffer. Returns whether all arrived.
-fn copy_pages(staging: i32, from: usize, fd: i32, first: u32, m: usize) -> bool {
-    let (src, dst, len) = ((from * PAGE) as u64, first as u64 * PAGE as u64, m * PAGE);
-    match sys::copy_file_range(staging, src, fd, dst, len) {
-        Ok(n) => n == len,
-        Err(e)
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
-            ) =>
-        {
-            let mut page = [0u8; PAGE];
-            (0..m).all(|i| {
-                let off = (i * PAGE) as u64;
-                // SAFETY: `page` is a live local buffer of PAGE bytes.
-                let got = unsafe { sys::pread_into(staging, page.as_mut_ptr(), PAGE, src + off) };
-                got.is_ok_and(|g| g == PAGE)
-                    && sys::pwrite_pages(fd, &[page.as_ptr() as usize], dst + off).is_ok()
-            })
-        }
-        Err(_) => false,
-    }
-}
-
 impl Scope {
     fn new(
         name: String,
@@ -618,13 +595,13 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (_, Request::Status) => Reply::Text(status_json(inner).to_string()),
                 (None, Request::Hello { version, scope }) => {
                     match join(inner, &sock, version, &scope, fd) {
-                        Ok((sc, id, staging, store_ro)) => {
+                        Ok((sc, id, pipe, store_ro)) => {
                             let r = Reply::Welcome {
                                 capacity: sc.capacity,
                                 client: id,
                                 scope: sc.name.clone(),
                             };
-                            joined = Some((sc, id, staging));
+                            joined = Some((sc, id, pipe));
                             reply(&sock, r, Some(&store_ro))?;
                             continue;
                         }
@@ -634,8 +611,8 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (None, _) => Reply::Error("say hello first".into()),
                 (Some(_), Request::Hello { .. }) => Reply::Error("already joined".into()),
                 (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs),
-                (Some((sc, id, staging)), Request::Copy(n)) => copy(sc, *id, staging, n, false),
-                (Some((sc, id, staging)), Request::CopyFresh(n)) => copy(sc, *id, staging, n, true),
+                (Some((sc, id, pipe)), Request::Copy(n)) => copy(sc, *id, pipe, n, false),
+                (Some((sc, id, pipe)), Request::CopyFresh(n)) => copy(sc, *id, pipe, n, true),
                 (Some((sc, id, _)), Request::Release(slots)) => {
                     let mut dead = Vec::new();
                     let mut st = lock(&sc.state);
@@ -728,7 +705,7 @@ fn join(
     sock: &UnixStream,
     version: u32,
     scope: &str,
-    staging: Option<OwnedFd>,
+    pipe: Option<OwnedFd>,
 ) -> Result<Joined, String> {
     if version != proto::VERSION {
         return Err(format!(
@@ -739,10 +716,9 @@ fn join(
     if !valid_scope_name(scope) {
         return Err("a scope name is 1 to 64 of [A-Za-z0-9._-]".into());
     }
-    let staging = staging.ok_or("the greeting carries no staging file")?;
-    match sys::file_usage(staging.as_raw_fd()) {
-        Ok((_, _, true)) => {}
-        _ => return Err("the staging descriptor is not a regular file".into()),
+    let pipe = pipe.ok_or("the greeting carries no pipe")?;
+    if !sys::is_pipe(pipe.as_raw_fd()).unwrap_or(false) {
+        return Err("the greeting's descriptor is not a pipe".into());
     }
     let cred = sys::peer_cred(sock.as_raw_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
     // The client is added under the scopes' lock, so that a scope whose last client is leaving
@@ -794,7 +770,7 @@ fn join(
     );
     drop(scopes);
     tracing::info!(client = id, pid = cred.pid, uid = cred.uid, scope = %sc.name, "client joined");
-    Ok((sc, id, staging, store_ro))
+    Ok((sc, id, pipe, store_ro))
 }
 
 fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
@@ -844,38 +820,63 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     Reply::Answers { answers, offers }
 }
 
-/// Copies staging pages into slots. Content already stored is answered with its slot, unless
-/// `fresh`: then every page gets a new slot, which becomes the one the index answers with.
-fn copy(sc: &Scope, id: u64, staging: &OwnedFd, n: u32, fresh: bool) -> Reply {
+/// Copies the pages waiting in the client's pipe into slots. Content already stored is answered
+/// with its slot, unless `fresh`: then every page gets a new slot, which becomes the one the
+/// index answers with.
+fn copy(sc: &Scope, id: u64, pipe: &OwnedFd, n: u32, fresh: bool) -> Reply {
     let n = n as usize;
-    if n > proto::STAGING_PAGES {
-        return Reply::Error(format!("at most {} pages per copy", proto::STAGING_PAGES));
+    if n > proto::COPY_PAGES {
+        return Reply::Error(format!("at most {} pages per copy", proto::COPY_PAGES));
     }
-    // A slot for every page first (consecutive where the store allows), then one in-kernel copy
-    // per run from the client's staging file into the store: the bytes never pass through the
-    // daemon's memory. Clients ask only for content the index lacked at lookup, so a copy that
-    // turns out to be stored already (found by its hash below) is rare; it is given back.
+    let pipe = pipe.as_raw_fd();
+    // The pipe must hold exactly this request's pages, in order. Anything else is a confused or
+    // lying client: its copies fail and what the pipe holds is dropped.
+    let pending = sys::pipe_pending(pipe).unwrap_or(0);
+    if pending != n * PAGE {
+        let _ = sys::drain_pipe(pipe, pending);
+        return Reply::Slots(vec![proto::FAILED; n]);
+    }
+    // A slot for every page first (consecutive where the store allows), then one `splice` per
+    // run from the pipe into the store: the bytes never pass through the daemon's memory.
+    // Clients ask only for content the index lacked at lookup, so a copy that turns out to be
+    // stored already (found by its hash below) is rare; it is given back.
     let slots: Vec<Option<u32>> = {
         let mut st = lock(&sc.state);
         (0..n).map(|_| st.alloc(sc.capacity)).collect()
     };
     let fd = sc.fd.as_raw_fd();
     let mut copied = vec![false; n];
+    let mut in_step = true;
     let mut k = 0;
-    while k < n {
-        let Some(first) = slots[k] else {
-            k += 1;
-            continue;
-        };
+    while k < n && in_step {
         let mut m = 1;
-        while k + m < n && slots[k + m] == Some(first + m as u32) {
+        while k + m < n
+            && match (slots[k], slots[k + m]) {
+                (Some(first), Some(s)) => s == first + m as u32,
+                (None, None) => true,
+                _ => false,
+            }
+        {
             m += 1;
         }
-        let ok = copy_pages(staging.as_raw_fd(), k, fd, first, m);
-        copied[k..k + m].fill(ok);
+        // Pages without a slot (the store is full) are read past.
+        let moved = match slots[k] {
+            Some(first) => sys::splice_to_file(pipe, fd, first as u64 * PAGE as u64, m * PAGE),
+            None => sys::drain_pipe(pipe, m * PAGE),
+        };
+        in_step = moved.is_ok_and(|got| got == m * PAGE);
+        if slots[k].is_some() {
+            copied[k..k + m].fill(in_step);
+        }
         k += m;
     }
-    // The client may write its staging file meanwhile: what is hashed is what the store holds
+    if !in_step {
+        // The client took pages back out of its pipe meanwhile: the rest of the request fails.
+        if let Ok(left @ 1..) = sys::pipe_pending(pipe) {
+            let _ = sys::drain_pipe(pipe, left);
+        }
+    }
+    // The client may write its pages meanwhile: what is hashed is what the store holds
     // (a slot's bytes never change once written), read back with `pread`. The daemon does not
     // map the store: a mapping would take a share of every copy's Pss from the clients that
     // map it (understating their memory) and cost page tables and faults.

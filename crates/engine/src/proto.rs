@@ -3,9 +3,9 @@
 //! Frames on a Unix stream socket: `u32 length` (little-endian, of what follows), `u32 tag`, body.
 //! Every request gets exactly one reply. Bodies are fixed-size records behind counts, so a decoder
 //! checks one bound per frame; a frame over [`MAX_FRAME`] or with inconsistent counts is an error
-//! and ends the connection. Two frames carry a descriptor (`SCM_RIGHTS`): `Hello` (the client's
-//! staging memfd, through which it hands page contents to copy) and `Welcome` (the scope's store,
-//! re-opened read-only for the client).
+//! and ends the connection. Two frames carry a descriptor (`SCM_RIGHTS`): `Hello` (the read end
+//! of the client's pipe, into which it `vmsplice`s the pages a copy request names) and `Welcome`
+//! (the scope's store, re-opened read-only for the client).
 //!
 //! The daemon trusts nothing a client says: it hashes the bytes it copied itself, clients can only
 //! release their own holds, and every merge is verified by the client on frozen bytes anyway.
@@ -16,19 +16,19 @@ use std::os::unix::net::UnixStream;
 
 use pageone_sys as sys;
 
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// Most records in one request.
 pub const MAX_ITEMS: usize = 1 << 16;
 /// Largest frame either side accepts.
 pub const MAX_FRAME: usize = 16 + MAX_ITEMS * 20 + (1 << 20);
-/// Pages of a client's staging memfd: contents of at most this many pages are copied per request.
-pub const STAGING_PAGES: usize = 1024;
+/// Most pages one copy request names.
+pub const COPY_PAGES: usize = 1024;
 
 /// Lookup answers other than a slot number.
 pub const NOTED: u32 = u32::MAX;
 /// Another client of the scope has this content and no copy exists yet: send the bytes.
 pub const WANTED: u32 = u32::MAX - 1;
-/// A copy could not be made (store full or unreadable staging page).
+/// A copy could not be made (store full, or the pipe did not hold the page).
 pub const FAILED: u32 = u32::MAX - 2;
 /// Slot numbers are below this.
 pub const MAX_SLOT: u32 = u32::MAX - 16;
@@ -50,13 +50,13 @@ const T_ERROR: u32 = 199;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
-    /// First message of a client (with its staging memfd attached): the scope it asks to join.
+    /// First message of a client (with its pipe's read end attached): the scope it asks to join.
     Hello { version: u32, scope: String },
     /// Contents hashes (xxh3-128) of first sightings: which have a copy, which are wanted.
     Lookup(Vec<u128>),
-    /// Copy staging pages `0..n` into the store.
+    /// Copy the `n` pages waiting in the client's pipe into the store.
     Copy(u32),
-    /// Copy staging pages `0..n` into new slots even where the store holds their content
+    /// Copy the `n` pages waiting in the pipe into new slots even where the store holds their content
     /// already: the client's pages of that content exceed its sharing limit per copy.
     CopyFresh(u32),
     /// Slots this client no longer indexes or maps.

@@ -1,8 +1,9 @@
 //! The client side of `pageone daemon`: a scope's store shared by several processes.
 //!
 //! The daemon writes stable copies; this process only reads the store (its descriptor is
-//! read-only, and a private mapping of it still copies on write). To add content it writes the
-//! pages into its own staging memfd and asks the daemon to copy them; lookups of content other
+//! read-only, and a private mapping of it still copies on write). To add content it hands the
+//! pages to a pipe whose read end the daemon holds (`vmsplice`: by reference, so the only copy
+//! is the one the daemon makes into the store) and asks the daemon to copy them; lookups of content other
 //! processes may have are by xxh3-128 hash, answered with a slot that the daemon then *holds* for
 //! this process (never freed or reused while held). Every merge is still verified byte for byte
 //! on frozen bytes, so a wrong answer costs a merge, never a write.
@@ -30,19 +31,26 @@ use crate::EngineError;
 const PAGE: usize = sys::PAGE_SIZE;
 /// How long the daemon may take to answer the greeting.
 const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// The pipe capacity asked for: `/proc/sys/fs/pipe-max-size`'s default, which any user may have.
+const PIPE_BYTES: usize = 1 << 20;
 
 /// Copies made for content this process noted: `(hash, slot)`, each held for it.
 pub(crate) type Offers = Vec<(u128, u32)>;
 
 pub(crate) struct Remote {
-    /// The connection; locked for each request and its reply (and the staging file with it).
+    /// The connection; locked for each request and its reply (and the pipe with it).
     sock: Mutex<UnixStream>,
-    staging: OwnedFd,
+    /// The write end of the pipe the daemon copies from.
+    pipe: OwnedFd,
+    /// Its read end, kept so the pipe always has a reader (writing to a pipe nobody reads raises
+    /// `SIGPIPE`, which would kill a host program that keeps the default action when the daemon
+    /// dies) and to drop what a daemon left in it.
+    pipe_reader: OwnedFd,
+    /// Pages the pipe holds: the most handed over per copy request.
+    pipe_pages: usize,
     client: u64,
     pub(crate) scope: String,
     lost: AtomicBool,
-    /// Whether the staging file holds pages since it was last emptied (see [`Remote::flush`]).
-    staged: AtomicBool,
     /// Slots to release at the next flush (a set, so that a slot granted again before the flush
     /// is simply kept: the daemon's holds are a set per client, not a count).
     releases: Mutex<HashSet<u32>>,
@@ -61,9 +69,11 @@ impl Remote {
     pub(crate) fn connect(path: &Path, scope: &str) -> Result<(Self, OwnedFd, u32), EngineError> {
         let refused = |e: ProtoError| EngineError::Daemon(e.to_string());
         let sock = UnixStream::connect(path).map_err(|e| EngineError::Daemon(e.to_string()))?;
-        let staging = sys::memfd_create(c"pageone-staging").map_err(EngineError::Store)?;
-        sys::ftruncate(staging.as_raw_fd(), (proto::STAGING_PAGES * PAGE) as u64)
-            .map_err(EngineError::Store)?;
+        let (pipe_r, pipe) = sys::pipe().map_err(EngineError::Store)?;
+        let pipe_pages = sys::set_pipe_capacity(pipe.as_raw_fd(), PIPE_BYTES)
+            .map_err(EngineError::Store)?
+            / PAGE;
+        let pipe_pages = pipe_pages.clamp(1, proto::COPY_PAGES);
         let hello = Request::Hello {
             version: proto::VERSION,
             scope: scope.to_string(),
@@ -76,7 +86,7 @@ impl Remote {
                 .map_err(|e| EngineError::Daemon(e.to_string()))
         };
         set_timeout(Some(HELLO_TIMEOUT))?;
-        let (reply, fd) = proto::call(&sock, &hello, Some(&staging)).map_err(refused)?;
+        let (reply, fd) = proto::call(&sock, &hello, Some(&pipe_r)).map_err(refused)?;
         set_timeout(None)?;
         let (
             Reply::Welcome {
@@ -100,11 +110,12 @@ impl Remote {
         Ok((
             Self {
                 sock: Mutex::new(sock),
-                staging,
+                pipe,
+                pipe_reader: pipe_r,
+                pipe_pages,
                 client,
                 scope,
                 lost: AtomicBool::new(false),
-                staged: AtomicBool::new(false),
                 releases: Mutex::new(HashSet::new()),
                 forgets: Mutex::new(Vec::new()),
                 capacity,
@@ -176,31 +187,51 @@ impl Remote {
     pub(crate) fn copy(&self, srcs: &[usize], fresh: bool) -> Vec<Option<u32>> {
         let sock = lock(&self.sock);
         let mut out = Vec::with_capacity(srcs.len());
-        for chunk in srcs.chunks(proto::STAGING_PAGES) {
-            let slots = (|| {
-                // The kernel reads the sources (they may be changing: the daemon hashes what it
-                // copied, and merges are verified on frozen bytes).
-                // Relaxed: read by `flush`, which runs under the same socket lock.
-                self.staged.store(true, Ordering::Relaxed);
-                if let Err(e) = sys::pwrite_pages(self.staging.as_raw_fd(), chunk, 0) {
-                    tracing::warn!(error = %e, "pages could not be staged for the daemon");
-                    return None;
-                }
-                let n = chunk.len() as u32;
-                let req = if fresh {
-                    Request::CopyFresh(n)
-                } else {
-                    Request::Copy(n)
-                };
-                match self.call(&sock, &req)? {
-                    Reply::Slots(s) if s.len() == chunk.len() => Some(s),
-                    _ => self.protocol_error(),
-                }
-            })();
-            match slots {
-                Some(s) => out.extend(s.into_iter().map(|s| self.valid(s).then_some(s))),
-                None => out.extend(chunk.iter().map(|_| None)),
+        if self.is_lost() {
+            out.resize(srcs.len(), None);
+            return out;
+        }
+        let mut rest = srcs;
+        while !rest.is_empty() {
+            let chunk = &rest[..rest.len().min(self.pipe_pages)];
+            // The request's pages must be all the pipe holds: drop anything a daemon left.
+            let reader = self.pipe_reader.as_raw_fd();
+            if let Ok(left @ 1..) = sys::pipe_pending(reader) {
+                let _ = sys::drain_pipe(reader, left);
             }
+            // The daemon copies what the pages hold when it reads the pipe (they may be
+            // changing: it hashes what it copied, and merges are verified on frozen bytes).
+            let taken = match sys::vmsplice_pages(self.pipe.as_raw_fd(), chunk) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "pages could not be handed to the daemon");
+                    0
+                }
+            };
+            if taken == 0 {
+                // The pages are unreadable: these copies fail.
+                out.extend(rest.iter().map(|_| None));
+                break;
+            }
+            let n = taken as u32;
+            let req = if fresh {
+                Request::CopyFresh(n)
+            } else {
+                Request::Copy(n)
+            };
+            match self.call(&sock, &req) {
+                Some(Reply::Slots(s)) if s.len() == taken => {
+                    out.extend(s.into_iter().map(|s| self.valid(s).then_some(s)));
+                }
+                reply => {
+                    if reply.is_some() {
+                        self.protocol_error::<()>();
+                    }
+                    out.extend(rest.iter().map(|_| None));
+                    break;
+                }
+            }
+            rest = &rest[taken..];
         }
         out
     }
@@ -223,21 +254,8 @@ impl Remote {
         }
     }
 
-    /// Sends the pending releases and forgotten hashes, and empties the staging file if this
-    /// period used it (its pages would otherwise stay allocated for the process's life: 4 MiB per
-    /// process once merging has settled).
+    /// Sends the pending releases and forgotten hashes.
     pub(crate) fn flush(&self) {
-        {
-            let _sock = lock(&self.sock);
-            // Relaxed: copies stage under the socket lock held here.
-            if self.staged.swap(false, Ordering::Relaxed) {
-                let _ = sys::punch_hole(
-                    self.staging.as_raw_fd(),
-                    0,
-                    (proto::STAGING_PAGES * PAGE) as u64,
-                );
-            }
-        }
         let all: Vec<u32> = lock(&self.releases).drain().collect();
         let forgets = std::mem::take(&mut *lock(&self.forgets));
         if all.is_empty() && forgets.is_empty() {
