@@ -219,6 +219,9 @@ pub fn client(o: ClientOptions) -> Result<()> {
         distinct,
         writer,
     } = o;
+    // Like a C host program: a write to a pipe nobody reads ends the process, so the tests see
+    // whether the engine ever makes one (e.g. to a daemon that died).
+    sys::default_sigpipe()?;
     let len = mib << 20;
     let generation = std::cell::Cell::new(0u64);
     let content = |i: usize| {

@@ -648,3 +648,64 @@ fn a_scope_closes_when_its_last_client_leaves() {
         status(&path)["scopes"].as_array().map(Vec::len) == Some(0)
     });
 }
+
+/// A daemon that dies between answering a lookup with `WANTED` and reading the pages: the
+/// client's hand-over into the pipe then has no reader on the daemon's side. The client keeps
+/// SIGPIPE's default action (as a C host program does) and must neither die nor lose data: it
+/// runs unshared.
+#[test]
+fn a_daemon_that_dies_mid_copy_does_not_kill_the_client() {
+    use pageone_engine::proto::{self, Reply, Request};
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    let path = sock_path("dies");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        // Nobody answers the client's attempts to join again.
+        drop(listener);
+        let (body, pipe) = proto::read_frame(&s).unwrap();
+        assert!(matches!(Request::decode(&body), Ok(Request::Hello { .. })));
+        let pipe = pipe.expect("the greeting carries the pipe");
+        let capacity = 4096u32;
+        let store = pageone_sys::memfd_create(c"fake-store").unwrap();
+        pageone_sys::ftruncate(store.as_raw_fd(), capacity as u64 * PAGE).unwrap();
+        let welcome = Reply::Welcome {
+            capacity,
+            client: 1,
+            scope: "dies".into(),
+        };
+        proto::write_frame(&s, &welcome.encode(), Some(&store)).unwrap();
+        loop {
+            let (body, _) = proto::read_frame(&s).unwrap();
+            let reply = match Request::decode(&body).unwrap() {
+                Request::Lookup(hs) if !hs.is_empty() => {
+                    // "Dies": the pipe's read end goes first, then the answer, then the socket.
+                    drop(pipe);
+                    let wanted = Reply::Answers {
+                        answers: vec![proto::WANTED; hs.len()],
+                        offers: Vec::new(),
+                    };
+                    proto::write_frame(&s, &wanted.encode(), None).unwrap();
+                    return hs.len();
+                }
+                Request::Lookup(_) => Reply::Answers {
+                    answers: Vec::new(),
+                    offers: Vec::new(),
+                },
+                _ => Reply::Ok,
+            };
+            proto::write_frame(&s, &reply.encode(), None).unwrap();
+        }
+    });
+    let mut c = Client::start(&path, "dies", 8);
+    let wanted = fake.join().unwrap();
+    assert!(wanted > 0);
+    wait_for("the client running unshared", 10, || {
+        c.stats()["daemon"] == "lost"
+    });
+    c.verify();
+    c.finish();
+    let _ = std::fs::remove_file(&path);
+}

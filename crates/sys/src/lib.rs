@@ -1090,6 +1090,17 @@ fn splice_from_pipe(
     Ok(done)
 }
 
+/// Gives `SIGPIPE` its default action (end the process) again. Rust's runtime starts programs
+/// with it ignored, while C programs (and so most host programs of the shim and the C ABI) keep
+/// the default; tools that stand in for such programs call this.
+pub fn default_sigpipe() -> io::Result<()> {
+    // SAFETY: SIG_DFL is a valid disposition for SIGPIPE; no memory is passed.
+    if unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) } == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether `fd` is a pipe (or FIFO).
 pub fn is_pipe(fd: RawFd) -> io::Result<bool> {
     // SAFETY: stat is plain data; all-zero is a valid value.
