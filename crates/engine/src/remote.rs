@@ -209,9 +209,10 @@ impl Remote {
                 }
             };
             if taken == 0 {
-                // The pages are unreadable: these copies fail.
-                out.extend(rest.iter().map(|_| None));
-                break;
+                // The chunk's first page is unreadable: these copies fail.
+                out.extend(chunk.iter().map(|_| None));
+                rest = &rest[chunk.len()..];
+                continue;
             }
             let n = taken as u32;
             let req = if fresh {

@@ -299,6 +299,19 @@ pub fn punch_hole(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
     .map(drop)
 }
 
+/// Most iovecs one vectored call takes (`IOV_MAX`).
+const IOV_MAX: usize = 1024;
+
+/// One page-sized iovec per address.
+fn page_iovecs(srcs: &[usize]) -> Vec<libc::iovec> {
+    srcs.iter()
+        .map(|&a| libc::iovec {
+            iov_base: a as *mut libc::c_void,
+            iov_len: PAGE_SIZE,
+        })
+        .collect()
+}
+
 /// Writes the pages at `srcs` (each `PAGE_SIZE` bytes of this process's memory) to `fd` at
 /// consecutive offsets starting at `offset`, with as few `pwritev` calls as possible. The kernel
 /// reads the sources, so they may be written concurrently (the file then holds some mix of old
@@ -306,14 +319,8 @@ pub fn punch_hole(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
 pub fn pwrite_pages(fd: RawFd, srcs: &[usize], offset: u64) -> io::Result<()> {
     let mut done = 0usize;
     while done < srcs.len() {
-        let batch = (srcs.len() - done).min(1024); // IOV_MAX
-        let iov: Vec<libc::iovec> = srcs[done..done + batch]
-            .iter()
-            .map(|&a| libc::iovec {
-                iov_base: a as *mut libc::c_void,
-                iov_len: PAGE_SIZE,
-            })
-            .collect();
+        let batch = (srcs.len() - done).min(IOV_MAX);
+        let iov = page_iovecs(&srcs[done..done + batch]);
         let off = offset + (done * PAGE_SIZE) as u64;
         // SAFETY: iov is a live array of `batch` iovecs; the kernel only reads the sources.
         let n =
@@ -1010,14 +1017,8 @@ pub fn pipe_pending(fd: RawFd) -> io::Result<usize> {
 pub fn vmsplice_pages(fd: RawFd, srcs: &[usize]) -> io::Result<usize> {
     let mut done = 0usize;
     while done < srcs.len() {
-        let batch = (srcs.len() - done).min(1024); // IOV_MAX
-        let iov: Vec<libc::iovec> = srcs[done..done + batch]
-            .iter()
-            .map(|&a| libc::iovec {
-                iov_base: a as *mut libc::c_void,
-                iov_len: PAGE_SIZE,
-            })
-            .collect();
+        let batch = (srcs.len() - done).min(IOV_MAX);
+        let iov = page_iovecs(&srcs[done..done + batch]);
         // SAFETY: iov is a live array of `batch` iovecs naming mapped pages of this process; the
         // kernel takes references to those pages and never writes them.
         let n = unsafe { libc::vmsplice(fd, iov.as_ptr(), batch, libc::SPLICE_F_NONBLOCK) };
