@@ -68,6 +68,13 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
             s["noted_first_sightings"],
         );
         for c in s["clients"].as_array().into_iter().flatten() {
+            if c["connected"] == false {
+                println!(
+                    "  client {} pid {}: disconnected; its {} copies stay held until it exits",
+                    c["client"], c["pid"], c["held"]
+                );
+                continue;
+            }
             let st = &c["stats"];
             println!(
                 "  client {} pid {}: shared {} sharing {} zero {} merges {} ({:.0}/s) \

@@ -709,3 +709,103 @@ fn a_daemon_that_dies_mid_copy_does_not_kill_the_client() {
     c.finish();
     let _ = std::fs::remove_file(&path);
 }
+
+/// A client whose connection ends while its process lives may still map its copies: the daemon
+/// keeps them until the process exits (freeing one would turn the page into a hole, which reads
+/// as zeros). One that said goodbye first has its copies freed at once.
+#[test]
+fn a_connection_lost_while_the_process_lives_keeps_its_copies() {
+    use pageone_engine::proto::{self, Reply, Request};
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    let path = sock_path("linger");
+    let _daemon = Daemon::start(&path);
+    let page = PAGE as usize;
+    // Joins, copies one page of `byte` through its pipe and returns the connection and the slot.
+    let join_and_copy = |byte: u8| {
+        let s = UnixStream::connect(&path).unwrap();
+        let (pipe_r, pipe_w) = pageone_sys::pipe().unwrap();
+        let hello = Request::Hello {
+            version: proto::VERSION,
+            scope: "linger".into(),
+        };
+        let (r, store) = proto::call(&s, &hello, Some(&pipe_r)).unwrap();
+        assert!(matches!(r, Reply::Welcome { .. }));
+        std::fs::File::from(pipe_w)
+            .write_all(&vec![byte; page])
+            .unwrap();
+        let (r, _) = proto::call(&s, &Request::Copy(1), None).unwrap();
+        let Reply::Slots(slots) = r else {
+            panic!("{r:?}")
+        };
+        assert_ne!(slots[0], proto::FAILED);
+        (s, store.unwrap(), slots[0])
+    };
+    let store_bytes = || scope(&status(&path), "linger").map(|s| s["store_resident_bytes"].clone());
+    let (s, store, slot) = join_and_copy(0xa5);
+    // Mapped the way a merge maps it: a private mapping of the store.
+    let at = pageone_sys::mmap_anonymous(page).unwrap();
+    // SAFETY: `at` is this test's own fresh page; nothing refers to it.
+    unsafe { pageone_sys::mmap_private_fixed(at, page, store.as_raw_fd(), slot as u64 * PAGE) }
+        .unwrap();
+    // SAFETY: `at` is mapped (read here, written by nobody).
+    let read = || (0..page).all(|i| unsafe { std::ptr::read_volatile(at.add(i)) } == 0xa5);
+    assert!(read());
+    drop(s);
+    wait_for("the daemon to see the connection end", 10, || {
+        scope(&status(&path), "linger").map_or(true, |sc| sc["clients"][0]["connected"] == false)
+    });
+    assert!(read(), "the copy was freed under a live process");
+    assert_eq!(store_bytes(), Some(serde_json::json!(PAGE)));
+    // Said goodbye: freed when the connection ends (the first one's copy stays).
+    let (s, _, _) = join_and_copy(0x5a);
+    assert_eq!(store_bytes(), Some(serde_json::json!(2 * PAGE)));
+    assert_eq!(
+        proto::call(&s, &Request::Goodbye, None).unwrap().0,
+        Reply::Ok
+    );
+    drop(s);
+    wait_for("the second copy freed", 10, || {
+        store_bytes() == Some(serde_json::json!(PAGE))
+    });
+    assert!(read());
+    // SAFETY: mapped above; nothing refers to it any more.
+    unsafe { pageone_sys::munmap(at, page) }.unwrap();
+}
+
+/// An engine in a process that goes on living: when it stops, its merged pages become private
+/// again and it says goodbye, so the daemon frees its copies at once.
+#[test]
+fn an_engine_that_stops_frees_its_copies_while_the_process_lives() {
+    let _g = serial();
+    let path = sock_path("goodbye");
+    let _daemon = Daemon::start(&path);
+    let engine = pageone_engine::Engine::builder()
+        .daemon(Some(path.clone()))
+        .scope("goodbye")
+        .merge_period(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (page, pages) = (PAGE as usize, 64);
+    let at = pageone_sys::mmap_anonymous(pages * page).unwrap();
+    // SAFETY: `at` is this test's own fresh mapping; written before it is registered.
+    unsafe { std::ptr::write_bytes(at, 0x33, pages * page) };
+    engine.register(at, pages * page).unwrap();
+    wait_for(
+        "the pages merged onto a copy in the daemon's store",
+        20,
+        || {
+            engine.stats().pages_sharing == pages as u64 - 1
+                && scope(&status(&path), "goodbye").is_some_and(|s| s["pages_shared"] == 1)
+        },
+    );
+    engine.shutdown();
+    wait_for("the copy freed", 10, || {
+        scope(&status(&path), "goodbye").map_or(true, |s| s["store_resident_bytes"] == 0)
+    });
+    // SAFETY: the mapping is ours and unregistered; nobody writes it.
+    let intact = (0..pages * page).all(|i| unsafe { std::ptr::read_volatile(at.add(i)) } == 0x33);
+    assert!(intact, "data changed");
+    // SAFETY: mapped above; nothing refers to it any more.
+    unsafe { pageone_sys::munmap(at, pages * page) }.unwrap();
+}

@@ -25,8 +25,11 @@
 //!
 //! A slot is freed (hole punched, index entry removed) when no client holds it. Holds are a set
 //! per client, so a client can only drop its own; when a client's socket closes (exit or
-//! `kill -9`) its holds are dropped. If the daemon dies, clients keep their merged pages (their
-//! mappings keep the memfd alive) and run unshared.
+//! `kill -9`) its holds are dropped. The daemon checks that the client's process is gone (a
+//! pidfd). A connection lost while the process lives keeps its holds until the process exits,
+//! unless the client said `Goodbye` (its engine stopped and made its pages private). If the
+//! daemon dies, clients keep their merged pages (their mappings keep the memfd alive) and run
+//! unshared.
 //!
 //! # Scopes and trust
 //!
@@ -157,6 +160,8 @@ impl SlotSet {
 
 struct Client {
     pid: i32,
+    /// False once its connection ended while its process lives (see `serve`).
+    connected: bool,
     held: SlotSet,
     offers: Vec<(u128, u32)>,
     report: Option<serde_json::Value>,
@@ -581,6 +586,8 @@ impl Daemon {
 /// Serves one connection; returns whether a client joined a scope on it.
 fn serve(inner: &Inner, sock: UnixStream) -> bool {
     let mut joined: Option<(Arc<Scope>, u64, OwnedFd)> = None;
+    // The client's process, to tell an exit from a connection lost while it lives.
+    let mut process: Option<OwnedFd> = None;
     let result = (|| -> Result<(), ProtoError> {
         loop {
             let (body, fd) = proto::read_frame(&sock)?;
@@ -595,13 +602,14 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (_, Request::Status) => Reply::Text(status_json(inner).to_string()),
                 (None, Request::Hello { version, scope }) => {
                     match join(inner, &sock, version, &scope, fd) {
-                        Ok((sc, id, pipe, store_ro)) => {
+                        Ok((sc, id, pipe, store_ro, pidfd)) => {
                             let r = Reply::Welcome {
                                 capacity: sc.capacity,
                                 client: id,
                                 scope: sc.name.clone(),
                             };
                             joined = Some((sc, id, pipe));
+                            process = pidfd;
                             reply(&sock, r, Some(&store_ro))?;
                             continue;
                         }
@@ -611,6 +619,11 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 (None, _) => Reply::Error("say hello first".into()),
                 (Some(_), Request::Hello { .. }) => Reply::Error("already joined".into()),
                 (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs),
+                (Some(_), Request::Goodbye) => {
+                    // Its holds go when the connection ends, process alive or not.
+                    process = None;
+                    Reply::Ok
+                }
                 (Some((sc, id, pipe)), Request::Copy(n)) => copy(sc, *id, pipe, n, false),
                 (Some((sc, id, pipe)), Request::CopyFresh(n)) => copy(sc, *id, pipe, n, true),
                 (Some((sc, id, _)), Request::Release(slots)) => {
@@ -661,6 +674,37 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
     }
     let was_joined = joined.is_some();
     if let Some((sc, id, _)) = joined {
+        // A connection that ended while the client's process lives, without a goodbye (an
+        // error, not an exit), may leave it mapping its copies: freeing them would turn its
+        // pages into holes, which read as zeros. They stay held until the process exits. (A
+        // process that forked keeps the socket open in its children, so an exit of all of them
+        // ends the connection.)
+        let holds = |sc: &Scope| {
+            lock(&sc.state)
+                .clients
+                .get(&id)
+                .is_some_and(|c| c.held.len() > 0)
+        };
+        if let Some(p) = process.as_ref().filter(|_| holds(&sc)) {
+            if matches!(sys::pidfd_exited(p.as_raw_fd(), false), Ok(false)) {
+                {
+                    let mut st = lock(&sc.state);
+                    st.forget_client(id);
+                    if let Some(c) = st.clients.get_mut(&id) {
+                        c.connected = false;
+                        // Its pages are counted by its new connection, if it makes one.
+                        c.report = None;
+                        c.merges_per_sec = 0.0;
+                    }
+                }
+                tracing::info!(
+                    client = id,
+                    scope = %sc.name,
+                    "client disconnected while its process lives; its copies stay until it exits"
+                );
+                let _ = sys::pidfd_exited(p.as_raw_fd(), true);
+            }
+        }
         // Exit, crash or protocol error: the client's holds go (its mappings went with it).
         let mut dead = Vec::new();
         let mut st = lock(&sc.state);
@@ -698,7 +742,7 @@ fn valid_scope_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
-type Joined = (Arc<Scope>, u64, OwnedFd, OwnedFd);
+type Joined = (Arc<Scope>, u64, OwnedFd, OwnedFd, Option<OwnedFd>);
 
 fn join(
     inner: &Inner,
@@ -761,6 +805,7 @@ fn join(
         id,
         Client {
             pid: cred.pid,
+            connected: true,
             held: SlotSet::default(),
             offers: Vec::new(),
             report: None,
@@ -770,7 +815,8 @@ fn join(
     );
     drop(scopes);
     tracing::info!(client = id, pid = cred.pid, uid = cred.uid, scope = %sc.name, "client joined");
-    Ok((sc, id, pipe, store_ro))
+    let pidfd = sys::peer_pidfd(sock.as_raw_fd(), cred.pid).ok();
+    Ok((sc, id, pipe, store_ro, pidfd))
 }
 
 fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
@@ -984,6 +1030,7 @@ fn status_json(inner: &Inner) -> serde_json::Value {
             clients.push(serde_json::json!({
                 "client": id,
                 "pid": c.pid,
+                "connected": c.connected,
                 "held": c.held.len(),
                 "merges_per_sec": c.merges_per_sec,
                 "stats": c.report,

@@ -594,6 +594,7 @@ impl Engine {
             for (_, r) in regions {
                 unregister_region(&self.shared, &mut st, r);
             }
+            st.store.say_goodbye();
         }
         if let Some(t) = self.fault_thread.take() {
             let _ = t.join();

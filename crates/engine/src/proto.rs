@@ -41,6 +41,7 @@ const T_REPORT: u32 = 5;
 const T_STATUS: u32 = 6;
 const T_COPY_FRESH: u32 = 7;
 const T_FORGET: u32 = 8;
+const T_GOODBYE: u32 = 9;
 const T_WELCOME: u32 = 101;
 const T_ANSWERS: u32 = 102;
 const T_SLOTS: u32 = 103;
@@ -68,6 +69,10 @@ pub enum Request {
     Report(String),
     /// `pageone status`: the daemon's view as JSON (no `Hello` needed).
     Status,
+    /// The client maps no copy of the store any more (its engine stopped and made every merged
+    /// page private): when the connection ends, its holds go at once, even while its process
+    /// lives.
+    Goodbye,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -236,6 +241,7 @@ impl Request {
                 e.finish()
             }
             Request::Status => Enc::new(T_STATUS).finish(),
+            Request::Goodbye => Enc::new(T_GOODBYE).finish(),
         }
     }
 
@@ -257,6 +263,7 @@ impl Request {
             T_FORGET => Request::Forget(d.hashes()?),
             T_REPORT => Request::Report(d.string()?),
             T_STATUS => Request::Status,
+            T_GOODBYE => Request::Goodbye,
             _ => return Err(ProtoError::Malformed("unknown request")),
         };
         d.end()?;
@@ -425,6 +432,7 @@ mod tests {
             Request::Forget(vec![5, u128::MAX]),
             Request::Report("{}".into()),
             Request::Status,
+            Request::Goodbye,
         ];
         for r in reqs {
             let f = r.encode();

@@ -278,6 +278,13 @@ impl Remote {
         }
     }
 
+    /// Tells the daemon that this process maps none of its copies any more, so that it frees
+    /// them when the connection ends (else it keeps them until the process exits).
+    pub(crate) fn goodbye(&self) {
+        let sock = lock(&self.sock);
+        let _ = self.call(&sock, &Request::Goodbye);
+    }
+
     /// Hands the daemon this process's counters (JSON) for `pageone status`.
     pub(crate) fn report(&self, json: String) {
         let sock = lock(&self.sock);

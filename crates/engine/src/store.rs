@@ -296,6 +296,19 @@ impl Store {
 
     /// Punches the copies freed since the last call, one call per run of consecutive ids, and
     /// makes their ids reusable (lowest first, so reused ids come in runs too).
+    /// Tells the daemon, if any, that this process maps none of its copies any more (called once
+    /// every region is unregistered, so merged pages are private again). Not after a `fork`: a
+    /// child may still map copies.
+    pub(crate) fn say_goodbye(&self) {
+        // Relaxed: see note_fork.
+        if FORKED.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(r) = &self.remote {
+            r.goodbye();
+        }
+    }
+
     pub(crate) fn punch_pending(&mut self) {
         if self.pending.is_empty() {
             return;

@@ -1141,6 +1141,55 @@ pub fn peer_cred(sock: RawFd) -> io::Result<PeerCred> {
     })
 }
 
+/// A pidfd of the process at the other end of a Unix socket: `SO_PEERPIDFD` (Linux 6.5), which
+/// names the process that connected even if its pid was reused since; else `pidfd_open(pid)`
+/// with the pid from [`peer_cred`] (`pid` 0, a peer in another pid namespace, has none).
+pub fn peer_pidfd(sock: RawFd, pid: i32) -> io::Result<OwnedFd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: fd and len are live and sized for SO_PEERPIDFD (an int).
+    let got = unsafe {
+        libc::getsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if got == 0 && fd >= 0 {
+        // SAFETY: the kernel just returned this descriptor and nobody else owns it.
+        return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+    if pid <= 0 {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    // SAFETY: no memory is passed to the kernel.
+    let fd = cvt(unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) })?;
+    // SAFETY: the kernel just returned this descriptor and nobody else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Whether the process behind `pidfd` has exited; with `wait`, waits until it has.
+pub fn pidfd_exited(pidfd: RawFd, wait: bool) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd: pidfd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `p` is one live pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, if wait { -1 } else { 0 }) };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Sends all of `data` on a stream socket, with `fd` attached (`SCM_RIGHTS`) to the first byte.
 pub fn send_with_fd(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Result<()> {
     let mut sent = 0;

@@ -25,6 +25,9 @@ pub const UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES: u64 = 1 << 1;
 
 pub const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
 
+/// `include/uapi/asm-generic/socket.h` (Linux 6.5): a pidfd of a Unix socket's peer.
+pub const SO_PEERPIDFD: libc::c_int = 77;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct UffdioApi {
