@@ -809,3 +809,84 @@ fn an_engine_that_stops_frees_its_copies_while_the_process_lives() {
     // SAFETY: mapped above; nothing refers to it any more.
     unsafe { pageone_sys::munmap(at, pages * page) }.unwrap();
 }
+
+/// Forwards every connection made to `front` to the daemon at `back`, frame by frame with its
+/// descriptor; [`Proxy::cut`] ends the connections it carries so far (the daemon lives on).
+struct Proxy {
+    carried: std::sync::Arc<std::sync::Mutex<Vec<UnixStream>>>,
+}
+
+impl Proxy {
+    fn start(front: &Path, back: &Path) -> Self {
+        use pageone_engine::proto;
+        let _ = std::fs::remove_file(front);
+        let listener = std::os::unix::net::UnixListener::bind(front).unwrap();
+        let carried = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (list, back) = (carried.clone(), back.to_path_buf());
+        std::thread::spawn(move || {
+            for client in listener.incoming().map_while(Result::ok) {
+                list.lock().unwrap().push(client.try_clone().unwrap());
+                let daemon = UnixStream::connect(&back).unwrap();
+                std::thread::spawn(move || {
+                    // Strictly request then reply; either side closing ends both.
+                    let forward = |from: &UnixStream, to: &UnixStream| -> Option<()> {
+                        let (body, fd) = proto::read_frame(from).ok()?;
+                        let mut frame = ((body.len()) as u32).to_le_bytes().to_vec();
+                        frame.extend_from_slice(&body);
+                        proto::write_frame(to, &frame, fd.as_ref()).ok()
+                    };
+                    while forward(&client, &daemon).is_some() && forward(&daemon, &client).is_some()
+                    {
+                    }
+                });
+            }
+        });
+        Proxy { carried }
+    }
+
+    fn cut(&self) {
+        for s in self.carried.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A client whose connection drops while the daemon lives joins that same daemon again. Its
+/// merged pages keep mapping the same store (the old holds stay while the process lives), are
+/// held again by the new connection, and are not made private later: that store was not
+/// replaced.
+#[test]
+fn a_client_that_loses_its_connection_joins_the_same_daemon_again() {
+    let _g = serial();
+    let path = sock_path("same");
+    let front = sock_path("same-proxy");
+    let _daemon = Daemon::start(&path);
+    let proxy = Proxy::start(&front, &path);
+    let mib = 8;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut direct = Client::start(&path, "same", mib);
+    let mut proxied = Client::start(&front, "same", mib);
+    wait_for("both clients merged", 60, || {
+        [&mut direct, &mut proxied]
+            .iter_mut()
+            .all(|c| c.stats()["pages_shared"].as_u64() == Some(pages))
+    });
+    proxy.cut();
+    proxied.ask("KICK");
+    wait_for("the client joined the same daemon again", 20, || {
+        let s = proxied.stats();
+        s["daemon"] == "connected" && s["daemon_joins"] == 1
+    });
+    // Well past the periods after which pages still on a replaced store are made private.
+    std::thread::sleep(Duration::from_millis(3000));
+    let s = proxied.stats();
+    // (Made private, they would show as copy-on-write breaks, then merge again.)
+    assert_eq!(s["cow_breaks"], 0, "{s}");
+    assert_eq!(s["pages_left_private"], 0, "{s}");
+    assert_eq!(s["pages_shared"].as_u64(), Some(pages), "{s}");
+    assert_eq!(store_inodes(proxied.pid).len(), 1);
+    proxied.verify();
+    direct.verify();
+    proxied.finish();
+    direct.finish();
+}

@@ -192,10 +192,14 @@ impl Store {
 
     /// Takes over from `old`, whose copies may still be mapped by pages merged onto it: its
     /// mappings are still recognised as store mappings (see [`Store::maps_inode`]). `old` itself
-    /// (its index, its view, its daemon link) goes.
+    /// (its index, its view, its daemon link) goes. The same daemon joined again hands out the
+    /// same file: that one is not replaced (its copies stay held for this process by the old
+    /// connection until the process exits, and are held again as pages move).
     pub(crate) fn take_over(&mut self, old: Store) {
+        let current = self.inode();
         self.retired_inodes = old.retired_inodes.clone();
         self.retired_inodes.push(old.inode());
+        self.retired_inodes.retain(|&i| i != current);
     }
 
     /// Whether mappings of file `inode` are mappings of this store or of one it replaced.
