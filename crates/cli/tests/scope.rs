@@ -831,7 +831,7 @@ impl Proxy {
                     // Strictly request then reply; either side closing ends both.
                     let forward = |from: &UnixStream, to: &UnixStream| -> Option<()> {
                         let (body, fd) = proto::read_frame(from).ok()?;
-                        let mut frame = ((body.len()) as u32).to_le_bytes().to_vec();
+                        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
                         frame.extend_from_slice(&body);
                         proto::write_frame(to, &frame, fd.as_ref()).ok()
                     };

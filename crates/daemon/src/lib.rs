@@ -679,13 +679,11 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
         // pages into holes, which read as zeros. They stay held until the process exits. (A
         // process that forked keeps the socket open in its children, so an exit of all of them
         // ends the connection.)
-        let holds = |sc: &Scope| {
-            lock(&sc.state)
-                .clients
-                .get(&id)
-                .is_some_and(|c| c.held.len() > 0)
-        };
-        if let Some(p) = process.as_ref().filter(|_| holds(&sc)) {
+        let holds = lock(&sc.state)
+            .clients
+            .get(&id)
+            .is_some_and(|c| c.held.len() > 0);
+        if let Some(p) = process.as_ref().filter(|_| holds) {
             if matches!(sys::pidfd_exited(p.as_raw_fd(), false), Ok(false)) {
                 {
                     let mut st = lock(&sc.state);

@@ -941,15 +941,19 @@ pub fn reopen_readonly(fd: RawFd) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r as RawFd) })
 }
 
-/// Size in bytes and allocated bytes (`st_blocks * 512`) of the file behind `fd`, and whether it
-/// is a regular file (memfds are).
-pub fn file_usage(fd: RawFd) -> io::Result<(u64, u64, bool)> {
+/// `fstat` of `fd`.
+fn fstat(fd: RawFd) -> io::Result<libc::stat> {
     // SAFETY: stat is plain data; all-zero is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: st is a live, writable stat buffer.
     cvt(unsafe { libc::fstat(fd, &mut st) } as libc::c_long)?;
-    let regular = st.st_mode & libc::S_IFMT == libc::S_IFREG;
-    Ok((st.st_size as u64, st.st_blocks as u64 * 512, regular))
+    Ok(st)
+}
+
+/// Size in bytes and allocated bytes (`st_blocks * 512`) of the file behind `fd`.
+pub fn file_usage(fd: RawFd) -> io::Result<(u64, u64)> {
+    let st = fstat(fd)?;
+    Ok((st.st_size as u64, st.st_blocks as u64 * 512))
 }
 
 /// Reads up to `len` bytes of `fd` at `offset` into the memory at `dst`; returns the bytes read
@@ -1104,11 +1108,7 @@ pub fn default_sigpipe() -> io::Result<()> {
 
 /// Whether `fd` is a pipe (or FIFO).
 pub fn is_pipe(fd: RawFd) -> io::Result<bool> {
-    // SAFETY: stat is plain data; all-zero is a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: st is a live, writable stat buffer.
-    cvt(unsafe { libc::fstat(fd, &mut st) } as libc::c_long)?;
-    Ok(st.st_mode & libc::S_IFMT == libc::S_IFIFO)
+    Ok(fstat(fd)?.st_mode & libc::S_IFMT == libc::S_IFIFO)
 }
 
 /// Credentials of the process at the other end of a Unix socket (`SO_PEERCRED`).
@@ -1300,16 +1300,13 @@ mod tests {
     /// The pipe path the daemon copies through: in order, bounded by the pipe's capacity, and
     /// never waiting.
     #[test]
-    fn pages_pass_through_a_pipe_by_reference_without_waiting() {
+    fn pages_pass_through_a_pipe_in_order_without_waiting() {
         let pages = 8;
         let src = mmap_anonymous(pages * PAGE_SIZE).unwrap();
-        let fill = |v: u8| {
-            for i in 0..pages {
-                // SAFETY: page i of the fresh private mapping above, owned by this test.
-                unsafe { std::ptr::write_bytes(src.add(i * PAGE_SIZE), v + i as u8, PAGE_SIZE) };
-            }
-        };
-        fill(1);
+        for i in 0..pages {
+            // SAFETY: page i of the fresh private mapping above, owned by this test.
+            unsafe { std::ptr::write_bytes(src.add(i * PAGE_SIZE), 1 + i as u8, PAGE_SIZE) };
+        }
         let srcs: Vec<usize> = (0..pages).map(|i| src as usize + i * PAGE_SIZE).collect();
         let (r, w) = pipe().unwrap();
         // A pipe of 4 pages takes 4 of the 8 and does not wait for room.
