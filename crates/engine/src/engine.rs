@@ -95,7 +95,7 @@ struct State {
     /// VMAs of the process: counted at the start of each period, then kept by the committer.
     vmas: usize,
     /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
-    unstable: HashMap<u128, (usize, u8), HashOfHash>,
+    unstable: FirstSightings,
     /// UNIQUE pages written (or released) since the last sweep: their first-sighting entries are
     /// stale until [`sweep_first_sightings`] drops them.
     stale_sightings: usize,
@@ -289,7 +289,7 @@ impl Engine {
                 volatile: 0,
                 zero: 0,
                 vmas: 0,
-                unstable: HashMap::default(),
+                unstable: FirstSightings::default(),
                 stale_sightings: 0,
                 heap_dirty: false,
                 ahead_jobs: Vec::new(),
@@ -447,7 +447,7 @@ impl Engine {
                 sums,
             },
         );
-        read_ahead(&mut st, &self.pool, a, end);
+        read_ahead(&mut st, &self.pool, a, end, self.shared.mode);
         drop(st);
         if self.shared.mode == WatchMode::UffdWp {
             let period = lock(&self.shared.config).merge_period;
@@ -664,8 +664,7 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     let (start, end) = (r.start, r.start + r.len());
     // First sightings in the range are forgotten: the range may be registered again later, with
     // page epochs starting over.
-    st.unstable
-        .retain(|_, &mut (addr, _)| addr < start || addr >= end);
+    st.unstable.retain(|_, addr, _| addr < start || addr >= end);
     unregister_range(&sh.uffd, start, r.len());
     // Merged and COW-broken pages live in mappings of the store: turn those back into anonymous
     // memory, so the range behaves exactly as before registering (e.g. MADV_DONTNEED gives zeros).
@@ -1247,10 +1246,11 @@ fn run_period(
     let t_order = Instant::now();
     let batches = batches_by_content(candidates, pool);
     tracing::debug!(order_ms = t_order.elapsed().as_secs_f64() * 1e3, "order");
-    if many {
-        // Contents seen once this period become first sightings (unless a stable copy or
-        // another process has them): room for them at once, instead of rehashing a map of up to
-        // hundreds of thousands of entries into fresh memory doubling after doubling.
+    if many && view.remote.is_none() {
+        // Contents seen once this period become first sightings (unless a stable copy has them):
+        // room for them at once, instead of rehashing a map of up to hundreds of thousands of
+        // entries into fresh memory doubling after doubling. (With a daemon, most are another
+        // process's: each batch makes room for what the daemon left to it, see `classify`.)
         let singles = batches.singles();
         lock(&sh.state).unstable.reserve(singles);
     }
@@ -1406,7 +1406,7 @@ fn sweep_first_sightings(st: &mut State) {
         ..
     } = st;
     let mut gone = Vec::new();
-    unstable.retain(|&h, &mut (addr, epoch)| {
+    unstable.retain(|h, addr, epoch| {
         let live = still_waiting(regions, addr, epoch).is_some();
         if !live {
             gone.push(h);
@@ -1467,12 +1467,17 @@ fn batches_by_content(cands: Vec<Candidate>, pool: &Pool) -> ContentBatches {
     pool.run(
         parts,
         Arc::new(move |part| {
-            // (first, last) candidate of each content of this part.
-            let mut ends: HashMap<u64, (u32, u32), HashOfHash> =
-                HashMap::with_capacity_and_hasher(k.len() / 4 / parts, HashOfHash::default());
+            // Parts split on high bits: the map's buckets use the low ones.
+            let mine = |key: u64| key != 0 && (key >> 40) as usize % parts == part;
+            // (first, last) candidate of each content of this part, in a map sized for as many
+            // contents as it has keys (mostly so: pages that wait this long are mostly unique),
+            // not grown into fresh memory doubling after doubling.
+            let mut ends: HashMap<u64, (u32, u32), HashOfHash> = HashMap::with_capacity_and_hasher(
+                k.iter().filter(|&&key| mine(key)).count(),
+                HashOfHash::default(),
+            );
             for (i, &key) in k.iter().enumerate() {
-                // Parts split on high bits: the map's buckets use the low ones.
-                if key == 0 || (key >> 40) as usize % parts != part {
+                if !mine(key) {
                     continue;
                 }
                 let i = i as u32;
@@ -1598,7 +1603,7 @@ impl AheadBlock {
 ///
 /// Each part finds its own present pages (`PAGEMAP_SCAN`), so registering costs only the
 /// queueing: the registering thread is the program's own.
-fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
+fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize, mode: WatchMode) {
     let room = AHEAD_MAX_PAGES.saturating_sub(ahead_pages(st));
     let end = end.min(start + room * PAGE);
     if end <= start {
@@ -1622,9 +1627,11 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
         Arc::new(move |part| {
             let lo = start + part * AHEAD_PART * PAGE;
             let hi = (lo + AHEAD_PART * PAGE).min(end);
+            // Only present pages (reading a missing one would fault it in), neither the zero
+            // page nor a file page.
             let present = sys::ScanQuery {
-                category_mask: PAGE_IS_PRESENT,
-                return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE,
+                category_mask: PAGE_IS_PRESENT | anonymous_mapping(mode),
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | file_page(mode),
                 ..Default::default()
             };
             let mut found = Vec::new();
@@ -1633,12 +1640,9 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize) {
             }
             let mut buf = [0u64; WORDS];
             let mut res = lock(&out[part]);
-            // Only present pages (reading a missing one would fault it in), neither the zero
-            // page nor a file page.
-            let wanted = PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE;
             for r in found
                 .iter()
-                .filter(|r| r.categories & wanted == PAGE_IS_PRESENT)
+                .filter(|r| r.categories & (PAGE_IS_PFNZERO | PAGE_IS_FILE) == 0)
             {
                 for addr in (r.start as usize..r.end as usize).step_by(PAGE) {
                     res.push((addr, read_page(addr, tree.as_deref(), store_base, &mut buf)));
@@ -1861,6 +1865,29 @@ fn checksum_changed(addr: usize, last: &mut u64) -> bool {
     changed
 }
 
+/// Whether a page is a file page costs the kernel a look at the page itself (`PAGE_IS_FILE`:
+/// 7x the cost of a walk that reads page table entries only). In the write-protect mode the
+/// mapping tells instead: registered pieces that are write-protectable (`PAGE_IS_WPALLOWED`, a
+/// property of the mapping) are the anonymous ones, the others are mappings of the store. So
+/// walks in that mode ask for `anonymous_mapping` or its inverse, and for `file_page` (nothing)
+/// on the anonymous side.
+fn anonymous_mapping(mode: WatchMode) -> u64 {
+    if mode == WatchMode::UffdWp {
+        PAGE_IS_WPALLOWED
+    } else {
+        0
+    }
+}
+
+/// See [`anonymous_mapping`]: the `PAGE_IS_FILE` bit where a walk must ask the page.
+fn file_page(mode: WatchMode) -> u64 {
+    if mode == WatchMode::UffdWp {
+        0
+    } else {
+        PAGE_IS_FILE
+    }
+}
+
 /// Pages written since the last scan, write-protected again by the same call.
 fn written_query() -> sys::ScanQuery {
     sys::ScanQuery {
@@ -1954,16 +1981,23 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
             regions_buf.clear();
             if r.merged_ever {
                 // Write-protect scans skip the store mappings merged pages live in, so those are
-                // seen by a second scan (present and file-backed, or written: copy-on-write broken).
+                // seen by more scans: which pages are present in the anonymous pieces, and in the
+                // store mappings which are present and file-backed (or written: copy-on-write
+                // broken). Each piece is walked for presence once (see `anonymous_mapping`).
                 pagemap.scan(r.start, end, &written_query(), &mut regions_buf)?;
-                mark_pages(&mut cats, r.start, &regions_buf);
-                regions_buf.clear();
-                let present = sys::ScanQuery {
-                    category_anyof_mask: PAGE_IS_PRESENT,
+                let anonymous = sys::ScanQuery {
+                    category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
+                    return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO,
+                    ..Default::default()
+                };
+                pagemap.scan(r.start, end, &anonymous, &mut regions_buf)?;
+                let store_mappings = sys::ScanQuery {
+                    category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
+                    category_inverted: PAGE_IS_WPALLOWED,
                     return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
                     ..Default::default()
                 };
-                pagemap.scan(r.start, end, &present, &mut regions_buf)?;
+                pagemap.scan(r.start, end, &store_mappings, &mut regions_buf)?;
             } else {
                 // Only anonymous memory: one walk returns every page's categories and
                 // write-protects the written ones again.
@@ -2164,10 +2198,82 @@ impl std::hash::Hasher for IdentityHasher {
 
 type HashOfHash = std::hash::BuildHasherDefault<IdentityHasher>;
 
+/// A content hash as two words: 8-byte aligned, so that a first-sighting entry takes 24 bytes,
+/// not the 32 a `u128` key pads it to (the map holds every page waiting for a twin).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct HashKey([u64; 2]);
+
+impl std::hash::Hash for HashKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.0[0]);
+    }
+}
+
+impl HashKey {
+    fn new(h: u128) -> Self {
+        Self([h as u64, (h >> 64) as u64])
+    }
+
+    fn get(self) -> u128 {
+        self.0[0] as u128 | (self.0[1] as u128) << 64
+    }
+}
+
+/// The first-sighting map: hash of contents -> (address, epoch) of the UNIQUE page waiting for
+/// another page of that content. The epoch rides in the address's page offset bits.
+#[derive(Default)]
+struct FirstSightings(HashMap<HashKey, u64, HashOfHash>);
+
+impl FirstSightings {
+    fn insert(&mut self, h: u128, addr: usize, epoch: u8) {
+        debug_assert_eq!(addr % PAGE, 0);
+        self.0.insert(HashKey::new(h), addr as u64 | epoch as u64);
+    }
+
+    fn remove(&mut self, h: u128) -> Option<(usize, u8)> {
+        self.0.remove(&HashKey::new(h)).map(unpack_sighting)
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(u128, usize, u8) -> bool) {
+        self.0.retain(|k, &mut v| {
+            let (addr, epoch) = unpack_sighting(v);
+            keep(k.get(), addr, epoch)
+        });
+    }
+
+    fn keys(&self) -> impl Iterator<Item = u128> + Clone + '_ {
+        self.0.keys().map(|k| k.get())
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn capacity(&self) -> usize {
+        self.0.capacity()
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.0.reserve(n);
+    }
+
+    fn shrink_to_fit(&mut self) {
+        self.0.shrink_to_fit();
+    }
+}
+
+fn unpack_sighting(v: u64) -> (usize, u8) {
+    ((v & !(PAGE as u64 - 1)) as usize, v as u8)
+}
+
 /// Takes the first sighting waiting under hash `h` out of the map: its page, if that is still
 /// the UNIQUE page of the same epoch (unwritten since it was hashed).
 fn take_waiting(st: &mut State, h: u128) -> Option<Candidate> {
-    let (addr, epoch) = st.unstable.remove(&h)?;
+    let (addr, epoch) = st.unstable.remove(h)?;
     let (region, index) = still_waiting(&st.regions, addr, epoch)?;
     Some(Candidate {
         region,
@@ -2202,6 +2308,24 @@ fn page_at(regions: &BTreeMap<usize, RegionState>, addr: usize) -> Option<(usize
 unsafe fn mark_words(addr: usize) -> [u64; 3] {
     // SAFETY: by the caller's contract; volatile because another thread may write the page.
     [0, 1, 2].map(|w| unsafe { std::ptr::read_volatile((addr as *const u64).add(w)) })
+}
+
+/// A set of candidate numbers (dense, from 0): a flag each, no hashing.
+#[derive(Default)]
+struct CandidateSet(Vec<bool>);
+
+impl CandidateSet {
+    fn insert(&mut self, i: u32) {
+        let i = i as usize;
+        if i >= self.0.len() {
+            self.0.resize(i + 1, false);
+        }
+        self.0[i] = true;
+    }
+
+    fn contains(&self, i: u32) -> bool {
+        self.0.get(i as usize).copied().unwrap_or(false)
+    }
 }
 
 /// Adds a candidate with no action yet; returns its number.
@@ -2353,7 +2477,7 @@ fn classify(
                     .cycle()
                     .skip(r.skip % n.max(1))
                     .take(r.take.min(n))
-                    .filter(|h| !first.contains_key(*h)),
+                    .filter(|h| !first.contains_key(h)),
             );
         }
         drop(guard);
@@ -2361,7 +2485,7 @@ fn classify(
         guard = lock(&sh.state);
         let st = &mut *guard;
         if let Some((answers, offers)) = reply {
-            let mut taken: HashSet<u32> = HashSet::new();
+            let mut taken = CandidateSet::default();
             for (&h, &a) in hs[keys.len()..].iter().zip(&answers[keys.len()..]) {
                 if a == crate::proto::NOTED {
                     continue;
@@ -2415,7 +2539,7 @@ fn classify(
                     }
                 }
             }
-            groups.retain(|g| !taken.contains(g));
+            groups.retain(|&g| !taken.contains(g));
             for (h, slot) in offers {
                 match take_waiting(st, h) {
                     Some(c) => {
@@ -2433,6 +2557,10 @@ fn classify(
         }
     }
     let st = &mut *guard;
+    // Room for the new first sightings at once (a map larger than its entries need would have
+    // them spread over more fresh memory).
+    st.unstable
+        .reserve(first.values().filter(|&&(_, grouped)| !grouped).count());
     for (&h, &(i, grouped)) in &first {
         if !grouped {
             let c = &cands[i as usize];
@@ -2441,7 +2569,7 @@ fn classify(
                 p.unchanged = 0;
                 if !in_store_mapping(p.kind) {
                     p.kind = UNIQUE;
-                    st.unstable.insert(h, (c.addr, p.epoch));
+                    st.unstable.insert(h, c.addr, p.epoch);
                 } else {
                     // A COW-broken page is re-hashed when it is a candidate again instead; each
                     // miss doubles the wait (to max_backoff periods), so the many unique pages a
@@ -2464,7 +2592,10 @@ fn classify(
         &mut member_of,
     );
     // Their copies are not indexed: the tree would answer with the full copy of that content.
-    let chunk_leaders: HashSet<u32> = fresh_groups.iter().copied().collect();
+    let mut chunk_leaders = CandidateSet::default();
+    for &g in &fresh_groups {
+        chunk_leaders.insert(g);
+    }
     let mut new_copies = Vec::new();
     if groups.is_empty() && adopted.is_empty() && fresh_groups.is_empty() {
         return Classified {
@@ -2547,7 +2678,7 @@ fn classify(
     // outcomes serially.
     let fresh: Vec<KeyId> = todo
         .iter()
-        .filter(|t| t.2 && !chunk_leaders.contains(&t.0))
+        .filter(|t| t.2 && !chunk_leaders.contains(t.0))
         .map(|t| t.1)
         .collect();
     let mut inserted = match &view.tree {
@@ -2557,9 +2688,10 @@ fn classify(
     .into_iter();
     let mut guard = lock(&sh.state);
     let st = &mut *guard;
-    let mut id_of_first: HashMap<u32, KeyId> = HashMap::with_capacity(todo.len());
+    // The copy of each group, by its first candidate.
+    let mut id_of_first: Vec<Option<KeyId>> = vec![None; cands.len()];
     for &(g, id, is_new) in &todo {
-        let used = if is_new && chunk_leaders.contains(&g) {
+        let used = if is_new && chunk_leaders.contains(g) {
             // Allocated here and never indexed: freed when its last page lets go of it.
             new_copies.push(id);
             id
@@ -2583,11 +2715,11 @@ fn classify(
         } else {
             id
         };
-        id_of_first.insert(g, used);
+        id_of_first[g as usize] = Some(used);
         actions[g as usize] = Some(Action::Merge(used));
     }
     for (i, f) in member_of {
-        if let Some(&id) = id_of_first.get(&f) {
+        if let Some(id) = id_of_first[f as usize] {
             actions[i as usize] = Some(Action::Merge(id));
         }
     }
@@ -2618,6 +2750,18 @@ fn split_groups(
 ) -> Vec<u32> {
     let cap = max_sharing.max(2) as usize;
     let mut fresh = Vec::new();
+    if member_of.is_empty() {
+        // No group has members (the usual batch across processes: each page adopts another
+        // process's copy): only leaders whose adopted copy is full need a fresh copy.
+        adopted.retain(|&(l, slot)| {
+            let full = store.room(slot, max_sharing) == 0;
+            if full {
+                fresh.push(l);
+            }
+            !full
+        });
+        return fresh;
+    }
     // Room per leader, counting the leader itself.
     let mut room: HashMap<u32, usize> = groups.iter().map(|&g| (g, cap)).collect();
     let mut full_adopted = HashSet::new();
@@ -3261,6 +3405,21 @@ fn commit(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A first sighting keeps its address, epoch and whole hash, in 24 bytes of map entry (the
+    /// map holds every page waiting for a twin).
+    #[test]
+    fn first_sightings_are_small_and_exact() {
+        assert_eq!(std::mem::size_of::<(HashKey, u64)>(), 24);
+        let mut f = FirstSightings::default();
+        let h = (0xfeed_u128 << 64) | 0xbeef;
+        f.insert(h, 0x7f12_3456_7000, 255);
+        f.insert(h ^ (1 << 64), 0x1000, 0);
+        assert_eq!(f.keys().filter(|&k| k == h).count(), 1);
+        assert_eq!(f.remove(h), Some((0x7f12_3456_7000, 255)));
+        assert_eq!(f.remove(h), None);
+        assert_eq!(f.remove(h ^ (1 << 64)), Some((0x1000, 0)));
+    }
 
     fn pre_of(k: u8) -> Pre {
         match k {

@@ -873,6 +873,12 @@ pub fn self_smaps_rollup_kib(field: &str) -> io::Result<u64> {
     read_kib("/proc/self/smaps_rollup", field)
 }
 
+/// A field (e.g. `RssAnon`) of `/proc/self/status`, in KiB: the kernel's counters, read without
+/// walking page tables as `smaps_rollup` does.
+pub fn self_status_kib(field: &str) -> io::Result<u64> {
+    read_kib("/proc/self/status", field)
+}
+
 fn read_kib(path: &str, field: &str) -> io::Result<u64> {
     let s = std::fs::read_to_string(path)?;
     for line in s.lines() {
