@@ -1578,6 +1578,8 @@ struct AheadJob {
     start: usize,
     end: usize,
     parts: Arc<Vec<Mutex<AheadPart>>>,
+    /// The store's allocation mark when the job started (see `AheadBlock::allocation_mark`).
+    allocation_mark: u64,
 }
 
 /// Results of a finished read-ahead of `[start, end)`: `parts[k]` holds, in address order, the
@@ -1586,6 +1588,9 @@ struct AheadBlock {
     start: usize,
     end: usize,
     parts: Vec<AheadPart>,
+    /// The store's allocation mark when the read began: a stable copy found then and given out
+    /// again since may hold other bytes now (freed and reused), and is not proposed.
+    allocation_mark: u64,
 }
 
 impl AheadBlock {
@@ -1620,6 +1625,7 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize, mode: Watch
     );
     let tree = st.store.local_index();
     let store_base = st.store.addr(0);
+    let allocation_mark = st.store.allocation_mark();
     let pagemap = st.pagemap.clone();
     let out = parts.clone();
     let done = pool.spawn(
@@ -1655,6 +1661,7 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize, mode: Watch
         start,
         end,
         parts,
+        allocation_mark,
     });
 }
 
@@ -1737,6 +1744,7 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
             .map(|j| AheadBlock {
                 start: j.start,
                 end: j.end,
+                allocation_mark: j.allocation_mark,
                 parts: j
                     .parts
                     .iter()
@@ -1757,7 +1765,12 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
     if st.ahead.is_empty() || cands.is_empty() {
         return;
     }
-    let State { ahead, regions, .. } = &mut *st;
+    let State {
+        ahead,
+        regions,
+        store,
+        ..
+    } = &mut *st;
     // Candidates and blocks are in address order; blocks do not overlap (one per registration).
     // A block whose pages all came up as candidates has served: it is dropped now (it holds 32
     // bytes per page).
@@ -1792,7 +1805,9 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
         let fresh = regions
             .get(&c.region)
             .is_some_and(|r| r.pages[c.index].kind == ANON && r.pages[c.index].epoch == 0);
-        if fresh {
+        let stale =
+            matches!(pre, Pre::Stable(id) if store.reallocated_since(id, b.allocation_mark));
+        if fresh && !stale {
             c.pre = pre;
         }
     }

@@ -102,6 +102,11 @@ pub(crate) struct Store {
     in_tree: Vec<u32>,
     /// Whether the id holds a live copy (allocated and not yet freed).
     allocated: Vec<bool>,
+    /// Per id, the allocation (a count of `alloc` calls) that last gave it out: a copy named
+    /// before that may have held other bytes (see [`Store::reallocated_since`]).
+    allocated_at: Vec<u64>,
+    /// `alloc` calls so far.
+    allocs: u64,
     /// Entries of published copies, to remove them by handle (as long as the highest id ever
     /// inserted in the tree).
     entries: Vec<Option<pageone_index::Entry>>,
@@ -178,6 +183,8 @@ impl Store {
             indexed: Vec::new(),
             in_tree: Vec::new(),
             allocated: Vec::new(),
+            allocated_at: Vec::new(),
+            allocs: 0,
             entries: Vec::new(),
             bump: 0,
             free: Vec::new(),
@@ -262,13 +269,28 @@ impl Store {
         }
         for &id in &out {
             self.allocated[id as usize] = true;
+            self.allocated_at[id as usize] = self.allocs;
         }
+        self.allocs += 1;
         Some(out)
     }
 
     /// Whether `id` holds a live copy (allocated and not freed since).
     pub(crate) fn is_allocated(&self, id: KeyId) -> bool {
         self.allocated.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// A mark to pass to [`Store::reallocated_since`] later.
+    pub(crate) fn allocation_mark(&self) -> u64 {
+        self.allocs
+    }
+
+    /// Whether `id` was given out again after `mark` was taken: a copy named before may have been
+    /// freed and reused for other bytes since (a page read ahead periods ago named it).
+    pub(crate) fn reallocated_since(&self, id: KeyId, mark: u64) -> bool {
+        self.allocated_at
+            .get(id as usize)
+            .is_some_and(|&at| at >= mark)
     }
 
     /// Takes the ids whose grace period ended; those already freed become reusable.
@@ -298,8 +320,6 @@ impl Store {
         self.punch_pending();
     }
 
-    /// Punches the copies freed since the last call, one call per run of consecutive ids, and
-    /// makes their ids reusable (lowest first, so reused ids come in runs too).
     /// Tells the daemon, if any, that this process maps none of its copies any more (called once
     /// every region is unregistered, so merged pages are private again). Not after a `fork`: a
     /// child may still map copies.
@@ -313,6 +333,8 @@ impl Store {
         }
     }
 
+    /// Punches the copies freed since the last call, one call per run of consecutive ids, and
+    /// makes their ids reusable (lowest first, so reused ids come in runs too).
     pub(crate) fn punch_pending(&mut self) {
         if self.pending.is_empty() {
             return;
@@ -471,6 +493,7 @@ impl Store {
             self.indexed.resize(need, false);
             self.in_tree.resize(need, 0);
             self.allocated.resize(need, false);
+            self.allocated_at.resize(need, 0);
             // `entries` grows only with insertions into the tree (none with a daemon).
         }
     }
@@ -564,4 +587,30 @@ fn id_runs(ids: &[KeyId]) -> impl Iterator<Item = (usize, usize)> + '_ {
         k += m;
         Some(run)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Store;
+
+    /// A copy named before an allocation mark is known stale once its id is given out again
+    /// (freed, punched, reused), and only then.
+    #[test]
+    fn reuse_of_an_id_after_a_mark_is_seen() {
+        // Two pages: fresh ids run out, so the next allocation reuses a freed one.
+        let mut store = Store::new(2).unwrap();
+        let ids = store.alloc(2).unwrap();
+        let mark = store.allocation_mark();
+        assert!(!store.reallocated_since(ids[0], mark));
+        assert!(!store.reallocated_since(ids[1], mark));
+        // Never published in the tree: freed at once, reusable once punched.
+        store.free_unmapped(ids[0]);
+        store.punch_pending();
+        let again = store.alloc(1).unwrap();
+        assert_eq!(again, vec![ids[0]]);
+        assert!(store.reallocated_since(ids[0], mark));
+        assert!(!store.reallocated_since(ids[1], mark));
+        // A mark taken after the reuse does not see it.
+        assert!(!store.reallocated_since(ids[0], store.allocation_mark()));
+    }
 }
