@@ -948,7 +948,7 @@ fn copy(sc: &Scope, id: u64, pipe: &OwnedFd, n: u32, fresh: bool) -> Reply {
             unsafe { sys::pread_into(fd, buf.as_mut_ptr(), m * PAGE, first as u64 * PAGE as u64) };
         if got.is_ok_and(|g| g == m * PAGE) {
             for (j, page) in buf[..m * PAGE].chunks(PAGE).enumerate() {
-                hashes[k + j] = Some(xxhash_rust::xxh3::xxh3_128(page));
+                hashes[k + j] = Some(twox_hash::XxHash3_128::oneshot(page));
             }
         }
         k += m;

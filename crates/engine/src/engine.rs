@@ -1689,7 +1689,7 @@ fn read_page(
         return Pre::Stable(id);
     }
     copy_page(addr, buf);
-    let h = xxhash_rust::xxh3::xxh3_128(as_bytes(buf));
+    let h = twox_hash::XxHash3_128::oneshot(as_bytes(buf));
     Pre::Hash([h as u64, (h >> 64) as u64])
 }
 
@@ -1878,7 +1878,7 @@ fn as_bytes(buf: &[u64; WORDS]) -> &[u8] {
 fn checksum_changed(addr: usize, last: &mut u64) -> bool {
     let mut buf = [0u64; WORDS];
     copy_page(addr, &mut buf);
-    let sum = xxhash_rust::xxh3::xxh3_64(as_bytes(&buf));
+    let sum = twox_hash::XxHash3_64::oneshot(as_bytes(&buf));
     let changed = *last != sum;
     *last = sum;
     changed
