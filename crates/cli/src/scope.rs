@@ -348,6 +348,21 @@ pub fn spawn_daemon(socket: &std::path::Path) -> Result<std::process::Child> {
     Ok(child)
 }
 
+/// A daemon started for one benchmark run: stopped, and its socket file removed (a killed daemon
+/// cannot), however the run ends.
+struct BenchDaemon {
+    child: std::process::Child,
+    socket: std::path::PathBuf,
+}
+
+impl Drop for BenchDaemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
 fn process_cpu_seconds(pid: u32) -> f64 {
     pageone_bench::ksm::process_cpu_ns(pid) as f64 / 1e9
 }
@@ -364,7 +379,10 @@ pub fn bench_side(
 ) -> Result<pageone_bench::dedup::Sample> {
     use std::process::{Command, Stdio};
     let socket = std::env::temp_dir().join(format!("pageone-bench-{}.sock", std::process::id()));
-    let mut daemon = spawn_daemon(&socket)?;
+    let daemon = BenchDaemon {
+        child: spawn_daemon(&socket)?,
+        socket: socket.clone(),
+    };
     let mut clients = Vec::new();
     for _ in 0..procs {
         let mut c = Command::new(std::env::current_exe()?)
@@ -409,7 +427,7 @@ pub fn bench_side(
         clients_cpu0 += st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9;
     }
     let mem0 = pageone_bench::dedup::HostMemory::now();
-    let cpu0 = process_cpu_seconds(daemon.id());
+    let cpu0 = process_cpu_seconds(daemon.child.id());
     let t0 = Instant::now();
     for k in 0..procs {
         ask(k, "GO")?;
@@ -446,7 +464,7 @@ pub fn bench_side(
         std::thread::sleep(Duration::from_millis(10));
     }
     let clients_cpu = last.1 - clients_cpu0;
-    let daemon_cpu = process_cpu_seconds(daemon.id()) - cpu0;
+    let daemon_cpu = process_cpu_seconds(daemon.child.id()) - cpu0;
     eprintln!("    (clients' engines {clients_cpu:.2} CPU-s, daemon {daemon_cpu:.2} CPU-s)");
     let cpu = clients_cpu + daemon_cpu;
     let memory_saved_kib = pageone_bench::dedup::settle_memory(
@@ -466,8 +484,7 @@ pub fn bench_side(
         drop(i);
         c.wait()?;
     }
-    let _ = daemon.kill();
-    let _ = daemon.wait();
+    drop(daemon);
     Ok(pageone_bench::dedup::Sample {
         side: "pageone",
         data,
