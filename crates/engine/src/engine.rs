@@ -1635,13 +1635,11 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize, mode: Watch
             let hi = (lo + AHEAD_PART * PAGE).min(end);
             // Only present pages (reading a missing one would fault it in), neither the zero
             // page nor a file page.
-            let present = sys::ScanQuery {
-                category_mask: PAGE_IS_PRESENT | anonymous_mapping(mode),
-                return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | file_page(mode),
-                ..Default::default()
-            };
             let mut found = Vec::new();
-            if pagemap.scan(lo, hi, &present, &mut found).is_err() {
+            if pagemap
+                .scan(lo, hi, &present_pages(mode), &mut found)
+                .is_err()
+            {
                 return;
             }
             let mut buf = [0u64; WORDS];
@@ -1884,26 +1882,25 @@ fn checksum_changed(addr: usize, last: &mut u64) -> bool {
     changed
 }
 
-/// Whether a page is a file page costs the kernel a look at the page itself (`PAGE_IS_FILE`:
-/// 7x the cost of a walk that reads page table entries only). In the write-protect mode the
-/// mapping tells instead: registered pieces that are write-protectable (`PAGE_IS_WPALLOWED`, a
-/// property of the mapping) are the anonymous ones, the others are mappings of the store. So
-/// walks in that mode ask for `anonymous_mapping` or its inverse, and for `file_page` (nothing)
-/// on the anonymous side.
-fn anonymous_mapping(mode: WatchMode) -> u64 {
+/// Present pages, reported with `PAGE_IS_PFNZERO`, and with `PAGE_IS_FILE` where they may be file
+/// pages. Whether a page is a file page costs the kernel a look at the page itself (7x the cost
+/// of a walk that reads page table entries only). In the write-protect mode the mapping tells
+/// instead: registered pieces that are write-protectable (`PAGE_IS_WPALLOWED`, a property of the
+/// mapping) are the anonymous ones, the others are mappings of the store. So in that mode this
+/// walks the anonymous pieces only, and the store mappings are walked apart when needed.
+fn present_pages(mode: WatchMode) -> sys::ScanQuery {
     if mode == WatchMode::UffdWp {
-        PAGE_IS_WPALLOWED
+        sys::ScanQuery {
+            category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
+            return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO,
+            ..Default::default()
+        }
     } else {
-        0
-    }
-}
-
-/// See [`anonymous_mapping`]: the `PAGE_IS_FILE` bit where a walk must ask the page.
-fn file_page(mode: WatchMode) -> u64 {
-    if mode == WatchMode::UffdWp {
-        0
-    } else {
-        PAGE_IS_FILE
+        sys::ScanQuery {
+            category_mask: PAGE_IS_PRESENT,
+            return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE,
+            ..Default::default()
+        }
     }
 }
 
@@ -2002,14 +1999,9 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                 // Write-protect scans skip the store mappings merged pages live in, so those are
                 // seen by more scans: which pages are present in the anonymous pieces, and in the
                 // store mappings which are present and file-backed (or written: copy-on-write
-                // broken). Each piece is walked for presence once (see `anonymous_mapping`).
+                // broken). Each piece is walked for presence once (see `present_pages`).
                 pagemap.scan(r.start, end, &written_query(), &mut regions_buf)?;
-                let anonymous = sys::ScanQuery {
-                    category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
-                    return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO,
-                    ..Default::default()
-                };
-                pagemap.scan(r.start, end, &anonymous, &mut regions_buf)?;
+                pagemap.scan(r.start, end, &present_pages(sh.mode), &mut regions_buf)?;
                 let store_mappings = sys::ScanQuery {
                     category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
                     category_inverted: PAGE_IS_WPALLOWED,
