@@ -171,9 +171,10 @@ struct Client {
 }
 
 /// Clients that saw one content (by hash) while no copy existed. Kept small (48 bytes with its
-/// key): a scope notes every distinct page its clients have until copies exist.
+/// hash): a scope notes every distinct page its clients have until copies exist.
 #[derive(Default)]
 struct Noted {
+    hash: u128,
     /// The first client that noted it (0: none; client ids start at 1) and any others (rare:
     /// clients that asked while a copy was pending).
     first: u64,
@@ -228,70 +229,233 @@ impl Noted {
     }
 }
 
-/// The copies in the store by content: slot numbers in a table hashed by their content's hash,
-/// which is kept once per slot (`hash_of`): 5 bytes per table bucket instead of a map's 20.
-struct Index {
-    table: hashbrown::HashTable<u32>,
+/// A table entry: 31 bits of the content's table hash, whether it names a note, and the slot or
+/// note. Growing the table rehashes from the entry alone, without reading slots or notes.
+#[derive(Clone, Copy)]
+struct Entry {
+    tag: u32,
+    at: u32,
+}
+
+/// Set in [`Entry::tag`] when the entry names a note.
+const IS_NOTE: u32 = 1;
+
+impl Entry {
+    fn table_hash(&self) -> u64 {
+        // hashbrown takes the bucket from the low bits and a 7-bit filter from the top ones.
+        let k = (self.tag & !IS_NOTE) as u64;
+        (k << 32) | k
+    }
+}
+
+/// What a scope knows of each content, by hash: the copy in the store, or the clients that
+/// noted it while no copy existed. One table holds both, 8 bytes per entry, so a lookup or a
+/// copy finds its content with one probe: the daemon's time went to cache misses on these
+/// tables.
+struct Contents {
+    table: hashbrown::HashTable<Entry>,
     /// Per slot, the hash of what it holds (meaningful while the slot is live).
     hash_of: Vec<u128>,
+    /// Notes by number; freed numbers are reused.
+    notes: Vec<Noted>,
+    free_notes: Vec<u32>,
     hasher: Seeded,
 }
 
-impl Index {
-    fn key(&self, h: u128) -> u64 {
-        std::hash::BuildHasher::hash_one(&self.hasher, h)
+/// What [`Contents::lookup`] found for a content.
+enum Found<'a> {
+    Copy(u32),
+    Note(&'a mut Noted),
+    /// Nothing, and no note was made (the notes are full).
+    Nothing,
+}
+
+impl Contents {
+    fn new() -> Self {
+        Self {
+            table: hashbrown::HashTable::new(),
+            hash_of: Vec::new(),
+            notes: Vec::new(),
+            free_notes: Vec::new(),
+            hasher: Seeded::default(),
+        }
     }
 
-    fn get(&self, h: u128) -> Option<u32> {
-        let hash_of = &self.hash_of;
+    fn tag(&self, h: u128) -> u32 {
+        (std::hash::BuildHasher::hash_one(&self.hasher, h) >> 32) as u32 & !IS_NOTE
+    }
+
+    /// The entry's hash matches `h` (after its tag did).
+    fn holds(hash_of: &[u128], notes: &[Noted], e: &Entry, h: u128) -> bool {
+        if e.tag & IS_NOTE != 0 {
+            notes[e.at as usize].hash == h
+        } else {
+            hash_of[e.at as usize] == h
+        }
+    }
+
+    fn find(&self, h: u128) -> Option<Entry> {
+        let tag = self.tag(h);
+        let Self { hash_of, notes, .. } = self;
         self.table
-            .find(self.key(h), |&s| hash_of[s as usize] == h)
+            .find(Entry { tag, at: 0 }.table_hash(), |e| {
+                e.tag & !IS_NOTE == tag && Self::holds(hash_of, notes, e, h)
+            })
             .copied()
     }
 
-    /// The table key of a slot already in it (for the table's moves when it grows or shrinks).
-    fn key_of<'a>(hasher: &'a Seeded, hash_of: &'a [u128]) -> impl Fn(&u32) -> u64 + 'a {
-        move |&s| std::hash::BuildHasher::hash_one(hasher, hash_of[s as usize])
+    /// The copy stored for `h`.
+    fn copy_of(&self, h: u128) -> Option<u32> {
+        self.find(h).filter(|e| e.tag & IS_NOTE == 0).map(|e| e.at)
     }
 
-    /// Makes `slot` (holding content `h`) the copy answered for `h`.
-    fn insert(&mut self, h: u128, slot: u32) {
-        self.hash_of[slot as usize] = h;
-        let key = self.key(h);
+    /// The note of `h`.
+    fn note_mut(&mut self, h: u128) -> Option<&mut Noted> {
+        let e = self.find(h).filter(|e| e.tag & IS_NOTE != 0)?;
+        Some(&mut self.notes[e.at as usize])
+    }
+
+    /// The copy or note of `h`; a new empty note if there is neither and `may_note`.
+    fn lookup(&mut self, h: u128, may_note: bool) -> Found<'_> {
+        let tag = self.tag(h);
         let Self {
             table,
             hash_of,
-            hasher,
+            notes,
+            free_notes,
+            ..
         } = self;
-        match table.entry(
-            key,
-            |&s| hash_of[s as usize] == h,
-            Self::key_of(hasher, hash_of),
-        ) {
-            hashbrown::hash_table::Entry::Occupied(mut e) => *e.get_mut() = slot,
-            hashbrown::hash_table::Entry::Vacant(e) => {
-                e.insert(slot);
+        let entry = table.entry(
+            Entry { tag, at: 0 }.table_hash(),
+            |e| e.tag & !IS_NOTE == tag && Self::holds(hash_of, notes, e, h),
+            Entry::table_hash,
+        );
+        let at = match entry {
+            hashbrown::hash_table::Entry::Occupied(e) if e.get().tag & IS_NOTE == 0 => {
+                return Found::Copy(e.get().at)
             }
-        }
+            hashbrown::hash_table::Entry::Occupied(e) => e.get().at,
+            hashbrown::hash_table::Entry::Vacant(_) if !may_note => return Found::Nothing,
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                let note = Noted {
+                    hash: h,
+                    ..Noted::default()
+                };
+                let at = match free_notes.pop() {
+                    Some(i) => {
+                        notes[i as usize] = note;
+                        i
+                    }
+                    None => {
+                        notes.push(note);
+                        notes.len() as u32 - 1
+                    }
+                };
+                v.insert(Entry {
+                    tag: tag | IS_NOTE,
+                    at,
+                });
+                at
+            }
+        };
+        Found::Note(&mut notes[at as usize])
+    }
+
+    /// Makes `slot` (holding content `h`) the copy answered for `h`, unless `h` has a copy and
+    /// not `replace` (then that copy is the error). A note of `h` is taken out and returned.
+    fn set_copy(&mut self, h: u128, slot: u32, replace: bool) -> Result<Option<Noted>, u32> {
+        let tag = self.tag(h);
+        let Self {
+            table,
+            hash_of,
+            notes,
+            free_notes,
+            ..
+        } = self;
+        let entry = table.entry(
+            Entry { tag, at: 0 }.table_hash(),
+            |e| e.tag & !IS_NOTE == tag && Self::holds(hash_of, notes, e, h),
+            Entry::table_hash,
+        );
+        let copy = Entry { tag, at: slot };
+        let taken = match entry {
+            hashbrown::hash_table::Entry::Occupied(e) if e.get().tag & IS_NOTE == 0 && !replace => {
+                return Err(e.get().at)
+            }
+            hashbrown::hash_table::Entry::Occupied(mut e) => {
+                let was = std::mem::replace(e.get_mut(), copy);
+                (was.tag & IS_NOTE != 0).then(|| {
+                    free_notes.push(was.at);
+                    std::mem::take(&mut notes[was.at as usize])
+                })
+            }
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(copy);
+                None
+            }
+        };
+        hash_of[slot as usize] = h;
+        Ok(taken)
     }
 
     /// Takes `slot` out of the table, if it is the copy answered for its content.
-    fn remove(&mut self, slot: u32) {
-        let key = self.key(self.hash_of[slot as usize]);
-        if let Ok(e) = self.table.find_entry(key, |&s| s == slot) {
+    fn remove_copy(&mut self, slot: u32) {
+        let h = self.hash_of[slot as usize];
+        let tag = self.tag(h);
+        if let Ok(e) = self
+            .table
+            .find_entry(Entry { tag, at: 0 }.table_hash(), |e| {
+                e.tag == tag && e.at == slot
+            })
+        {
             e.remove();
         }
+    }
+
+    /// Drops the note of `h`.
+    fn remove_note(&mut self, h: u128) {
+        let tag = self.tag(h);
+        let Self {
+            table,
+            notes,
+            free_notes,
+            ..
+        } = self;
+        if let Ok(e) = table.find_entry(Entry { tag, at: 0 }.table_hash(), |e| {
+            e.tag == (tag | IS_NOTE) && notes[e.at as usize].hash == h
+        }) {
+            let (e, _) = e.remove();
+            free_notes.push(e.at);
+            notes[e.at as usize] = Noted::default();
+        }
+    }
+
+    /// Keeps the notes for which `keep` says so.
+    fn retain_notes(&mut self, mut keep: impl FnMut(&mut Noted) -> bool) {
+        let Self {
+            table,
+            notes,
+            free_notes,
+            ..
+        } = self;
+        table.retain(|e| {
+            if e.tag & IS_NOTE == 0 || keep(&mut notes[e.at as usize]) {
+                return true;
+            }
+            free_notes.push(e.at);
+            notes[e.at as usize] = Noted::default();
+            false
+        });
     }
 
     /// Gives memory back once most entries are gone.
     fn compact(&mut self) {
         if self.table.capacity() > 4 * self.table.len() + COMPACT_MIN {
-            let Self {
-                table,
-                hash_of,
-                hasher,
-            } = self;
-            table.shrink_to(0, Self::key_of(hasher, hash_of));
+            self.table.shrink_to(0, Entry::table_hash);
+        }
+        if self.free_notes.len() == self.notes.len() && self.notes.capacity() > COMPACT_MIN {
+            self.notes = Vec::new();
+            self.free_notes = Vec::new();
         }
     }
 }
@@ -300,12 +464,11 @@ impl Index {
 const COMPACT_MIN: usize = 4096;
 
 struct ScopeState {
-    index: Index,
+    contents: Contents,
     holders: Vec<u32>,
     free: Vec<u32>,
     bump: u32,
     live: u64,
-    noted: HashMap<u128, Noted, Seeded>,
     noted_entries: usize,
     /// Notes of every scope of the daemon (for [`MAX_NOTED`]).
     noted_total: Arc<AtomicUsize>,
@@ -320,9 +483,14 @@ struct Scope {
     fd: OwnedFd,
     capacity: u32,
     state: Mutex<ScopeState>,
+    /// Held while copying into the store. The kernel serializes writes to one file on its inode
+    /// lock, and a writer that finds it taken spins while the holder runs: with this lock the
+    /// daemon's other client threads sleep instead and leave the CPU to the clients.
+    writing: Mutex<()>,
 }
 
-/// Pages read back per call when hashing what the store holds.
+/// Pages copied into the store, then read back and hashed, per step (64 KiB: the read-back
+/// finds them in the cache).
 const HASH_CHUNK: usize = 16;
 
 impl Scope {
@@ -346,17 +514,13 @@ impl Scope {
             uid,
             fd,
             capacity,
+            writing: Mutex::new(()),
             state: Mutex::new(ScopeState {
-                index: Index {
-                    table: hashbrown::HashTable::new(),
-                    hash_of: Vec::new(),
-                    hasher: Seeded::default(),
-                },
+                contents: Contents::new(),
                 holders: Vec::new(),
                 free: Vec::new(),
                 bump: 0,
                 live: 0,
-                noted: HashMap::default(),
                 noted_entries: 0,
                 noted_total,
                 clients: HashMap::default(),
@@ -376,7 +540,7 @@ impl ScopeState {
             return None;
         }
         self.bump += 1;
-        self.index.hash_of.push(0);
+        self.contents.hash_of.push(0);
         self.holders.push(0);
         Some(self.bump - 1)
     }
@@ -396,7 +560,7 @@ impl ScopeState {
         let h = &mut self.holders[slot as usize];
         *h -= 1;
         if *h == 0 {
-            self.index.remove(slot);
+            self.contents.remove_copy(slot);
             self.live -= 1;
             dead.push(slot);
         }
@@ -410,11 +574,11 @@ impl ScopeState {
     /// Drops client `id`'s notes of `hashes` (its pages of that content are gone).
     fn forget(&mut self, id: u64, hashes: &[u128]) {
         let mut dropped = 0;
-        for h in hashes {
-            if let Some(n) = self.noted.get_mut(h) {
+        for &h in hashes {
+            if let Some(n) = self.contents.note_mut(h) {
                 dropped += n.remove(id) as usize;
                 if n.is_empty() {
-                    self.noted.remove(h);
+                    self.contents.remove_note(h);
                 }
             }
         }
@@ -437,7 +601,7 @@ impl ScopeState {
     /// Drops every note of a client that left.
     fn forget_client(&mut self, id: u64) {
         let mut dropped = 0;
-        self.noted.retain(|_, n| {
+        self.contents.retain_notes(|n| {
             dropped += n.remove(id) as usize;
             !n.is_empty()
         });
@@ -448,10 +612,7 @@ impl ScopeState {
     /// Gives the tables' memory back once most of their entries are gone (copies made for
     /// noted content, copies freed).
     fn compact(&mut self) {
-        if self.noted.capacity() > 4 * self.noted.len() + COMPACT_MIN {
-            self.noted.shrink_to_fit();
-        }
-        self.index.compact();
+        self.contents.compact();
     }
 
     /// Makes punched slots allocatable again.
@@ -829,21 +990,22 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
     let grace = WANTED_GRACE.as_millis() as u32;
     let mut added = 0;
     for &h in hashes {
-        if let Some(slot) = st.index.get(h) {
-            st.hold(id, slot);
-            answers.push(slot);
-            continue;
-        }
         // Relaxed: see count_notes.
         let full = st.noted_total.load(Ordering::Relaxed) + added >= MAX_NOTED;
-        let ScopeState { noted, clients, .. } = &mut *st;
-        let entry = match noted.get_mut(&h) {
-            Some(e) => e,
-            None if full => {
+        let ScopeState {
+            contents, clients, ..
+        } = &mut *st;
+        let entry = match contents.lookup(h, !full) {
+            Found::Copy(slot) => {
+                st.hold(id, slot);
+                answers.push(slot);
+                continue;
+            }
+            Found::Note(e) => e,
+            Found::Nothing => {
                 answers.push(proto::NOTED);
                 continue;
             }
-            None => noted.entry(h).or_default(),
         };
         let (w, t) = (entry.wanted_by, entry.wanted_at);
         let copy_pending =
@@ -886,7 +1048,8 @@ fn copy(sc: &Scope, id: u64, pipe: &OwnedFd, n: u32, fresh: bool) -> Reply {
         return Reply::Slots(vec![proto::FAILED; n]);
     }
     // A slot for every page first (consecutive where the store allows), then one `splice` per
-    // run from the pipe into the store: the bytes never pass through the daemon's memory.
+    // run (of at most HASH_CHUNK pages) from the pipe into the store: the bytes never pass
+    // through the daemon's memory.
     // Clients ask only for content the index lacked at lookup, so a copy that turns out to be
     // stored already (found by its hash below) is rare; it is given back.
     let slots: Vec<Option<u32>> = {
@@ -894,14 +1057,20 @@ fn copy(sc: &Scope, id: u64, pipe: &OwnedFd, n: u32, fresh: bool) -> Reply {
         (0..n).map(|_| st.alloc(sc.capacity)).collect()
     };
     let fd = sc.fd.as_raw_fd();
-    let mut copied = vec![false; n];
+    // The client may write its pages meanwhile: what is hashed is what the store holds (a
+    // slot's bytes never change once written), read back with `pread` right after each step's
+    // `splice`, while the bytes are still in the cache. The daemon does not map the store: a
+    // mapping would take a share of every copy's Pss from the clients that map it
+    // (understating their memory) and cost page tables and faults.
+    let mut hashes: Vec<Option<u128>> = vec![None; n];
+    let mut buf = vec![0u8; HASH_CHUNK * PAGE];
     let mut in_step = true;
     let mut k = 0;
     while k < n && in_step {
         let mut m = 1;
         while k + m < n
             && match (slots[k], slots[k + m]) {
-                (Some(first), Some(s)) => s == first + m as u32,
+                (Some(first), Some(s)) => m < HASH_CHUNK && s == first + m as u32,
                 (None, None) => true,
                 _ => false,
             }
@@ -910,12 +1079,24 @@ fn copy(sc: &Scope, id: u64, pipe: &OwnedFd, n: u32, fresh: bool) -> Reply {
         }
         // Pages without a slot (the store is full) are read past.
         let moved = match slots[k] {
-            Some(first) => sys::splice_to_file(pipe, fd, first as u64 * PAGE as u64, m * PAGE),
+            Some(first) => {
+                let _writing = lock(&sc.writing);
+                sys::splice_to_file(pipe, fd, first as u64 * PAGE as u64, m * PAGE)
+            }
             None => sys::drain_pipe(pipe, m * PAGE),
         };
         in_step = moved.is_ok_and(|got| got == m * PAGE);
-        if slots[k].is_some() {
-            copied[k..k + m].fill(in_step);
+        if let Some(first) = slots[k].filter(|_| in_step) {
+            // SAFETY: `buf` is this function's own buffer of HASH_CHUNK >= m pages, not
+            // borrowed during the call.
+            let got = unsafe {
+                sys::pread_into(fd, buf.as_mut_ptr(), m * PAGE, first as u64 * PAGE as u64)
+            };
+            if got.is_ok_and(|g| g == m * PAGE) {
+                for (j, page) in buf[..m * PAGE].chunks(PAGE).enumerate() {
+                    hashes[k + j] = Some(twox_hash::XxHash3_128::oneshot(page));
+                }
+            }
         }
         k += m;
     }
@@ -925,57 +1106,35 @@ fn copy(sc: &Scope, id: u64, pipe: &OwnedFd, n: u32, fresh: bool) -> Reply {
             let _ = sys::drain_pipe(pipe, left);
         }
     }
-    // The client may write its pages meanwhile: what is hashed is what the store holds
-    // (a slot's bytes never change once written), read back with `pread`. The daemon does not
-    // map the store: a mapping would take a share of every copy's Pss from the clients that
-    // map it (understating their memory) and cost page tables and faults.
-    let mut hashes: Vec<Option<u128>> = vec![None; n];
-    let mut buf = vec![0u8; HASH_CHUNK * PAGE];
-    let mut k = 0;
-    while k < n {
-        let Some(first) = slots[k].filter(|_| copied[k]) else {
-            k += 1;
-            continue;
-        };
-        let mut m = 1;
-        while k + m < n && m < HASH_CHUNK && copied[k + m] && slots[k + m] == Some(first + m as u32)
-        {
-            m += 1;
-        }
-        // SAFETY: `buf` is this function's own buffer of HASH_CHUNK >= m pages, not borrowed
-        // during the call.
-        let got =
-            unsafe { sys::pread_into(fd, buf.as_mut_ptr(), m * PAGE, first as u64 * PAGE as u64) };
-        if got.is_ok_and(|g| g == m * PAGE) {
-            for (j, page) in buf[..m * PAGE].chunks(PAGE).enumerate() {
-                hashes[k + j] = Some(twox_hash::XxHash3_128::oneshot(page));
-            }
-        }
-        k += m;
-    }
     let mut out = vec![proto::FAILED; n];
     let new: Vec<(usize, u32)> = (0..n).filter_map(|k| Some((k, slots[k]?))).collect();
     let written: Vec<bool> = new.iter().map(|&(k, _)| hashes[k].is_some()).collect();
     let mut st = lock(&sc.state);
     for (&(k, slot), ok) in new.iter().zip(written) {
         let h = hashes[k].unwrap_or_default();
-        let existing = if ok && !fresh { st.index.get(h) } else { None };
-        if !ok || existing.is_some() {
-            // Failed, or another client published the same content meanwhile.
-            let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
-            st.free.push(slot);
-            if let Some(e) = existing {
-                st.hold(id, e);
-                out[k] = e;
+        let set = if ok {
+            st.contents.set_copy(h, slot, fresh)
+        } else {
+            Err(proto::FAILED)
+        };
+        let note = match set {
+            Ok(note) => note,
+            Err(existing) => {
+                // Failed, or another client published the same content meanwhile.
+                let _ = sys::punch_hole(fd, slot as u64 * PAGE as u64, PAGE as u64);
+                st.free.push(slot);
+                if existing != proto::FAILED {
+                    st.hold(id, existing);
+                    out[k] = existing;
+                }
+                continue;
             }
-            continue;
-        }
-        st.index.insert(h, slot);
+        };
         st.live += 1;
         st.copies_made += 1;
         st.hold(id, slot);
         out[k] = slot;
-        if let Some(n) = st.noted.remove(&h) {
+        if let Some(n) = note {
             st.uncount_notes(n.clients().count());
             for c in n.clients() {
                 if c == id {
@@ -997,7 +1156,7 @@ fn copy(sc: &Scope, id: u64, pipe: &OwnedFd, n: u32, fresh: bool) -> Reply {
     // Pages of this request with the same content as an earlier one get its slot.
     for (k, h) in hashes.iter().enumerate().filter(|_| !fresh) {
         if out[k] == proto::FAILED {
-            if let Some(s) = h.and_then(|h| st.index.get(h)) {
+            if let Some(s) = h.and_then(|h| st.contents.copy_of(h)) {
                 st.hold(id, s);
                 out[k] = s;
             }
@@ -1069,15 +1228,16 @@ fn status_json(inner: &Inner) -> serde_json::Value {
 
 #[cfg(test)]
 mod tests {
-    use super::{Index, Noted, SlotSet};
+    use super::{Contents, Found, Noted, SlotSet};
     use proptest::prelude::*;
     use std::collections::{BTreeSet, HashMap};
 
     /// A scope notes every distinct page its clients have until copies exist: a note stays at
-    /// 48 bytes with its key.
+    /// 48 bytes with its hash, and its table entry at 8.
     #[test]
     fn a_note_is_small() {
-        assert!(std::mem::size_of::<(u128, Noted)>() <= 48);
+        assert!(std::mem::size_of::<Noted>() <= 48);
+        assert_eq!(std::mem::size_of::<super::Entry>(), 8);
     }
 
     proptest! {
@@ -1100,41 +1260,69 @@ mod tests {
             }
         }
 
-        /// The index answers like a map from content to the latest copy stored for it, as slots
-        /// are stored (a free slot, maybe of content another slot has) and freed, and across
-        /// shrinking.
+        /// The table answers like a map from content to the latest copy stored for it, or else
+        /// to its note, as slots are stored (a free slot, maybe of content another slot has)
+        /// and freed, notes are made, dropped and turned into copies, and across shrinking.
         #[test]
-        fn index_is_a_map_from_content_to_its_latest_copy(
-            ops in proptest::collection::vec((0u8..4, 0u128..12, 0u32..40), 0..300)
+        fn contents_are_a_map_to_the_latest_copy_or_a_note(
+            ops in proptest::collection::vec((0u8..6, 0u128..12, 0u32..40), 0..300)
         ) {
-            let mut index = Index {
-                table: hashbrown::HashTable::new(),
-                hash_of: vec![0; 40],
-                hasher: Default::default(),
-            };
-            let (mut live, mut model) = (HashMap::<u32, u128>::new(), HashMap::<u128, u32>::new());
+            let mut contents = Contents::new();
+            contents.hash_of = vec![0; 40];
+            let mut live = HashMap::<u32, u128>::new();
+            let mut copies = HashMap::<u128, u32>::new();
+            let mut notes = HashMap::<u128, BTreeSet<u64>>::new();
             for (op, h, slot) in ops {
                 match op {
                     0 | 1 if !live.contains_key(&slot) => {
-                        index.insert(h, slot);
-                        live.insert(slot, h);
-                        model.insert(h, slot);
-                    }
-                    2 => {
-                        if let Some(h) = live.remove(&slot) {
-                            index.remove(slot);
-                            if model.get(&h) == Some(&slot) {
-                                model.remove(&h);
+                        let replace = op == 0;
+                        match contents.set_copy(h, slot, replace) {
+                            Err(e) => prop_assert_eq!(Some(&e), copies.get(&h).filter(|_| !replace)),
+                            Ok(note) => {
+                                prop_assert!(replace || !copies.contains_key(&h));
+                                let want = notes.remove(&h);
+                                prop_assert_eq!(note.as_ref().map(|n| n.hash), want.as_ref().map(|_| h));
+                                prop_assert_eq!(note.map(|n| n.clients().collect()), want);
+                                live.insert(slot, h);
+                                copies.insert(h, slot);
                             }
                         }
                     }
-                    3 => index.compact(),
+                    2 => {
+                        if let Some(h) = live.remove(&slot) {
+                            contents.remove_copy(slot);
+                            if copies.get(&h) == Some(&slot) {
+                                copies.remove(&h);
+                            }
+                        }
+                    }
+                    3 => contents.compact(),
+                    4 => match contents.lookup(h, true) {
+                        Found::Copy(s) => prop_assert_eq!(Some(&s), copies.get(&h)),
+                        Found::Note(n) => {
+                            prop_assert!(!copies.contains_key(&h));
+                            let id = slot as u64 + 1;
+                            if !n.contains(id) {
+                                n.add(id);
+                            }
+                            notes.entry(h).or_default().insert(id);
+                        }
+                        Found::Nothing => prop_assert!(false, "a note may be made"),
+                    },
+                    5 => {
+                        contents.remove_note(h);
+                        notes.remove(&h);
+                    }
                     _ => {}
                 }
                 for c in 0..12 {
-                    prop_assert_eq!(index.get(c), model.get(&c).copied());
+                    prop_assert_eq!(contents.copy_of(c), copies.get(&c).copied());
+                    let clients = contents.note_mut(c).map(|n| n.clients().collect::<BTreeSet<_>>());
+                    prop_assert_eq!(clients.as_ref(), notes.get(&c));
                 }
-                prop_assert_eq!(index.table.len(), model.len());
+                prop_assert_eq!(contents.table.len(), copies.len() + notes.len());
+                // Every note number not in use is free to reuse.
+                prop_assert_eq!(contents.notes.len() - contents.free_notes.len(), notes.len());
             }
         }
     }
