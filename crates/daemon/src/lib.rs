@@ -229,31 +229,17 @@ impl Noted {
     }
 }
 
-/// A table entry: 31 bits of the content's table hash, whether it names a note, and the slot or
-/// note. Growing the table rehashes from the entry alone, without reading slots or notes.
-#[derive(Clone, Copy)]
-struct Entry {
-    tag: u32,
-    at: u32,
-}
-
-/// Set in [`Entry::tag`] when the entry names a note.
-const IS_NOTE: u32 = 1;
-
-impl Entry {
-    fn table_hash(&self) -> u64 {
-        // hashbrown takes the bucket from the low bits and a 7-bit filter from the top ones.
-        let k = (self.tag & !IS_NOTE) as u64;
-        (k << 32) | k
-    }
-}
+/// Set in a table entry that names a note; clear in one that names a slot (so a store has at most
+/// 2^31 slots: 8 TiB).
+const NOTE: u32 = 1 << 31;
 
 /// What a scope knows of each content, by hash: the copy in the store, or the clients that
-/// noted it while no copy existed. One table holds both, 8 bytes per entry, so a lookup or a
-/// copy finds its content with one probe: the daemon's time went to cache misses on these
-/// tables.
+/// noted it while no copy existed. One table holds both (4 bytes an entry: a slot number, or a
+/// note's with [`NOTE`] set, hashed through the content hash kept with the slot or note), so a
+/// lookup or a copy finds its content with one probe: the daemon's time went to cache misses on
+/// these tables.
 struct Contents {
-    table: hashbrown::HashTable<Entry>,
+    table: hashbrown::HashTable<u32>,
     /// Per slot, the hash of what it holds (meaningful while the slot is live).
     hash_of: Vec<u128>,
     /// Notes by number; freed numbers are reused.
@@ -270,6 +256,15 @@ enum Found<'a> {
     Nothing,
 }
 
+/// The content hash an entry stands for.
+fn content_of(hash_of: &[u128], notes: &[Noted], e: u32) -> u128 {
+    if e & NOTE != 0 {
+        notes[(e & !NOTE) as usize].hash
+    } else {
+        hash_of[e as usize]
+    }
+}
+
 impl Contents {
     fn new() -> Self {
         Self {
@@ -281,60 +276,49 @@ impl Contents {
         }
     }
 
-    fn tag(&self, h: u128) -> u32 {
-        (std::hash::BuildHasher::hash_one(&self.hasher, h) >> 32) as u32 & !IS_NOTE
+    fn key(hasher: &Seeded, h: u128) -> u64 {
+        std::hash::BuildHasher::hash_one(hasher, h)
     }
 
-    /// The entry's hash matches `h` (after its tag did).
-    fn holds(hash_of: &[u128], notes: &[Noted], e: &Entry, h: u128) -> bool {
-        if e.tag & IS_NOTE != 0 {
-            notes[e.at as usize].hash == h
-        } else {
-            hash_of[e.at as usize] == h
-        }
-    }
-
-    fn find(&self, h: u128) -> Option<Entry> {
-        let tag = self.tag(h);
+    fn find(&self, h: u128) -> Option<u32> {
         let Self { hash_of, notes, .. } = self;
         self.table
-            .find(Entry { tag, at: 0 }.table_hash(), |e| {
-                e.tag & !IS_NOTE == tag && Self::holds(hash_of, notes, e, h)
+            .find(Self::key(&self.hasher, h), |&e| {
+                content_of(hash_of, notes, e) == h
             })
             .copied()
     }
 
     /// The copy stored for `h`.
     fn copy_of(&self, h: u128) -> Option<u32> {
-        self.find(h).filter(|e| e.tag & IS_NOTE == 0).map(|e| e.at)
+        self.find(h).filter(|e| e & NOTE == 0)
     }
 
     /// The note of `h`.
     fn note_mut(&mut self, h: u128) -> Option<&mut Noted> {
-        let e = self.find(h).filter(|e| e.tag & IS_NOTE != 0)?;
-        Some(&mut self.notes[e.at as usize])
+        let e = self.find(h).filter(|e| e & NOTE != 0)?;
+        Some(&mut self.notes[(e & !NOTE) as usize])
     }
 
     /// The copy or note of `h`; a new empty note if there is neither and `may_note`.
     fn lookup(&mut self, h: u128, may_note: bool) -> Found<'_> {
-        let tag = self.tag(h);
         let Self {
             table,
             hash_of,
             notes,
             free_notes,
-            ..
+            hasher,
         } = self;
         let entry = table.entry(
-            Entry { tag, at: 0 }.table_hash(),
-            |e| e.tag & !IS_NOTE == tag && Self::holds(hash_of, notes, e, h),
-            Entry::table_hash,
+            Self::key(hasher, h),
+            |&e| content_of(hash_of, notes, e) == h,
+            |&e| Self::key(hasher, content_of(hash_of, notes, e)),
         );
         let at = match entry {
-            hashbrown::hash_table::Entry::Occupied(e) if e.get().tag & IS_NOTE == 0 => {
-                return Found::Copy(e.get().at)
+            hashbrown::hash_table::Entry::Occupied(e) if e.get() & NOTE == 0 => {
+                return Found::Copy(*e.get())
             }
-            hashbrown::hash_table::Entry::Occupied(e) => e.get().at,
+            hashbrown::hash_table::Entry::Occupied(e) => *e.get() & !NOTE,
             hashbrown::hash_table::Entry::Vacant(_) if !may_note => return Found::Nothing,
             hashbrown::hash_table::Entry::Vacant(v) => {
                 let note = Noted {
@@ -351,10 +335,7 @@ impl Contents {
                         notes.len() as u32 - 1
                     }
                 };
-                v.insert(Entry {
-                    tag: tag | IS_NOTE,
-                    at,
-                });
+                v.insert(at | NOTE);
                 at
             }
         };
@@ -364,69 +345,63 @@ impl Contents {
     /// Makes `slot` (holding content `h`) the copy answered for `h`, unless `h` has a copy and
     /// not `replace` (then that copy is the error). A note of `h` is taken out and returned.
     fn set_copy(&mut self, h: u128, slot: u32, replace: bool) -> Result<Option<Noted>, u32> {
-        let tag = self.tag(h);
+        // (Set first: meaningful only while the slot is live, and the slot is not in the table.)
+        self.hash_of[slot as usize] = h;
         let Self {
             table,
             hash_of,
             notes,
             free_notes,
-            ..
+            hasher,
         } = self;
         let entry = table.entry(
-            Entry { tag, at: 0 }.table_hash(),
-            |e| e.tag & !IS_NOTE == tag && Self::holds(hash_of, notes, e, h),
-            Entry::table_hash,
+            Self::key(hasher, h),
+            |&e| content_of(hash_of, notes, e) == h,
+            |&e| Self::key(hasher, content_of(hash_of, notes, e)),
         );
-        let copy = Entry { tag, at: slot };
-        let taken = match entry {
-            hashbrown::hash_table::Entry::Occupied(e) if e.get().tag & IS_NOTE == 0 && !replace => {
-                return Err(e.get().at)
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(e) if e.get() & NOTE == 0 && !replace => {
+                Err(*e.get())
             }
             hashbrown::hash_table::Entry::Occupied(mut e) => {
-                let was = std::mem::replace(e.get_mut(), copy);
-                (was.tag & IS_NOTE != 0).then(|| {
-                    free_notes.push(was.at);
-                    std::mem::take(&mut notes[was.at as usize])
-                })
+                let was = std::mem::replace(e.get_mut(), slot);
+                Ok((was & NOTE != 0).then(|| {
+                    let i = was & !NOTE;
+                    free_notes.push(i);
+                    std::mem::take(&mut notes[i as usize])
+                }))
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
-                v.insert(copy);
-                None
+                v.insert(slot);
+                Ok(None)
             }
-        };
-        hash_of[slot as usize] = h;
-        Ok(taken)
+        }
     }
 
     /// Takes `slot` out of the table, if it is the copy answered for its content.
     fn remove_copy(&mut self, slot: u32) {
-        let h = self.hash_of[slot as usize];
-        let tag = self.tag(h);
-        if let Ok(e) = self
-            .table
-            .find_entry(Entry { tag, at: 0 }.table_hash(), |e| {
-                e.tag == tag && e.at == slot
-            })
-        {
+        let key = Self::key(&self.hasher, self.hash_of[slot as usize]);
+        if let Ok(e) = self.table.find_entry(key, |&e| e == slot) {
             e.remove();
         }
     }
 
     /// Drops the note of `h`.
     fn remove_note(&mut self, h: u128) {
-        let tag = self.tag(h);
+        let key = Self::key(&self.hasher, h);
         let Self {
             table,
             notes,
             free_notes,
             ..
         } = self;
-        if let Ok(e) = table.find_entry(Entry { tag, at: 0 }.table_hash(), |e| {
-            e.tag == (tag | IS_NOTE) && notes[e.at as usize].hash == h
+        if let Ok(e) = table.find_entry(key, |&e| {
+            e & NOTE != 0 && notes[(e & !NOTE) as usize].hash == h
         }) {
             let (e, _) = e.remove();
-            free_notes.push(e.at);
-            notes[e.at as usize] = Noted::default();
+            let i = e & !NOTE;
+            free_notes.push(i);
+            notes[i as usize] = Noted::default();
         }
     }
 
@@ -438,12 +413,13 @@ impl Contents {
             free_notes,
             ..
         } = self;
-        table.retain(|e| {
-            if e.tag & IS_NOTE == 0 || keep(&mut notes[e.at as usize]) {
+        table.retain(|&mut e| {
+            if e & NOTE == 0 || keep(&mut notes[(e & !NOTE) as usize]) {
                 return true;
             }
-            free_notes.push(e.at);
-            notes[e.at as usize] = Noted::default();
+            let i = e & !NOTE;
+            free_notes.push(i);
+            notes[i as usize] = Noted::default();
             false
         });
     }
@@ -451,7 +427,14 @@ impl Contents {
     /// Gives memory back once most entries are gone.
     fn compact(&mut self) {
         if self.table.capacity() > 4 * self.table.len() + COMPACT_MIN {
-            self.table.shrink_to(0, Entry::table_hash);
+            let Self {
+                table,
+                hash_of,
+                notes,
+                hasher,
+                ..
+            } = self;
+            table.shrink_to(0, |&e| Self::key(hasher, content_of(hash_of, notes, e)));
         }
         if self.free_notes.len() == self.notes.len() && self.notes.capacity() > COMPACT_MIN {
             self.notes = Vec::new();
@@ -500,6 +483,8 @@ impl Scope {
         capacity: u32,
         noted_total: Arc<AtomicUsize>,
     ) -> Result<Self, DaemonError> {
+        // Slot numbers leave the top bit to the index's notes.
+        let capacity = capacity.min(NOTE);
         let fd = sys::memfd_create_sealable(c"pageone-scope").map_err(DaemonError::Store)?;
         let bytes = capacity as u64 * PAGE as u64;
         sys::ftruncate(fd.as_raw_fd(), bytes).map_err(DaemonError::Store)?;
@@ -1233,11 +1218,10 @@ mod tests {
     use std::collections::{BTreeSet, HashMap};
 
     /// A scope notes every distinct page its clients have until copies exist: a note stays at
-    /// 48 bytes with its hash, and its table entry at 8.
+    /// 48 bytes with its hash.
     #[test]
     fn a_note_is_small() {
         assert!(std::mem::size_of::<Noted>() <= 48);
-        assert_eq!(std::mem::size_of::<super::Entry>(), 8);
     }
 
     proptest! {
