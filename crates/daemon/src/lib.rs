@@ -236,8 +236,7 @@ const NOTE: u32 = 1 << 31;
 /// What a scope knows of each content, by hash: the copy in the store, or the clients that
 /// noted it while no copy existed. One table holds both (4 bytes an entry: a slot number, or a
 /// note's with [`NOTE`] set, hashed through the content hash kept with the slot or note), so a
-/// lookup or a copy finds its content with one probe: the daemon's time went to cache misses on
-/// these tables.
+/// lookup or a copy finds its content with one probe.
 struct Contents {
     table: hashbrown::HashTable<u32>,
     /// Per slot, the hash of what it holds (meaningful while the slot is live).
@@ -300,8 +299,15 @@ impl Contents {
         Some(&mut self.notes[(e & !NOTE) as usize])
     }
 
-    /// The copy or note of `h`; a new empty note if there is neither and `may_note`.
-    fn lookup(&mut self, h: u128, may_note: bool) -> Found<'_> {
+    /// The table entry of `h` (found, or where it goes), with the notes beside it.
+    fn entry(
+        &mut self,
+        h: u128,
+    ) -> (
+        hashbrown::hash_table::Entry<'_, u32>,
+        &mut Vec<Noted>,
+        &mut Vec<u32>,
+    ) {
         let Self {
             table,
             hash_of,
@@ -314,6 +320,12 @@ impl Contents {
             |&e| content_of(hash_of, notes, e) == h,
             |&e| Self::key(hasher, content_of(hash_of, notes, e)),
         );
+        (entry, notes, free_notes)
+    }
+
+    /// The copy or note of `h`; a new empty note if there is neither and `may_note`.
+    fn lookup(&mut self, h: u128, may_note: bool) -> Found<'_> {
+        let (entry, notes, free_notes) = self.entry(h);
         let at = match entry {
             hashbrown::hash_table::Entry::Occupied(e) if e.get() & NOTE == 0 => {
                 return Found::Copy(*e.get())
@@ -347,18 +359,7 @@ impl Contents {
     fn set_copy(&mut self, h: u128, slot: u32, replace: bool) -> Result<Option<Noted>, u32> {
         // (Set first: meaningful only while the slot is live, and the slot is not in the table.)
         self.hash_of[slot as usize] = h;
-        let Self {
-            table,
-            hash_of,
-            notes,
-            free_notes,
-            hasher,
-        } = self;
-        let entry = table.entry(
-            Self::key(hasher, h),
-            |&e| content_of(hash_of, notes, e) == h,
-            |&e| Self::key(hasher, content_of(hash_of, notes, e)),
-        );
+        let (entry, notes, free_notes) = self.entry(h);
         match entry {
             hashbrown::hash_table::Entry::Occupied(e) if e.get() & NOTE == 0 && !replace => {
                 Err(*e.get())
