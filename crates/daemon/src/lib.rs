@@ -255,13 +255,23 @@ enum Found<'a> {
     Nothing,
 }
 
+/// The note an entry names, if it names one (else it names a slot).
+fn note_of(e: u32) -> Option<usize> {
+    (e & NOTE != 0).then_some((e & !NOTE) as usize)
+}
+
 /// The content hash an entry stands for.
 fn content_of(hash_of: &[u128], notes: &[Noted], e: u32) -> u128 {
-    if e & NOTE != 0 {
-        notes[(e & !NOTE) as usize].hash
-    } else {
-        hash_of[e as usize]
+    match note_of(e) {
+        Some(i) => notes[i].hash,
+        None => hash_of[e as usize],
     }
+}
+
+/// Takes note `i` out and makes its number reusable.
+fn release_note(notes: &mut [Noted], free_notes: &mut Vec<u32>, i: usize) -> Noted {
+    free_notes.push(i as u32);
+    std::mem::take(&mut notes[i])
 }
 
 impl Contents {
@@ -290,7 +300,7 @@ impl Contents {
 
     /// The copy stored for `h`.
     fn copy_of(&self, h: u128) -> Option<u32> {
-        self.find(h).filter(|e| e & NOTE == 0)
+        self.find(h).filter(|&e| note_of(e).is_none())
     }
 
     /// The positions of `hashes` in the order of their buckets in the table. A batch looked up
@@ -315,8 +325,8 @@ impl Contents {
 
     /// The note of `h`.
     fn note_mut(&mut self, h: u128) -> Option<&mut Noted> {
-        let e = self.find(h).filter(|e| e & NOTE != 0)?;
-        Some(&mut self.notes[(e & !NOTE) as usize])
+        let i = note_of(self.find(h)?)?;
+        Some(&mut self.notes[i])
     }
 
     /// The table entry of `h` (found, or where it goes), with the notes beside it.
@@ -347,10 +357,10 @@ impl Contents {
     fn lookup(&mut self, h: u128, may_note: bool) -> Found<'_> {
         let (entry, notes, free_notes) = self.entry(h);
         let at = match entry {
-            hashbrown::hash_table::Entry::Occupied(e) if e.get() & NOTE == 0 => {
-                return Found::Copy(*e.get())
-            }
-            hashbrown::hash_table::Entry::Occupied(e) => *e.get() & !NOTE,
+            hashbrown::hash_table::Entry::Occupied(e) => match note_of(*e.get()) {
+                Some(i) => i,
+                None => return Found::Copy(*e.get()),
+            },
             hashbrown::hash_table::Entry::Vacant(_) if !may_note => return Found::Nothing,
             hashbrown::hash_table::Entry::Vacant(v) => {
                 let note = Noted {
@@ -360,18 +370,18 @@ impl Contents {
                 let at = match free_notes.pop() {
                     Some(i) => {
                         notes[i as usize] = note;
-                        i
+                        i as usize
                     }
                     None => {
                         notes.push(note);
-                        notes.len() as u32 - 1
+                        notes.len() - 1
                     }
                 };
-                v.insert(at | NOTE);
+                v.insert(at as u32 | NOTE);
                 at
             }
         };
-        Found::Note(&mut notes[at as usize])
+        Found::Note(&mut notes[at])
     }
 
     /// Makes `slot` (holding content `h`) the copy answered for `h`, unless `h` has a copy and
@@ -381,16 +391,14 @@ impl Contents {
         self.hash_of[slot as usize] = h;
         let (entry, notes, free_notes) = self.entry(h);
         match entry {
-            hashbrown::hash_table::Entry::Occupied(e) if e.get() & NOTE == 0 && !replace => {
+            hashbrown::hash_table::Entry::Occupied(e)
+                if note_of(*e.get()).is_none() && !replace =>
+            {
                 Err(*e.get())
             }
             hashbrown::hash_table::Entry::Occupied(mut e) => {
                 let was = std::mem::replace(e.get_mut(), slot);
-                Ok((was & NOTE != 0).then(|| {
-                    let i = was & !NOTE;
-                    free_notes.push(i);
-                    std::mem::take(&mut notes[i as usize])
-                }))
+                Ok(note_of(was).map(|i| release_note(notes, free_notes, i)))
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(slot);
@@ -416,13 +424,10 @@ impl Contents {
             free_notes,
             ..
         } = self;
-        if let Ok(e) = table.find_entry(key, |&e| {
-            e & NOTE != 0 && notes[(e & !NOTE) as usize].hash == h
-        }) {
-            let (e, _) = e.remove();
-            let i = e & !NOTE;
-            free_notes.push(i);
-            notes[i as usize] = Noted::default();
+        if let Ok(e) = table.find_entry(key, |&e| note_of(e).is_some_and(|i| notes[i].hash == h)) {
+            if let Some(i) = note_of(e.remove().0) {
+                release_note(notes, free_notes, i);
+            }
         }
     }
 
@@ -434,14 +439,12 @@ impl Contents {
             free_notes,
             ..
         } = self;
-        table.retain(|&mut e| {
-            if e & NOTE == 0 || keep(&mut notes[(e & !NOTE) as usize]) {
-                return true;
+        table.retain(|&mut e| match note_of(e) {
+            Some(i) if !keep(&mut notes[i]) => {
+                release_note(notes, free_notes, i);
+                false
             }
-            let i = e & !NOTE;
-            free_notes.push(i);
-            notes[i as usize] = Noted::default();
-            false
+            _ => true,
         });
     }
 
