@@ -96,6 +96,8 @@ struct State {
     vmas: usize,
     /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
     unstable: FirstSightings,
+    /// Scratch space of the watch, kept between periods.
+    scan: ScanBuffers,
     /// UNIQUE pages written (or released) since the last sweep: their first-sighting entries are
     /// stale until [`sweep_first_sightings`] drops them.
     stale_sightings: usize,
@@ -290,6 +292,7 @@ impl Engine {
                 zero: 0,
                 vmas: 0,
                 unstable: FirstSightings::default(),
+                scan: ScanBuffers::default(),
                 stale_sightings: 0,
                 heap_dirty: false,
                 ahead_jobs: Vec::new(),
@@ -1965,9 +1968,14 @@ fn unchanged_period(
 fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Result<Vec<Candidate>> {
     let now = Instant::now();
     let mut out = Vec::new();
-    let mut regions_buf = Vec::new();
-    let mut cats: Vec<u8> = Vec::new();
-    let mut entries = Vec::new();
+    // Kept from period to period: allocated afresh, the per-page categories came from new
+    // memory every period (a page fault per 4 KiB).
+    let mut scan = std::mem::take(&mut st.scan);
+    let ScanBuffers {
+        regions: regions_buf,
+        cats,
+        entries,
+    } = &mut scan;
     let mut volatile = 0u64;
     let mut unique = 0u64;
     let all_pages: usize = st.regions.values().map(|r| r.pages.len()).sum();
@@ -2000,15 +2008,15 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                 // seen by more scans: which pages are present in the anonymous pieces, and in the
                 // store mappings which are present and file-backed (or written: copy-on-write
                 // broken). Each piece is walked for presence once (see `present_pages`).
-                pagemap.scan(r.start, end, &written_query(), &mut regions_buf)?;
-                pagemap.scan(r.start, end, &present_pages(sh.mode), &mut regions_buf)?;
+                pagemap.scan(r.start, end, &written_query(), regions_buf)?;
+                pagemap.scan(r.start, end, &present_pages(sh.mode), regions_buf)?;
                 let store_mappings = sys::ScanQuery {
                     category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
                     category_inverted: PAGE_IS_WPALLOWED,
                     return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
                     ..Default::default()
                 };
-                pagemap.scan(r.start, end, &store_mappings, &mut regions_buf)?;
+                pagemap.scan(r.start, end, &store_mappings, regions_buf)?;
             } else {
                 // Only anonymous memory: one walk returns every page's categories and
                 // write-protects the written ones again.
@@ -2018,13 +2026,13 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                     return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
                     ..Default::default()
                 };
-                pagemap.scan(r.start, end, &all, &mut regions_buf)?;
+                pagemap.scan(r.start, end, &all, regions_buf)?;
             }
-            mark_pages(&mut cats, r.start, &regions_buf);
+            mark_pages(cats, r.start, regions_buf);
         } else {
             entries.clear();
-            pagemap.entries(r.start, n, &mut entries)?;
-            for (c, e) in cats.iter_mut().zip(&entries) {
+            pagemap.entries(r.start, n, entries)?;
+            for (c, e) in cats.iter_mut().zip(entries.iter()) {
                 if e & PM_PRESENT != 0 {
                     *c |= 1;
                     if e & PM_FILE != 0 {
@@ -2157,7 +2165,16 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
     }
     st.volatile = volatile;
     st.unshared = unique;
+    st.scan = scan;
     Ok(out)
+}
+
+/// Scratch space of [`watch`]: per-page categories and what the scans return.
+#[derive(Default)]
+struct ScanBuffers {
+    regions: Vec<PageRegion>,
+    cats: Vec<u8>,
+    entries: Vec<u64>,
 }
 
 /// Inserts `ids` into the stable tree from the worker threads; results in the order of `ids`.
