@@ -410,27 +410,37 @@ pub fn bench_side(
         }
         clients.push((c, stdin, out));
     }
-    let mut ask = |k: usize, cmd: &str| -> Result<String> {
-        let (_, i, o) = &mut clients[k];
-        writeln!(i, "{cmd}")?;
-        i.flush()?;
-        let mut line = String::new();
-        o.read_line(&mut line)?;
-        Ok(line.trim().to_string())
+    // A command to every client, then their answers: they carry it out at once, in parallel.
+    let mut ask_all = |cmd: &str| -> Result<Vec<String>> {
+        for (_, i, _) in &mut clients {
+            writeln!(i, "{cmd}")?;
+            i.flush()?;
+        }
+        let mut answers = Vec::new();
+        for (_, _, o) in &mut clients {
+            let mut line = String::new();
+            o.read_line(&mut line)?;
+            answers.push(line.trim().to_string());
+        }
+        Ok(answers)
     };
     let pages = (mib << 20) / PAGE;
     let possible = ((procs - 1) * pages) as u64;
     let target = possible * 99 / 100;
     let mut clients_cpu0 = 0.0;
-    for k in 0..procs {
-        let st: serde_json::Value = serde_json::from_str(&ask(k, "STATS")?)?;
+    for line in ask_all("STATS")? {
+        let st: serde_json::Value = serde_json::from_str(&line)?;
         clients_cpu0 += st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9;
     }
     let mem0 = pageone_bench::dedup::HostMemory::now();
     let cpu0 = process_cpu_seconds(daemon.child.id());
     let t0 = Instant::now();
-    for k in 0..procs {
-        ask(k, "GO")?;
+    // All clients register at once, as independent processes would (asked one after the other,
+    // the last registered a few registrations late).
+    for line in ask_all("GO")? {
+        if line != "GOING" {
+            bail!("a client failed to register: {line:?}");
+        }
     }
     let sock = UnixStream::connect(&socket)?;
     // Live figures: every client's own counters (merges show as they happen, not at its next
@@ -445,8 +455,8 @@ pub fn bench_side(
             .and_then(|a| a.iter().find(|s| s["scope"] == "bench"))
             .map_or(0, |s| s["pages_shared"].as_u64().unwrap_or(0));
         let (mut mapped, mut cpu) = (0u64, 0.0);
-        for k in 0..procs {
-            let st: serde_json::Value = serde_json::from_str(&ask(k, "STATS")?)?;
+        for line in ask_all("STATS")? {
+            let st: serde_json::Value = serde_json::from_str(&line)?;
             mapped += st["pages_shared"].as_u64().unwrap_or(0)
                 + st["pages_sharing"].as_u64().unwrap_or(0);
             cpu += st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9;
@@ -474,8 +484,7 @@ pub fn bench_side(
         pageone_bench::dedup::SETTLE_GRACE,
         Duration::from_millis(2 * period_ms),
     );
-    for k in 0..procs {
-        let v = ask(k, "VERIFY")?;
+    for (k, v) in ask_all("VERIFY")?.into_iter().enumerate() {
         if v != "OK" {
             bail!("client {k} lost data ({v}): this is a bug, please report it");
         }
