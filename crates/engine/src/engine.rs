@@ -103,6 +103,10 @@ struct State {
     stale_sightings: usize,
     /// Periods did work since the C heap's free memory was last returned.
     heap_dirty: bool,
+    /// Copies other processes made for pages waiting here, taken since the period began, and
+    /// relooks skipped in a row because such copies kept coming (see `run_period`).
+    offers_taken: u64,
+    relooks_skipped: u32,
     /// Read-ahead of newly registered pages (see `read_ahead`): jobs still running, and the
     /// results of finished ones by address, with the periods since they were installed.
     ahead_jobs: Vec<AheadJob>,
@@ -295,6 +299,8 @@ impl Engine {
                 scan: ScanBuffers::default(),
                 stale_sightings: 0,
                 heap_dirty: false,
+                offers_taken: 0,
+                relooks_skipped: 0,
                 ahead_jobs: Vec::new(),
                 ahead: Vec::new(),
                 ahead_age: 0,
@@ -1174,6 +1180,9 @@ struct Relook {
 /// Every this many periods, waiting first sightings are asked about again (daemon only), one
 /// request's worth (`proto::MAX_ITEMS`) at a time.
 const RELOOK_PERIODS: u64 = 16;
+/// Relooks skipped in a row at most while offers keep coming (so a waiting page whose copy came
+/// out under another hash is asked about again within 4 x RELOOK_PERIODS periods at the latest).
+const RELOOK_SKIPS: u32 = 3;
 /// Periods without anything to merge before the engine scans less often (see `engine_loop`).
 const IDLE_PERIODS: u32 = 8;
 /// Every this many periods the VMA count is read again once it is large (see `run_period`).
@@ -1202,7 +1211,7 @@ fn run_period(
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
     let period = *lock(&sh.periods);
     let recycler = lock(&sh.recycler).clone();
-    let (mut candidates, view, waiting, tickets) = {
+    let (mut candidates, view, waiting, tickets, relook_due) = {
         let mut st = lock(&sh.state);
         let mut candidates = watch(sh, &mut st, config, kicked)?;
         // Pages marked free (PPR) are released this period: they skip the unchanged wait.
@@ -1228,7 +1237,26 @@ fn run_period(
             fd: st.store.fd(),
             remote: st.store.remote.clone(),
         };
-        (candidates, view, !st.unstable.is_empty(), tickets)
+        // Waiting pages are asked about again now and then (see RELOOK_PERIODS), but not while
+        // other processes' copies for them keep coming: those offers do that work already, and
+        // a relook would repeat up to a request's worth of lookups (in the cross-process
+        // benchmark's merging, an eighth of all of them). At most RELOOK_SKIPS in a row are
+        // skipped.
+        let offered = std::mem::take(&mut st.offers_taken) > 0;
+        let mut relook_due = period % RELOOK_PERIODS == 0;
+        if relook_due && offered && st.relooks_skipped < RELOOK_SKIPS {
+            st.relooks_skipped += 1;
+            relook_due = false;
+        } else if relook_due {
+            st.relooks_skipped = 0;
+        }
+        (
+            candidates,
+            view,
+            !st.unstable.is_empty(),
+            tickets,
+            relook_due,
+        )
     };
     // Read-ahead still running is waited for when there is something to classify: it is that
     // same work, started earlier.
@@ -1258,11 +1286,10 @@ fn run_period(
         lock(&sh.state).unstable.reserve(singles);
     }
     let collect_only = (batches.is_empty() && view.remote.is_some() && waiting).then(Vec::new);
-    let mut relook =
-        (view.remote.is_some() && waiting && period % RELOOK_PERIODS == 0).then(|| Relook {
-            skip: (period / RELOOK_PERIODS) as usize * crate::proto::MAX_ITEMS,
-            take: crate::proto::MAX_ITEMS,
-        });
+    let mut relook = (view.remote.is_some() && waiting && relook_due).then(|| Relook {
+        skip: (period / RELOOK_PERIODS) as usize * crate::proto::MAX_ITEMS,
+        take: crate::proto::MAX_ITEMS,
+    });
     let budget = limit.saturating_sub(config.vma_margin);
     let recycling = !tickets.0.is_empty();
     if recycling {
@@ -2571,6 +2598,7 @@ fn classify(
             for (h, slot) in offers {
                 match take_waiting(st, h) {
                     Some(c) => {
+                        st.offers_taken += 1;
                         let j = push_candidate(&mut cands, &mut actions, c);
                         adopted.push((j, slot));
                     }
