@@ -1211,7 +1211,7 @@ fn run_period(
     sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
     let period = *lock(&sh.periods);
     let recycler = lock(&sh.recycler).clone();
-    let (mut candidates, view, waiting, tickets, relook_due) = {
+    let (mut candidates, view, waiting, tickets, relook_now) = {
         let mut st = lock(&sh.state);
         let mut candidates = watch(sh, &mut st, config, kicked)?;
         // Pages marked free (PPR) are released this period: they skip the unchanged wait.
@@ -1237,25 +1237,14 @@ fn run_period(
             fd: st.store.fd(),
             remote: st.store.remote.clone(),
         };
-        // Waiting pages are asked about again now and then (see RELOOK_PERIODS), but not while
-        // other processes' copies for them keep coming: those offers do that work already, and
-        // a relook would repeat up to a request's worth of lookups (in the cross-process
-        // benchmark's merging, an eighth of all of them). At most RELOOK_SKIPS in a row are
-        // skipped.
         let offered = std::mem::take(&mut st.offers_taken) > 0;
-        let mut relook_due = period % RELOOK_PERIODS == 0;
-        if relook_due && offered && st.relooks_skipped < RELOOK_SKIPS {
-            st.relooks_skipped += 1;
-            relook_due = false;
-        } else if relook_due {
-            st.relooks_skipped = 0;
-        }
+        let relook_now = relook_due(period, offered, &mut st.relooks_skipped);
         (
             candidates,
             view,
             !st.unstable.is_empty(),
             tickets,
-            relook_due,
+            relook_now,
         )
     };
     // Read-ahead still running is waited for when there is something to classify: it is that
@@ -1286,7 +1275,7 @@ fn run_period(
         lock(&sh.state).unstable.reserve(singles);
     }
     let collect_only = (batches.is_empty() && view.remote.is_some() && waiting).then(Vec::new);
-    let mut relook = (view.remote.is_some() && waiting && relook_due).then(|| Relook {
+    let mut relook = (view.remote.is_some() && waiting && relook_now).then(|| Relook {
         skip: (period / RELOOK_PERIODS) as usize * crate::proto::MAX_ITEMS,
         take: crate::proto::MAX_ITEMS,
     });
@@ -1378,6 +1367,23 @@ fn run_period(
         sys::release_free_heap();
     }
     Ok(())
+}
+
+/// Whether waiting pages are asked about again this period (see RELOOK_PERIODS): every
+/// RELOOK_PERIODS periods, but not while other processes' copies for them keep coming (`offered`
+/// in the last period). Those offers do that work already, and a relook would repeat up to a
+/// request's worth of lookups (in the cross-process benchmark's merging, an eighth of all of
+/// them). At most RELOOK_SKIPS in a row are skipped; `skipped` counts them.
+fn relook_due(period: u64, offered: bool, skipped: &mut u32) -> bool {
+    if period % RELOOK_PERIODS != 0 {
+        return false;
+    }
+    if offered && *skipped < RELOOK_SKIPS {
+        *skipped += 1;
+        return false;
+    }
+    *skipped = 0;
+    true
 }
 
 /// Most PPR tickets taken per period (the rest wait for the next one).
@@ -3488,6 +3494,27 @@ mod tests {
     }
 
     proptest! {
+        /// Relooks come only every RELOOK_PERIODS periods, always when no offers came, and are
+        /// never put off more than RELOOK_SKIPS times in a row, however offers come.
+        #[test]
+        fn relooks_are_put_off_a_bounded_number_of_times(
+            offered in proptest::collection::vec(any::<bool>(), 0..400),
+        ) {
+            let mut skipped = 0;
+            let mut put_off = 0;
+            for (period, &offered) in offered.iter().enumerate() {
+                let period = period as u64;
+                let due = relook_due(period, offered, &mut skipped);
+                if period % RELOOK_PERIODS != 0 {
+                    prop_assert!(!due);
+                    continue;
+                }
+                prop_assert!(due || offered);
+                put_off = if due { 0 } else { put_off + 1 };
+                prop_assert!(put_off <= RELOOK_SKIPS);
+            }
+        }
+
         /// Every candidate lands in exactly one batch, batches are in address order, pages of
         /// one content (hash or stable copy) share a batch, and a batch is cut only between
         /// contents once it holds `BATCH` pages.
