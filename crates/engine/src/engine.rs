@@ -844,13 +844,14 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
     let shared = st.store.shared;
     let sharing = st.store.sharing_refs.saturating_sub(shared);
     let vmas = c.vmas.load(Ordering::Relaxed);
-    // Our costs: per-page state, the store's index, each VMA (~200 bytes in the kernel), and
-    // read-ahead results while kept (an address and a result per page).
+    // Our costs: per-page state, the store's index, each VMA (~200 bytes in the kernel),
+    // read-ahead results while kept (an address and a result per page), and the watch's scratch.
     let ahead_bytes = ahead_pages(st) * (std::mem::size_of::<usize>() + std::mem::size_of::<Pre>());
     let meta = (registered / PAGE) as u64 * 8
         + st.store.metadata_bytes()
         + vmas * 200
-        + ahead_bytes as u64;
+        + ahead_bytes as u64
+        + st.scan.bytes() as u64;
     Stats {
         pages_shared: shared,
         pages_sharing: sharing,
@@ -2198,6 +2199,14 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
     }
     st.volatile = volatile;
     st.unshared = unique;
+    // Sized for the largest region (memory a region unregistered since does not keep).
+    let largest = st
+        .regions
+        .values()
+        .map(|r| r.pages.len())
+        .max()
+        .unwrap_or(0);
+    scan.shrink_to(largest);
     st.scan = scan;
     Ok(out)
 }
@@ -2208,6 +2217,25 @@ struct ScanBuffers {
     regions: Vec<PageRegion>,
     cats: Vec<u8>,
     entries: Vec<u64>,
+}
+
+impl ScanBuffers {
+    /// Gives back room beyond twice what a region of `pages` pages needs.
+    fn shrink_to(&mut self, pages: usize) {
+        if self.cats.capacity() > 2 * pages {
+            self.cats.shrink_to(pages);
+        }
+        if self.entries.capacity() > 2 * pages {
+            self.entries.shrink_to(pages);
+        }
+    }
+
+    /// The memory held.
+    fn bytes(&self) -> usize {
+        self.regions.capacity() * std::mem::size_of::<PageRegion>()
+            + self.cats.capacity()
+            + self.entries.capacity() * std::mem::size_of::<u64>()
+    }
 }
 
 /// Inserts `ids` into the stable tree from the worker threads; results in the order of `ids`.
@@ -3481,6 +3509,24 @@ mod tests {
         assert_eq!(f.remove(h), Some((0x7f12_3456_7000, 255)));
         assert_eq!(f.remove(h), None);
         assert_eq!(f.remove(h ^ (1 << 64)), Some((0x1000, 0)));
+    }
+
+    /// The watch's scratch keeps its room between periods, but not more than twice what the
+    /// largest region needs.
+    #[test]
+    fn watch_scratch_keeps_room_for_the_largest_region_only() {
+        let mut b = ScanBuffers::default();
+        b.cats.resize(1 << 20, 0);
+        b.entries.resize(1 << 20, 0);
+        b.cats.clear();
+        b.entries.clear();
+        b.shrink_to(1 << 19);
+        assert!(b.cats.capacity() >= 1 << 20 && b.entries.capacity() >= 1 << 20);
+        assert!(b.bytes() >= 9 << 20);
+        b.shrink_to(1000);
+        assert!((1000..1 << 19).contains(&b.cats.capacity()));
+        assert!((1000..1 << 19).contains(&b.entries.capacity()));
+        assert!(b.bytes() < 9 << 19);
     }
 
     fn pre_of(k: u8) -> Pre {
