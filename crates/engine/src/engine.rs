@@ -103,9 +103,9 @@ struct State {
     stale_sightings: usize,
     /// Periods did work since the C heap's free memory was last returned.
     heap_dirty: bool,
-    /// Copies other processes made for pages waiting here, taken since the period began, and
-    /// relooks skipped in a row because such copies kept coming (see `run_period`).
-    offers_taken: u64,
+    /// Whether a copy another process made for a page waiting here was taken since the period
+    /// began, and relooks skipped in a row because such copies kept coming (see `relook_due`).
+    offered: bool,
     relooks_skipped: u32,
     /// Read-ahead of newly registered pages (see `read_ahead`): jobs still running, and the
     /// results of finished ones by address, with the periods since they were installed.
@@ -299,7 +299,7 @@ impl Engine {
                 scan: ScanBuffers::default(),
                 stale_sightings: 0,
                 heap_dirty: false,
-                offers_taken: 0,
+                offered: false,
                 relooks_skipped: 0,
                 ahead_jobs: Vec::new(),
                 ahead: Vec::new(),
@@ -1238,7 +1238,7 @@ fn run_period(
             fd: st.store.fd(),
             remote: st.store.remote.clone(),
         };
-        let offered = std::mem::take(&mut st.offers_taken) > 0;
+        let offered = std::mem::take(&mut st.offered);
         let relook_now = relook_due(period, offered, &mut st.relooks_skipped);
         (
             candidates,
@@ -2632,7 +2632,7 @@ fn classify(
             for (h, slot) in offers {
                 match take_waiting(st, h) {
                     Some(c) => {
-                        st.offers_taken += 1;
+                        st.offered = true;
                         let j = push_candidate(&mut cands, &mut actions, c);
                         adopted.push((j, slot));
                     }
