@@ -1221,8 +1221,8 @@ fn run_period(
             None => (Vec::new(), Vec::new()),
         };
         if !tickets.0.is_empty() {
-            let taken: HashSet<usize> = tickets.0.iter().map(|c| c.addr).collect();
-            candidates.retain(|c| !taken.contains(&c.addr));
+            let taken: HashSet<usize> = tickets.0.iter().map(|c| c.addr()).collect();
+            candidates.retain(|c| !taken.contains(&c.addr()));
         }
         // Counting VMAs reads all of /proc/self/maps: megabytes of text with tens of thousands
         // of merged runs, which made the count most of an idle QEMU's engine CPU. So the count
@@ -1347,7 +1347,10 @@ fn run_period(
             .into_iter()
             .collect();
         for (c, &slot) in tickets.0.iter().zip(&tickets.1) {
-            let ticket = pageone_recycler::Ticket { slot, addr: c.addr };
+            let ticket = pageone_recycler::Ticket {
+                slot,
+                addr: c.addr(),
+            };
             pool.finish(ticket, released.contains(&slot));
         }
     }
@@ -1409,16 +1412,12 @@ fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> (Vec<Candidate>, V
         .iter()
         .filter_map(|t| {
             let (region, index, _) = page_at(&st.regions, t.addr)?;
-            let c = Candidate {
-                region,
-                index,
-                addr: t.addr,
-                pre: Pre::None,
-            };
+            debug_assert_eq!(index, (t.addr - region) / PAGE);
+            let c = Candidate::new(region, t.addr, Pre::None);
             Some((c, t.slot))
         })
         .collect();
-    out.sort_unstable_by_key(|(c, _)| c.addr);
+    out.sort_unstable_by_key(|(c, _)| c.addr());
     out.into_iter().unzip()
 }
 
@@ -1475,18 +1474,7 @@ const SWEEP_MIN_STALE: usize = 4096;
 /// of its share of the key space), and each batch is gathered only when it is taken.
 fn batches_by_content(cands: Vec<Candidate>, pool: &Pool) -> ContentBatches {
     let n = cands.len();
-    // A content's key: the low word of its hash, or its stable copy spread over the key space
-    // (an odd multiplier is a bijection; the map uses the low bits as they are). Keys shared by
-    // two contents only batch them together. 0: not read ahead (no chain).
-    let keys: Vec<u64> = cands
-        .iter()
-        .map(|c| match c.pre {
-            Pre::Hash(h) => h[0].max(1),
-            Pre::Stable(id) => (id as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-            Pre::None | Pre::Zero => 0,
-        })
-        .collect();
-    if keys.iter().all(|&k| k == 0) {
+    if cands.iter().all(|c| content_key(c) == 0) {
         return ContentBatches {
             cands,
             next: vec![u32::MAX; n],
@@ -1495,51 +1483,75 @@ fn batches_by_content(cands: Vec<Candidate>, pool: &Pool) -> ContentBatches {
         };
     }
     let parts = if n >= 4 * BATCH { pool.size() + 1 } else { 1 };
-    let keys = Arc::new(keys);
     // next[i]: the next candidate of i's content; heads start a content (or stand alone). Each
-    // index is written by the one part that owns its key.
+    // index is written by the one part that owns its key. (Memory made for this period costs a
+    // page fault per 4 KiB: keys are computed where needed, and the atomics become the result.)
+    let cands = Arc::new(cands);
     let next: Arc<Vec<AtomicU32>> = Arc::new((0..n).map(|_| AtomicU32::new(u32::MAX)).collect());
     let head: Arc<Vec<AtomicBool>> = Arc::new((0..n).map(|_| AtomicBool::new(true)).collect());
-    let (k, nx, hd) = (keys.clone(), next.clone(), head.clone());
+    let (cs, nx, hd) = (cands.clone(), next.clone(), head.clone());
     pool.run(
         parts,
         Arc::new(move |part| {
             // Parts split on high bits: the map's buckets use the low ones.
             let mine = |key: u64| key != 0 && (key >> 40) as usize % parts == part;
-            // (first, last) candidate of each content of this part, in a map sized for as many
+            // The last candidate of each content of this part so far, by the key's low half (two
+            // contents sharing it are only batched together), in a map sized for as many
             // contents as it has keys (mostly so: pages that wait this long are mostly unique),
             // not grown into fresh memory doubling after doubling.
-            let mut ends: HashMap<u64, (u32, u32), HashOfHash> = HashMap::with_capacity_and_hasher(
-                k.iter().filter(|&&key| mine(key)).count(),
+            let mut last: HashMap<u32, u32, HashOfHash> = HashMap::with_capacity_and_hasher(
+                cs.iter().filter(|c| mine(content_key(c))).count(),
                 HashOfHash::default(),
             );
-            for (i, &key) in k.iter().enumerate() {
+            for (i, c) in cs.iter().enumerate() {
+                let key = content_key(c);
                 if !mine(key) {
                     continue;
                 }
                 let i = i as u32;
-                match ends.entry(key) {
+                match last.entry(key as u32) {
                     std::collections::hash_map::Entry::Occupied(mut o) => {
-                        let (_, last) = o.get_mut();
                         // Relaxed: read after `pool.run` returns, which waits for this part
                         // under the pool's latch (its mutex orders the stores before the reads).
-                        nx[*last as usize].store(i, Ordering::Relaxed);
-                        *last = i;
+                        nx[*o.get() as usize].store(i, Ordering::Relaxed);
+                        *o.get_mut() = i;
                         hd[i as usize].store(false, Ordering::Relaxed);
                     }
                     std::collections::hash_map::Entry::Vacant(v) => {
-                        v.insert((i, i));
+                        v.insert(i);
                     }
                 }
             }
         }),
     );
+    // `pool.run` returned: every part ran and dropped its clones of the Arcs (see `Task::run`),
+    // so the vectors are taken back as they are, the atomics in place (same layout). Relaxed:
+    // after the parts finished (see above).
+    let cands = Arc::try_unwrap(cands).unwrap_or_else(|c| c.as_ref().clone());
+    let next = match Arc::try_unwrap(next) {
+        Ok(v) => v.into_iter().map(AtomicU32::into_inner).collect(),
+        Err(v) => v.iter().map(|x| x.load(Ordering::Relaxed)).collect(),
+    };
+    let head = match Arc::try_unwrap(head) {
+        Ok(v) => v.into_iter().map(AtomicBool::into_inner).collect(),
+        Err(v) => v.iter().map(|x| x.load(Ordering::Relaxed)).collect(),
+    };
     ContentBatches {
         cands,
-        // Relaxed: after the parts finished (see above).
-        next: next.iter().map(|x| x.load(Ordering::Relaxed)).collect(),
-        head: head.iter().map(|x| x.load(Ordering::Relaxed)).collect(),
+        next,
+        head,
         at: 0,
+    }
+}
+
+/// A candidate's content key for batching: the low word of its hash, or its stable copy spread
+/// over the key space (an odd multiplier is a bijection; the map uses the low bits as they are).
+/// Keys shared by two contents only batch them together. 0: not read ahead (no chain).
+fn content_key(c: &Candidate) -> u64 {
+    match c.pre() {
+        Pre::Hash(h) => h[0].max(1),
+        Pre::Stable(id) => (id as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        Pre::None | Pre::Zero => 0,
     }
 }
 
@@ -1571,7 +1583,7 @@ impl Iterator for ContentBatches {
         if take.is_empty() {
             return None;
         }
-        take.sort_unstable_by_key(|&i| self.cands[i as usize].addr);
+        take.sort_unstable_by_key(|&i| self.cands[i as usize].addr());
         Some(take.iter().map(|&i| self.cands[i as usize]).collect())
     }
 }
@@ -1587,7 +1599,7 @@ impl ContentBatches {
             .filter(|&i| {
                 self.head[i]
                     && self.next[i] == u32::MAX
-                    && matches!(self.cands[i].pre, Pre::Hash(_))
+                    && matches!(self.cands[i].pre(), Pre::Hash(_))
             })
             .count()
     }
@@ -1596,7 +1608,7 @@ impl ContentBatches {
 /// Pages read ahead per part of a read-ahead job (small parts, so that other submitters' parts
 /// are not held up long behind them).
 const AHEAD_PART: usize = 1024;
-/// Most pages read ahead and not yet used, over all registrations (32 bytes each while kept):
+/// Most pages read ahead and not yet used, over all registrations (24 bytes each while kept):
 /// beyond that, pages are read when they are candidates, as without read-ahead.
 const AHEAD_MAX_PAGES: usize = 512 * 1024;
 /// Periods read-ahead results are kept after they were installed: pages are due two periods
@@ -1606,7 +1618,7 @@ const AHEAD_PERIODS: u32 = 4;
 
 /// The results of one read-ahead part: present pages in address order, with what reading each
 /// found.
-type AheadPart = Vec<(usize, Pre)>;
+type AheadPart = Vec<PagePre>;
 
 /// A read-ahead queued on the workers: its address range and, per part of `AHEAD_PART` pages,
 /// where the part puts its results.
@@ -1686,7 +1698,10 @@ fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize, mode: Watch
                 .filter(|r| r.categories & (PAGE_IS_PFNZERO | PAGE_IS_FILE) == 0)
             {
                 for addr in (r.start as usize..r.end as usize).step_by(PAGE) {
-                    res.push((addr, read_page(addr, tree.as_deref(), store_base, &mut buf)));
+                    res.push(PagePre::new(
+                        addr,
+                        read_page(addr, tree.as_deref(), store_base, &mut buf),
+                    ));
                 }
             }
         }),
@@ -1807,43 +1822,43 @@ fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
         ..
     } = &mut *st;
     // Candidates and blocks are in address order; blocks do not overlap (one per registration).
-    // A block whose pages all came up as candidates has served: it is dropped now (it holds 32
+    // A block whose pages all came up as candidates has served: it is dropped now (it holds 24
     // bytes per page).
     let mut used = vec![0usize; ahead.len()];
     // The block, its part and the position in it that the next candidate is looked up from.
     let (mut bi, mut pi, mut at) = (0, usize::MAX, 0);
     for c in cands.iter_mut() {
-        while ahead.get(bi).is_some_and(|b| b.end <= c.addr) {
+        while ahead.get(bi).is_some_and(|b| b.end <= c.addr()) {
             bi += 1;
             pi = usize::MAX;
         }
         let Some(b) = ahead.get(bi) else {
             break;
         };
-        if c.addr < b.start {
+        if c.addr() < b.start {
             continue;
         }
-        let part = (c.addr - b.start) / (AHEAD_PART * PAGE);
+        let part = (c.addr() - b.start) / (AHEAD_PART * PAGE);
         if part != pi {
             (pi, at) = (part, 0);
         }
         let Some(p) = b.parts.get(part) else {
             continue;
         };
-        while p.get(at).is_some_and(|&(a, _)| a < c.addr) {
+        while p.get(at).is_some_and(|e| e.addr() < c.addr()) {
             at += 1;
         }
-        let Some(&(_, pre)) = p.get(at).filter(|&&(a, _)| a == c.addr) else {
+        let Some(pre) = p.get(at).filter(|e| e.addr() == c.addr()).map(PagePre::pre) else {
             continue;
         };
         used[bi] += 1;
         let fresh = regions
             .get(&c.region)
-            .is_some_and(|r| r.pages[c.index].kind == ANON && r.pages[c.index].epoch == 0);
+            .is_some_and(|r| r.pages[c.index()].kind == ANON && r.pages[c.index()].epoch == 0);
         let stale =
             matches!(pre, Pre::Stable(id) if store.reallocated_since(id, b.allocation_mark));
         if fresh && !stale {
-            c.pre = pre;
+            c.set_pre(pre);
         }
     }
     let mut k = 0;
@@ -1875,14 +1890,90 @@ enum Pre {
     Hash([u64; 2]),
 }
 
+/// A page's address and what was read ahead for it, in 24 bytes: the kind of `Pre` goes in the
+/// address's low bits (a page address has 12 zero bits there). Read-ahead results and
+/// candidates are made for every page of a registered range at once, in memory that costs a page
+/// fault per 4 KiB.
+#[derive(Clone, Copy)]
+struct PagePre {
+    addr_pre: usize,
+    /// `Pre::Hash`'s hash, or `Pre::Stable`'s copy in the low word.
+    word: [u64; 2],
+}
+
+impl PagePre {
+    fn new(addr: usize, pre: Pre) -> Self {
+        debug_assert!(addr % PAGE == 0);
+        let mut p = PagePre {
+            addr_pre: addr,
+            word: [0; 2],
+        };
+        p.set_pre(pre);
+        p
+    }
+
+    fn addr(&self) -> usize {
+        self.addr_pre & !(PAGE - 1)
+    }
+
+    fn pre(&self) -> Pre {
+        match self.addr_pre & 3 {
+            0 => Pre::None,
+            1 => Pre::Zero,
+            2 => Pre::Stable(self.word[0] as KeyId),
+            _ => Pre::Hash(self.word),
+        }
+    }
+
+    fn set_pre(&mut self, pre: Pre) {
+        let (tag, word) = match pre {
+            Pre::None => (0, [0; 2]),
+            Pre::Zero => (1, [0; 2]),
+            Pre::Stable(id) => (2, [u64::from(id), 0]),
+            Pre::Hash(h) => (3, h),
+        };
+        self.addr_pre = self.addr() | tag;
+        self.word = word;
+    }
+}
+
+/// A page that may be merged this period (32 bytes; its index is derived from its address).
 #[derive(Clone, Copy)]
 struct Candidate {
     /// Start address of the page's region (its key in `State::regions`).
     region: usize,
-    index: usize,
-    addr: usize,
+    page: PagePre,
+}
+
+const _: () = assert!(std::mem::size_of::<PagePre>() == 24);
+const _: () = assert!(std::mem::size_of::<Candidate>() == 32);
+
+impl Candidate {
+    fn new(region: usize, addr: usize, pre: Pre) -> Self {
+        debug_assert!(addr >= region);
+        Candidate {
+            region,
+            page: PagePre::new(addr, pre),
+        }
+    }
+
+    fn addr(&self) -> usize {
+        self.page.addr()
+    }
+
+    /// The page's index in its region.
+    fn index(&self) -> usize {
+        (self.addr() - self.region) / PAGE
+    }
+
     /// Read ahead, when the page is unwritten since.
-    pre: Pre,
+    fn pre(&self) -> Pre {
+        self.page.pre()
+    }
+
+    fn set_pre(&mut self, pre: Pre) {
+        self.page.set_pre(pre);
+    }
 }
 
 /// Reads word `i` of the page at `addr`, big-endian, with a volatile load (the owner may write it).
@@ -1986,12 +2077,8 @@ fn unchanged_period(
 ) {
     p.unchanged = p.unchanged.saturating_add(step);
     if p.unchanged >= config.merge_periods.max(p.writes) {
-        out.push(Candidate {
-            region,
-            index,
-            addr,
-            pre: Pre::None,
-        });
+        debug_assert_eq!(index, (addr - region) / PAGE);
+        out.push(Candidate::new(region, addr, Pre::None));
     } else {
         *volatile += 1;
     }
@@ -2076,7 +2163,20 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
             }
         }
         sh.counters.scanned.fetch_add(n as u64, Ordering::Relaxed);
+        let wp = sh.mode == WatchMode::UffdWp;
         for (i, (p, &c)) in r.pages.iter_mut().zip(cats.iter()).enumerate() {
+            // The two cases of almost every page while a merge goes on and after it, decided
+            // without a branch per kind (the kinds of neighbouring pages alternate, so a branch
+            // on each was mispredicted half of the time): a merged page still mapping its copy
+            // (not present, or present and file-backed), and a unique page present, not the zero
+            // page and not written (the write-protect scan tells; checksums are not compared
+            // here). Both are handled below as well; this only skips to the next page.
+            let merged_quiet = (p.kind == MERGED) & (c & 3 != 1);
+            let unique_quiet = (p.kind == UNIQUE) & (c & 0b1101 == 1) & wp;
+            unique += u64::from(unique_quiet);
+            if merged_quiet | unique_quiet {
+                continue;
+            }
             let present = c & 1 != 0;
             match p.kind {
                 MERGED => {
@@ -2186,12 +2286,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                     // together, and growing by doubling would copy and fault in tens of MiB.
                     out.reserve(all_pages);
                 }
-                out.push(Candidate {
-                    region: r.start,
-                    index: i,
-                    addr,
-                    pre: Pre::None,
-                });
+                out.push(Candidate::new(r.start, addr, Pre::None));
             } else {
                 volatile += 1;
             }
@@ -2283,6 +2378,11 @@ impl std::hash::Hasher for IdentityHasher {
     fn write_u64(&mut self, v: u64) {
         self.0 = v;
     }
+    /// Spread over the whole word (an odd multiplier is a bijection): the map's tags come from
+    /// the top bits, which a `u32` leaves zero.
+    fn write_u32(&mut self, v: u32) {
+        self.0 = u64::from(v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
 }
 
 type HashOfHash = std::hash::BuildHasherDefault<IdentityHasher>;
@@ -2364,12 +2464,8 @@ fn unpack_sighting(v: u64) -> (usize, u8) {
 fn take_waiting(st: &mut State, h: u128) -> Option<Candidate> {
     let (addr, epoch) = st.unstable.remove(h)?;
     let (region, index) = still_waiting(&st.regions, addr, epoch)?;
-    Some(Candidate {
-        region,
-        index,
-        addr,
-        pre: Pre::None,
-    })
+    debug_assert_eq!(index, (addr - region) / PAGE);
+    Some(Candidate::new(region, addr, Pre::None))
 }
 
 /// The region and index of the page at `addr` if a first-sighting entry made at `epoch` still
@@ -2448,7 +2544,7 @@ fn classify(
     // (With a daemon there is no tree here: the daemon is asked by hash either way.)
     let mut in_batch: HashMap<u128, bool, HashOfHash> = HashMap::default();
     for c in cands.iter().filter(|_| view.tree.is_some()) {
-        if let Pre::Hash(h) = c.pre {
+        if let Pre::Hash(h) = c.pre() {
             in_batch
                 .entry(joined(h))
                 .and_modify(|alone| *alone = false)
@@ -2459,11 +2555,11 @@ fn classify(
         cands
             .iter()
             .map(|c| {
-                let alone = match c.pre {
+                let alone = match c.pre() {
                     Pre::Hash(h) => in_batch.get(&joined(h)).copied().unwrap_or(true),
                     _ => false,
                 };
-                (c.addr, c.pre, alone)
+                (c.addr(), c.pre(), alone)
             })
             .collect(),
     );
@@ -2609,7 +2705,7 @@ fn classify(
                             && st
                                 .regions
                                 .get(&c.region)
-                                .is_some_and(|r| r.pages[c.index].kind == FOREIGN);
+                                .is_some_and(|r| r.pages[c.index()].kind == FOREIGN);
                         if foreign && !grouped {
                             first.insert(h, (i, true));
                             groups.push(i);
@@ -2655,11 +2751,11 @@ fn classify(
         if !grouped {
             let c = &cands[i as usize];
             if let Some(r) = st.regions.get_mut(&c.region) {
-                let p = &mut r.pages[c.index];
+                let p = &mut r.pages[c.index()];
                 p.unchanged = 0;
                 if !in_store_mapping(p.kind) {
                     p.kind = UNIQUE;
-                    st.unstable.insert(h, c.addr, p.epoch);
+                    st.unstable.insert(h, c.addr(), p.epoch);
                 } else {
                     // A COW-broken page is re-hashed when it is a candidate again instead; each
                     // miss doubles the wait (to max_backoff periods), so the many unique pages a
@@ -2705,7 +2801,7 @@ fn classify(
         groups.append(&mut fresh_groups);
         groups.sort_unstable();
     }
-    let srcs: Vec<usize> = groups.iter().map(|&g| cands[g as usize].addr).collect();
+    let srcs: Vec<usize> = groups.iter().map(|&g| cands[g as usize].addr()).collect();
     let (made, to_write) = match &view.remote {
         // The daemon makes them; asked without the state lock.
         Some(remote) if !srcs.is_empty() || !fresh_groups.is_empty() => {
@@ -2713,7 +2809,7 @@ fn classify(
             let mut slots = remote.copy(&srcs, false);
             let fresh_srcs: Vec<usize> = fresh_groups
                 .iter()
-                .map(|&g| cands[g as usize].addr)
+                .map(|&g| cands[g as usize].addr())
                 .collect();
             slots.extend(remote.copy(&fresh_srcs, true));
             groups.append(&mut fresh_groups);
@@ -3200,7 +3296,7 @@ fn commit(
     }
     let mut budget = VmaBudget::new(budget);
     let recycler = lock(&sh.recycler).clone();
-    todo.sort_unstable_by_key(|&i| cands[i].addr);
+    todo.sort_unstable_by_key(|&i| cands[i].addr());
     let mut i = 0;
     let mut moved = [false; MAX_RUN];
     let mut tm = [0f64; 4];
@@ -3222,24 +3318,24 @@ fn commit(
             i += 1;
             continue;
         };
-        let broken = |t: usize| in_store_mapping(region.pages[cands[todo[t]].index].kind);
+        let broken = |t: usize| in_store_mapping(region.pages[cands[todo[t]].index()].kind);
         let run_broken = broken(i);
         let mut j = i + 1;
         while j < todo.len()
             && j - i < MAX_RUN
             && cands[todo[j]].region == first.region
-            && cands[todo[j]].index == first.index + (j - i)
+            && cands[todo[j]].index() == first.index() + (j - i)
             && broken(j) == run_broken
         {
             j += 1;
         }
         let n = j - i;
-        let start = first.addr;
+        let start = first.addr();
         if run_broken {
             let acts: Vec<Option<Action>> = (i..j).map(|t| actions[todo[t]]).collect();
             let run = Run {
                 start,
-                first_index: first.index,
+                first_index: first.index(),
                 n,
             };
             commit_broken(sh, store, region, run, &acts, config, vmas, &mut budget);
@@ -3258,7 +3354,7 @@ fn commit(
                 if let Some(Action::Merge(_)) = a {
                     *a = None;
                     limited += 1;
-                    let p = &mut region.pages[first.index + k];
+                    let p = &mut region.pages[first.index() + k];
                     p.unchanged = 0;
                     p.back_off(config.max_backoff);
                 }
@@ -3274,7 +3370,7 @@ fn commit(
         // Freezing and comparing need no state: the period lock keeps the region registered, and
         // a copy named by this batch stays allocated until the batch is done (only the committer
         // frees copies during a period).
-        let (region_key, first_index) = (first.region, first.index);
+        let (region_key, first_index) = (first.region, first.index());
         let store_base = store.addr(0);
         let pagemap = guard.pagemap.clone();
         drop(guard);
@@ -3540,6 +3636,32 @@ mod tests {
     }
 
     proptest! {
+        /// A packed page address and read-ahead result give back what was packed, whatever the
+        /// result, and setting it again replaces it without touching the address.
+        #[test]
+        fn page_pre_keeps_address_and_result(
+            page in 0usize..(1 << 35),
+            kind in 0u8..4,
+            words in any::<[u64; 2]>(),
+            id in any::<KeyId>(),
+            again in 0u8..4,
+        ) {
+            let pre = |k: u8| match k {
+                0 => Pre::None,
+                1 => Pre::Zero,
+                2 => Pre::Stable(id),
+                _ => Pre::Hash(words),
+            };
+            let region = page / 2 * PAGE;
+            let mut c = Candidate::new(region, page * PAGE, pre(kind));
+            prop_assert_eq!(c.addr(), page * PAGE);
+            prop_assert_eq!(c.index(), page - page / 2);
+            prop_assert_eq!(c.pre(), pre(kind));
+            c.set_pre(pre(again));
+            prop_assert_eq!(c.addr(), page * PAGE);
+            prop_assert_eq!(c.pre(), pre(again));
+        }
+
         /// Relooks come only every RELOOK_PERIODS periods, always when no offers came, and are
         /// never put off more than RELOOK_SKIPS times in a row, however offers come.
         #[test]
@@ -3573,22 +3695,17 @@ mod tests {
             let cands: Vec<Candidate> = kinds
                 .iter()
                 .enumerate()
-                .map(|(i, &k)| Candidate {
-                    region: 0,
-                    index: i,
-                    addr: (i + 1) * PAGE,
-                    pre: pre_of(k),
-                })
+                .map(|(i, &k)| Candidate::new(PAGE, (i + 1) * PAGE, pre_of(k)))
                 .collect();
             let batches: Vec<Vec<Candidate>> = batches_by_content(cands.clone(), &pool).collect();
-            let mut seen: Vec<usize> = batches.iter().flatten().map(|c| c.index).collect();
+            let mut seen: Vec<usize> = batches.iter().flatten().map(|c| c.index()).collect();
             seen.sort_unstable();
             prop_assert_eq!(seen, (0..cands.len()).collect::<Vec<_>>());
             let mut batch_of: HashMap<String, usize> = HashMap::new();
             for (b, batch) in batches.iter().enumerate() {
-                prop_assert!(batch.windows(2).all(|w| w[0].addr < w[1].addr));
+                prop_assert!(batch.windows(2).all(|w| w[0].addr() < w[1].addr()));
                 for c in batch {
-                    let key = match c.pre {
+                    let key = match c.pre() {
                         Pre::Hash(h) => format!("h{h:?}"),
                         Pre::Stable(id) => format!("s{id}"),
                         Pre::None | Pre::Zero => continue,

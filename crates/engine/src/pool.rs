@@ -56,9 +56,13 @@ struct Task {
 
 impl Task {
     fn run(self) {
+        let Task { job, part, latch } = self;
         // A panicking part must not leave its submitter waiting forever.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (self.job)(self.part)));
-        self.latch.count_down();
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(part)));
+        // The job, and what it holds, goes before the count: a submitter woken by the last part
+        // holds the job's shared data alone again.
+        drop(job);
+        latch.count_down();
     }
 }
 
