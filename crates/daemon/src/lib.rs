@@ -59,6 +59,8 @@ const PAGE: usize = sys::PAGE_SIZE;
 const MAX_NOTED: usize = 1 << 24;
 /// Offers waiting for one client.
 const MAX_OFFERS: usize = 1 << 20;
+/// Offers whose memory a connection keeps for the next ones (512 KiB).
+const KEPT_OFFERS: usize = 1 << 14;
 /// How long a client asked for a copy has to make it before another client is asked.
 const WANTED_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 /// Connections served at once (each has a thread); more wait in the listen backlog.
@@ -763,13 +765,15 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
     let mut joined: Option<(Arc<Scope>, u64, OwnedFd)> = None;
     // The client's process, to tell an exit from a connection lost while it lives.
     let mut process: Option<OwnedFd> = None;
+    // The memory of the offers last sent, kept for the client's next ones (see `lookup`).
+    let mut spare_offers: Vec<(u128, u32)> = Vec::new();
     let result = (|| -> Result<(), ProtoError> {
         loop {
             let (body, fd) = proto::read_frame(&sock)?;
             let req = match Request::decode(&body) {
                 Ok(r) => r,
                 Err(e) => {
-                    let _ = reply(&sock, Reply::Error(e.to_string()), None);
+                    let _ = reply(&sock, &Reply::Error(e.to_string()), None);
                     return Err(e);
                 }
             };
@@ -785,7 +789,7 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                             };
                             joined = Some((sc, id, pipe));
                             process = pidfd;
-                            reply(&sock, r, Some(&store_ro))?;
+                            reply(&sock, &r, Some(&store_ro))?;
                             continue;
                         }
                         Err(msg) => Reply::Error(msg),
@@ -793,7 +797,7 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                 }
                 (None, _) => Reply::Error("say hello first".into()),
                 (Some(_), Request::Hello { .. }) => Reply::Error("already joined".into()),
-                (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs),
+                (Some((sc, id, _)), Request::Lookup(hs)) => lookup(sc, *id, &hs, &mut spare_offers),
                 (Some(_), Request::Goodbye) => {
                     // Its holds go when the connection ends, process alive or not.
                     process = None;
@@ -839,7 +843,13 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
                     Reply::Ok
                 }
             };
-            reply(&sock, answer, None)?;
+            reply(&sock, &answer, None)?;
+            if let Reply::Answers { mut offers, .. } = answer {
+                // Its memory takes the next offers (see `lookup`), up to a bound.
+                offers.clear();
+                offers.shrink_to(KEPT_OFFERS);
+                spare_offers = offers;
+            }
         }
     })();
     if let Err(e) = &result {
@@ -904,7 +914,7 @@ fn serve(inner: &Inner, sock: UnixStream) -> bool {
     was_joined
 }
 
-fn reply(sock: &UnixStream, r: Reply, fd: Option<&OwnedFd>) -> Result<(), ProtoError> {
+fn reply(sock: &UnixStream, r: &Reply, fd: Option<&OwnedFd>) -> Result<(), ProtoError> {
     proto::write_frame(sock, &r.encode(), fd)
 }
 
@@ -992,7 +1002,7 @@ fn join(
     Ok((sc, id, pipe, store_ro, pidfd))
 }
 
-fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
+fn lookup(sc: &Scope, id: u64, hashes: &[u128], spare_offers: &mut Vec<(u128, u32)>) -> Reply {
     let mut st = lock(&sc.state);
     let mut answers = vec![proto::NOTED; hashes.len()];
     let now = st.now_ms();
@@ -1029,11 +1039,13 @@ fn lookup(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
         }
     }
     st.count_notes(added);
-    let offers = st
-        .clients
-        .get_mut(&id)
-        .map(|c| std::mem::take(&mut c.offers))
-        .unwrap_or_default();
+    // The client's offers go out; the memory of the ones sent last time takes the next ones (a
+    // client waiting for tens of thousands of copies gets them over many lookups, and new
+    // memory costs a page fault per 4 KiB).
+    let offers = match st.clients.get_mut(&id) {
+        Some(c) => std::mem::replace(&mut c.offers, std::mem::take(spare_offers)),
+        None => Vec::new(),
+    };
     Reply::Answers { answers, offers }
 }
 

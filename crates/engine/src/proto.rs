@@ -112,7 +112,12 @@ struct Enc(Vec<u8>);
 
 impl Enc {
     fn new(tag: u32) -> Self {
-        let mut v = Vec::with_capacity(64);
+        Self::with_room(tag, 56)
+    }
+    /// With room for `body` bytes after the tag: a frame of tens of thousands of records is
+    /// written once into memory made for it, not copied doubling after doubling.
+    fn with_room(tag: u32, body: usize) -> Self {
+        let mut v = Vec::with_capacity(8 + body);
         v.extend_from_slice(&0u32.to_le_bytes());
         v.extend_from_slice(&tag.to_le_bytes());
         Enc(v)
@@ -208,7 +213,7 @@ impl Request {
                 e.finish()
             }
             Request::Lookup(hs) => {
-                let mut e = Enc::new(T_LOOKUP);
+                let mut e = Enc::with_room(T_LOOKUP, 4 + 16 * hs.len());
                 e.hashes(hs);
                 e.finish()
             }
@@ -223,7 +228,7 @@ impl Request {
                 e.finish()
             }
             Request::Release(ids) => {
-                let mut e = Enc::new(T_RELEASE);
+                let mut e = Enc::with_room(T_RELEASE, 4 + 4 * ids.len());
                 e.u32(ids.len() as u32);
                 for &i in ids {
                     e.u32(i);
@@ -231,7 +236,7 @@ impl Request {
                 e.finish()
             }
             Request::Forget(hs) => {
-                let mut e = Enc::new(T_FORGET);
+                let mut e = Enc::with_room(T_FORGET, 4 + 16 * hs.len());
                 e.hashes(hs);
                 e.finish()
             }
@@ -284,7 +289,7 @@ impl Reply {
                 e.finish()
             }
             Reply::Answers { answers, offers } => {
-                let mut e = Enc::new(T_ANSWERS);
+                let mut e = Enc::with_room(T_ANSWERS, 8 + 4 * answers.len() + 20 * offers.len());
                 e.u32(answers.len() as u32);
                 for &a in answers {
                     e.u32(a);
@@ -296,7 +301,7 @@ impl Reply {
                 e.finish()
             }
             Reply::Slots(s) => {
-                let mut e = Enc::new(T_SLOTS);
+                let mut e = Enc::with_room(T_SLOTS, 4 + 4 * s.len());
                 e.u32(s.len() as u32);
                 for &x in s {
                     e.u32(x);
