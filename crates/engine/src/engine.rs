@@ -3375,6 +3375,30 @@ fn commit(
         let pagemap = guard.pagemap.clone();
         drop(guard);
 
+        // The copies are read through the store's view to be compared: mapped now, in one call
+        // per subrun of consecutive copies, instead of a page fault per 16 pages during the
+        // compare (with the run frozen). A hint: pages it could not map fault in as before.
+        let mut k = 0;
+        while k < n {
+            let Some(Action::Merge(sid)) = acts[k] else {
+                k += 1;
+                continue;
+            };
+            let mut m = 1;
+            while k + m < n && acts[k + m] == Some(Action::Merge(sid + m as u32)) {
+                m += 1;
+            }
+            // SAFETY: the view is a read-only mapping of the store; populating it changes no
+            // contents.
+            let _ = unsafe {
+                sys::madvise(
+                    (store_base + sid as usize * PAGE) as *mut u8,
+                    m * PAGE,
+                    libc::MADV_POPULATE_READ,
+                )
+            };
+            k += m;
+        }
         let tf = Instant::now();
         // Freeze: from here until the wake, any access to the run blocks in the kernel.
         // SeqCst pairs with the fault thread's load: the range is visible before any page moves.
