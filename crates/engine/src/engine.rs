@@ -3269,6 +3269,20 @@ fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: 
     }
 }
 
+/// The subrun of merges at `k`: its first copy and its length, as long as the copies follow each
+/// other (one mapping of the store covers it). `None` if `acts[k]` is not a merge.
+fn merge_subrun(acts: &[Option<Action>], k: usize) -> Option<(KeyId, usize)> {
+    let Some(Action::Merge(sid)) = acts[k] else {
+        return None;
+    };
+    let m = acts[k..]
+        .iter()
+        .enumerate()
+        .take_while(|&(j, a)| *a == Some(Action::Merge(sid.wrapping_add(j as u32))))
+        .count();
+    Some((sid, m))
+}
+
 /// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
 fn pack_run(start: usize, pages: usize) -> u64 {
     ((start as u64 / PAGE as u64) << 16) | pages as u64
@@ -3380,14 +3394,10 @@ fn commit(
         // compare (with the run frozen). A hint: pages it could not map fault in as before.
         let mut k = 0;
         while k < n {
-            let Some(Action::Merge(sid)) = acts[k] else {
+            let Some((sid, m)) = merge_subrun(&acts[..n], k) else {
                 k += 1;
                 continue;
             };
-            let mut m = 1;
-            while k + m < n && acts[k + m] == Some(Action::Merge(sid + m as u32)) {
-                m += 1;
-            }
             // SAFETY: the view is a read-only mapping of the store; populating it changes no
             // contents.
             let _ = unsafe {
@@ -3517,14 +3527,10 @@ fn commit(
         // Replace: one mapping per subrun of consecutive copies.
         let mut k = 0;
         while k < n {
-            let Some(Action::Merge(sid)) = verdict[k] else {
+            let Some((sid, m)) = merge_subrun(&verdict[..n], k) else {
                 k += 1;
                 continue;
             };
-            let mut m = 1;
-            while k + m < n && verdict[k + m] == Some(Action::Merge(sid + m as u32)) {
-                m += 1;
-            }
             let idx = first_index + k;
             let coalesces = idx > 0 && {
                 let left = region.pages[idx - 1];
@@ -3657,6 +3663,26 @@ mod tests {
             // Spread over the key space, as real hashes are (the ordering splits it).
             _ => Pre::Hash([(k as u64 % 24).wrapping_mul(0x9e37_79b9_7f4a_7c15), 7]),
         }
+    }
+
+    #[test]
+    fn merge_subruns_end_where_copies_stop_following_each_other() {
+        let m = |sid| Some(Action::Merge(sid));
+        let acts = [m(5), m(6), m(8), Some(Action::Zero), m(9), None, m(3), m(4)];
+        let found: Vec<_> = (0..acts.len()).map(|k| merge_subrun(&acts, k)).collect();
+        assert_eq!(
+            found,
+            [
+                Some((5, 2)),
+                Some((6, 1)),
+                Some((8, 1)),
+                None,
+                Some((9, 1)),
+                None,
+                Some((3, 2)),
+                Some((4, 1)),
+            ]
+        );
     }
 
     proptest! {
