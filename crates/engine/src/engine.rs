@@ -3269,9 +3269,9 @@ fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: 
     }
 }
 
-/// Pages a read fault on a file mapping maps at once (Linux's default `fault_around_bytes`, 64 KiB,
-/// aligned), when they are in the page cache.
-const FAULT_AROUND: usize = 16;
+/// What a read fault on a file mapping maps at once, aligned, of the pages in the page cache
+/// (Linux's default `fault_around_bytes`).
+const FAULT_AROUND_BYTES: usize = 64 << 10;
 
 /// The subrun of merges at `k`: its first copy and its length, as long as the copies follow each
 /// other (one mapping of the store covers it). `None` if `acts[k]` is not a merge.
@@ -3394,24 +3394,27 @@ fn commit(
         drop(guard);
 
         // The copies are read through the store's view to be compared: mapped now, before the
-        // freeze, by reading one page of each aligned 16 (a read fault maps the 16 pages of the
-        // file around it: Linux's default `fault_around_bytes`), instead of faulting during the
-        // compare with the run frozen. Cheaper than `MADV_POPULATE_READ`, whose walk of each
-        // page cost more than the faults it saved, and than reading every page
-        // (docs/benchmarks.md). Pages left unmapped fault in during the compare, as before.
+        // freeze, by reading one page of each aligned 64 KiB of the view (a read fault maps the
+        // pages of the file around it, that much by Linux's default `fault_around_bytes`),
+        // instead of faulting during the compare with the run frozen. Cheaper than
+        // `MADV_POPULATE_READ`, which walks every page, and than reading every page (measured:
+        // docs/benchmarks.md). Pages left unmapped fault in during the compare, as before.
         let mut k = 0;
         while k < n {
             let Some((sid, m)) = merge_subrun(&acts[..n], k) else {
                 k += 1;
                 continue;
             };
-            let (first, last) = (sid as usize, sid as usize + m - 1);
-            for block in first / FAULT_AROUND..=last / FAULT_AROUND {
-                let copy = store_base + (block * FAULT_AROUND).max(first) * PAGE;
+            let (mut at, end) = (
+                store_base + sid as usize * PAGE,
+                store_base + (sid as usize + m) * PAGE,
+            );
+            while at < end {
                 // SAFETY: a copy named by this batch stays allocated until the batch is done
                 // (see above) and lies in the view, a read-only mapping of the store; volatile,
                 // as the bytes are another process's to publish.
-                unsafe { std::ptr::read_volatile(copy as *const u64) };
+                unsafe { std::ptr::read_volatile(at as *const u64) };
+                at = (at / FAULT_AROUND_BYTES + 1) * FAULT_AROUND_BYTES;
             }
             k += m;
         }
