@@ -846,7 +846,7 @@ fn stats_of(sh: &Shared, st: &State) -> Stats {
     let vmas = c.vmas.load(Ordering::Relaxed);
     // Our costs: per-page state, the store's index, each VMA (~200 bytes in the kernel),
     // read-ahead results while kept (an address and a result per page), and the watch's scratch.
-    let ahead_bytes = ahead_pages(st) * (std::mem::size_of::<usize>() + std::mem::size_of::<Pre>());
+    let ahead_bytes = ahead_pages(st) * std::mem::size_of::<PagePre>();
     let meta = (registered / PAGE) as u64 * 8
         + st.store.metadata_bytes()
         + vmas * 200
@@ -1411,8 +1411,7 @@ fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> (Vec<Candidate>, V
     let mut out: Vec<(Candidate, u32)> = tickets
         .iter()
         .filter_map(|t| {
-            let (region, index, _) = page_at(&st.regions, t.addr)?;
-            debug_assert_eq!(index, (t.addr - region) / PAGE);
+            let (region, _, _) = page_at(&st.regions, t.addr)?;
             let c = Candidate::new(region, t.addr, Pre::None);
             Some((c, t.slot))
         })
@@ -2064,20 +2063,19 @@ fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
     }
 }
 
-/// Counts `step` more unchanged periods for the page at `(region, index, addr)` in a store
+/// Counts `step` more unchanged periods for the page at `(region, addr)` in a store
 /// mapping (COW-broken or on a replaced store): a candidate once it waited long enough, else
 /// volatile.
 fn unchanged_period(
     p: &mut Page,
     step: u8,
     config: &Config,
-    (region, index, addr): (usize, usize, usize),
+    (region, addr): (usize, usize),
     out: &mut Vec<Candidate>,
     volatile: &mut u64,
 ) {
     p.unchanged = p.unchanged.saturating_add(step);
     if p.unchanged >= config.merge_periods.max(p.writes) {
-        debug_assert_eq!(index, (addr - region) / PAGE);
         out.push(Candidate::new(region, addr, Pre::None));
     } else {
         *volatile += 1;
@@ -2207,7 +2205,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         continue;
                     }
                     if sh.store_uffd.is_some() {
-                        let at = (r.start, i, addr);
+                        let at = (r.start, addr);
                         unchanged_period(p, step, config, at, &mut out, &mut volatile);
                     }
                     continue;
@@ -2225,7 +2223,7 @@ fn watch(sh: &Shared, st: &mut State, config: &Config, kicked: bool) -> io::Resu
                         volatile += 1;
                         continue;
                     }
-                    let at = (r.start, i, addr);
+                    let at = (r.start, addr);
                     unchanged_period(p, step, config, at, &mut out, &mut volatile);
                     continue;
                 }
@@ -2463,20 +2461,15 @@ fn unpack_sighting(v: u64) -> (usize, u8) {
 /// the UNIQUE page of the same epoch (unwritten since it was hashed).
 fn take_waiting(st: &mut State, h: u128) -> Option<Candidate> {
     let (addr, epoch) = st.unstable.remove(h)?;
-    let (region, index) = still_waiting(&st.regions, addr, epoch)?;
-    debug_assert_eq!(index, (addr - region) / PAGE);
+    let region = still_waiting(&st.regions, addr, epoch)?;
     Some(Candidate::new(region, addr, Pre::None))
 }
 
-/// The region and index of the page at `addr` if a first-sighting entry made at `epoch` still
+/// The region of the page at `addr` if a first-sighting entry made at `epoch` still
 /// describes it: it is the UNIQUE page of that epoch (unwritten since it was hashed).
-fn still_waiting(
-    regions: &BTreeMap<usize, RegionState>,
-    addr: usize,
-    epoch: u8,
-) -> Option<(usize, usize)> {
-    let (start, index, p) = page_at(regions, addr)?;
-    (p.kind == UNIQUE && p.epoch == epoch).then_some((start, index))
+fn still_waiting(regions: &BTreeMap<usize, RegionState>, addr: usize, epoch: u8) -> Option<usize> {
+    let (start, _, p) = page_at(regions, addr)?;
+    (p.kind == UNIQUE && p.epoch == epoch).then_some(start)
 }
 
 /// The region (its start), index and state of the registered page holding `addr`.
