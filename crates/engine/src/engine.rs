@@ -22,6 +22,11 @@ const MAX_RUN: usize = 512;
 /// small enough that the committer's frees feed the next batch's copies and the two stages overlap
 /// finely, large enough that per-batch costs stay small.
 const BATCH: usize = 4096;
+/// The same with a daemon (4 MiB of pages). The processes of a scope merge the same contents at
+/// about the same time, comparing their pages with copies another process just made: in
+/// alternating runs four processes took up to 14% more CPU with 16 MiB batches, while one
+/// process alone took 5% less (docs/benchmarks.md).
+const REMOTE_BATCH: usize = 1024;
 
 /// Page kinds (per registered page, owned by the engine thread).
 const ANON: u8 = 0;
@@ -1265,7 +1270,12 @@ fn run_period(
     // waiting here.
     let many = candidates.len() >= BATCH;
     let t_order = Instant::now();
-    let batches = batches_by_content(candidates, pool);
+    let batch = if view.remote.is_some() {
+        REMOTE_BATCH
+    } else {
+        BATCH
+    };
+    let batches = batches_by_content(candidates, pool, batch);
     tracing::debug!(order_ms = t_order.elapsed().as_secs_f64() * 1e3, "order");
     if many && view.remote.is_none() {
         // Contents seen once this period become first sightings (unless a stable copy has them):
@@ -1471,7 +1481,7 @@ const SWEEP_MIN_STALE: usize = 4096;
 /// The contents are chained in one pass (no sort: this runs while the committer waits for the
 /// first batch), split by content over the workers and this thread (each chains the contents
 /// of its share of the key space), and each batch is gathered only when it is taken.
-fn batches_by_content(cands: Vec<Candidate>, pool: &Pool) -> ContentBatches {
+fn batches_by_content(cands: Vec<Candidate>, pool: &Pool, batch: usize) -> ContentBatches {
     let n = cands.len();
     if cands.iter().all(|c| content_key(c) == 0) {
         return ContentBatches {
@@ -1479,6 +1489,7 @@ fn batches_by_content(cands: Vec<Candidate>, pool: &Pool) -> ContentBatches {
             next: vec![u32::MAX; n],
             head: vec![true; n],
             at: 0,
+            batch,
         };
     }
     let parts = if n >= 4 * BATCH { pool.size() + 1 } else { 1 };
@@ -1540,6 +1551,7 @@ fn batches_by_content(cands: Vec<Candidate>, pool: &Pool) -> ContentBatches {
         next,
         head,
         at: 0,
+        batch,
     }
 }
 
@@ -1561,15 +1573,17 @@ struct ContentBatches {
     head: Vec<bool>,
     /// The next candidate to look at for a head.
     at: usize,
+    /// Pages a batch reaches before it is cut (between contents).
+    batch: usize,
 }
 
 impl Iterator for ContentBatches {
     type Item = Vec<Candidate>;
 
     fn next(&mut self) -> Option<Vec<Candidate>> {
-        let mut take: Vec<u32> = Vec::with_capacity(BATCH);
+        let mut take: Vec<u32> = Vec::with_capacity(self.batch);
         // Whole contents, in the order of their first candidate, until the batch is full.
-        while take.len() < BATCH && self.at < self.cands.len() {
+        while take.len() < self.batch && self.at < self.cands.len() {
             if self.head[self.at] {
                 let mut i = self.at as u32;
                 while i != u32::MAX {
@@ -3737,10 +3751,11 @@ mod tests {
 
         /// Every candidate lands in exactly one batch, batches are in address order, pages of
         /// one content (hash or stable copy) share a batch, and a batch is cut only between
-        /// contents once it holds `BATCH` pages.
+        /// contents once it holds the batch length (alone or with a daemon).
         #[test]
         fn batches_by_content_keep_every_candidate_and_whole_contents(
             kinds in proptest::collection::vec(0u8..40, 0..(6 * BATCH)),
+            len in prop_oneof![Just(REMOTE_BATCH), Just(BATCH)],
         ) {
             // From 4 * BATCH candidates on, the chaining is split over the workers.
             let pool = Pool::new(2, Arc::new(Mutex::new(Vec::new()))).unwrap();
@@ -3749,7 +3764,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, &k)| Candidate::new(PAGE, (i + 1) * PAGE, pre_of(k)))
                 .collect();
-            let batches: Vec<Vec<Candidate>> = batches_by_content(cands.clone(), &pool).collect();
+            let batches: Vec<Vec<Candidate>> = batches_by_content(cands.clone(), &pool, len).collect();
             let mut seen: Vec<usize> = batches.iter().flatten().map(|c| c.index()).collect();
             seen.sort_unstable();
             prop_assert_eq!(seen, (0..cands.len()).collect::<Vec<_>>());
@@ -3766,10 +3781,10 @@ mod tests {
                     prop_assert_eq!(first, b, "one content split over two batches");
                 }
             }
-            // Cuts come only after a batch is full: every batch but the last holds BATCH pages
+            // Cuts come only after a batch is full: every batch but the last holds `len` pages
             // or more.
             for batch in batches.iter().rev().skip(1) {
-                prop_assert!(batch.len() >= BATCH);
+                prop_assert!(batch.len() >= len);
             }
         }
     }
