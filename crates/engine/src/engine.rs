@@ -3168,7 +3168,7 @@ fn commit_broken(
         let _ = u2.writeprotect(start, n * PAGE, false);
         return;
     }
-    let mut verdict: Vec<Option<KeyId>> = vec![None; n];
+    let mut verdict: Vec<Option<Action>> = vec![None; n];
     for k in 0..n {
         let Some(Action::Merge(sid)) = acts[k] else {
             continue;
@@ -3176,7 +3176,7 @@ fn commit_broken(
         if store.refs(sid) >= config.max_sharing {
             store.retire(sid);
         } else if live_page_equals(start + k * PAGE, store.addr(sid)) {
-            verdict[k] = Some(sid);
+            verdict[k] = Some(Action::Merge(sid));
             store.add_ref(sid);
         } else {
             sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
@@ -3184,15 +3184,11 @@ fn commit_broken(
     }
     let mut k = 0;
     while k < n {
-        let Some(sid) = verdict[k] else {
+        let Some((sid, m)) = merge_subrun(&verdict, k) else {
             region.pages[first_index + k].unchanged = 0;
             k += 1;
             continue;
         };
-        let mut m = 1;
-        while k + m < n && verdict[k + m] == Some(sid + m as u32) {
-            m += 1;
-        }
         // SAFETY: the subrun's pages are write-protected with writers blocked and equal their
         // copies (compared above).
         let ok = unsafe {
