@@ -40,6 +40,7 @@
 //! slot a client sends is bounds-checked, and a malformed frame ends only that client's
 //! connection.
 
+use pageone_sync::lock;
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -47,7 +48,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use pageone_engine::proto::{self, ProtoError, Reply, Request};
@@ -99,11 +100,6 @@ impl DaemonConfig {
             exit_when_idle: false,
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panicking client thread must not take the other clients' service down.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The daemon's maps: keys are content hashes clients send, so their hashing is seeded per

@@ -1,9 +1,10 @@
 //! The engine thread (watcher + committer), its workers, and the fault thread.
 
+use pageone_sync::lock;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -195,11 +196,6 @@ impl std::fmt::Debug for Engine {
             .field("mode", &self.shared.mode)
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panicking engine thread must not take the host's memory API down with it.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn validate(config: &Config) -> Result<(), EngineError> {

@@ -6,8 +6,9 @@
 //! committer run concurrently). A submitter runs parts of its own job while it waits, so a job
 //! finishes even when every worker is busy with another submitter's parts, and no CPU idles.
 
+use pageone_sync::lock;
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use pageone_sys as sys;
@@ -82,10 +83,6 @@ struct Shared {
 pub(crate) struct Pool {
     shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Pool {

@@ -16,12 +16,13 @@
 //! A `Remote` is shared by the classifier (lookups and copies, made without the engine's state
 //! lock) and the holders of that lock (releases); one request is on the socket at a time.
 
+use pageone_sync::lock;
 use std::collections::HashSet;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use pageone_sys as sys;
 
@@ -57,10 +58,6 @@ pub(crate) struct Remote {
     /// Looked-up hashes whose page is gone, to send at the next flush.
     forgets: Mutex<Vec<u128>>,
     capacity: u32,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Remote {

@@ -1,11 +1,6 @@
-//! Atomics shim: the one place the crate names its synchronisation primitives, so the lock-free code
-//! can be model-checked by loom (`RUSTFLAGS="--cfg loom"`) without edits (crossbeam's `primitive`
-//! pattern).
+//! Atomics shim: the crate names its synchronisation primitives through `pageone_sync::atomic`,
+//! so the lock-free code can be model-checked by loom (`RUSTFLAGS="--cfg loom"`) without edits.
 
-#[cfg(loom)]
-pub(crate) use loom::sync::atomic::{
+pub(crate) use pageone_sync::atomic::{
     fence, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
 };
-
-#[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};

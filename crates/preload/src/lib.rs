@@ -26,10 +26,11 @@
 //!   working (the engine reaches the kernel with raw system calls anyway). After `fork`, the child
 //!   has no engine threads: it passes everything to the kernel.
 
+use pageone_sync::lock;
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use libc::{c_int, c_ulong, c_void, size_t};
 use pageone_engine::Engine;
@@ -63,10 +64,6 @@ static CHILD: AtomicBool = AtomicBool::new(false);
 extern "C" fn in_child() {
     // Relaxed: the child is single-threaded at this point.
     CHILD.store(true, Ordering::Relaxed);
-}
-
-fn lock(m: &Mutex<BTreeMap<usize, usize>>) -> MutexGuard<'_, BTreeMap<usize, usize>> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn log(msg: &str) {
