@@ -238,9 +238,9 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
         if advice == libc::MADV_UNMERGEABLE {
             let taken = take_overlapping(s, a, e);
             register_rest(s, &taken, a, e);
-            // The kernel's flag may be set too (an earlier fallback): clear it as well.
-            let _ = raw_madvise(addr, len, advice);
-            return Some(0);
+            // The kernel's flag may be set too (an earlier fallback): clear it as well. Its answer
+            // is the kernel's verdict on the range (ENOMEM where part of it is not mapped).
+            return Some(raw_madvise(addr, len, advice));
         }
         if lock(&s.regions).get(&a) == Some(&e) {
             return Some(0);
@@ -302,6 +302,12 @@ pub unsafe extern "C" fn prctl(
     let raw = || unsafe { sys::raw_prctl(option, a2, a3, a4, a5) };
     match option {
         PR_SET_MEMORY_MERGE => {
+            // The kernel's own checks of the arguments, without turning its merging on: switching
+            // it off is a no-op unless an earlier fallback switched it on.
+            // SAFETY: a valid prctl call with the program's own extra arguments.
+            if unsafe { sys::raw_prctl(PR_SET_MEMORY_MERGE, 0, a3, a4, a5) } != 0 {
+                return -1;
+            }
             let on = a2 != 0;
             let done = guarded(|| {
                 let s = shim()?;
@@ -318,7 +324,11 @@ pub unsafe extern "C" fn prctl(
             }
         }
         // Relaxed: as above.
-        PR_GET_MEMORY_MERGE if MERGE_ALL.load(Ordering::Relaxed) => 1,
+        PR_GET_MEMORY_MERGE
+            if (a2, a3, a4, a5) == (0, 0, 0, 0) && MERGE_ALL.load(Ordering::Relaxed) =>
+        {
+            1
+        }
         _ => raw(),
     }
 }

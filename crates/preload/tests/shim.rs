@@ -4,6 +4,20 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+/// Compiles `tests/c/NAME.c` into a fresh temporary executable.
+fn compile(name: &str) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let bin = std::env::temp_dir().join(format!("pageone-{name}-{}", std::process::id()));
+    let cc = Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .status()
+        .expect("a C compiler (cc)");
+    assert!(cc.success(), "compiling {} failed", src.display());
+    bin
+}
+
 fn preload_lib() -> PathBuf {
     // Integration tests live in target/<profile>/deps; cargo builds the cdylib next to it.
     let exe = std::env::current_exe().unwrap();
@@ -58,5 +72,30 @@ fn an_unmodified_c_program_gets_pageone_for_madvise_and_prctl() {
     assert!(
         !plain.status.success(),
         "without the shim the program should not save memory"
+    );
+}
+
+/// Where the shim answers for KSM it answers as the kernel does: the same results and errno for
+/// unmapped, partly unmapped and unaligned ranges, extra prctl arguments, and the merge flag.
+#[test]
+fn the_shim_answers_with_the_kernels_results_and_errno() {
+    let bin = compile("parity");
+    let run = |preload: bool| {
+        let mut c = Command::new(&bin);
+        c.env_remove("PAGEONE_SOCKET");
+        if preload {
+            c.env("LD_PRELOAD", preload_lib());
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let (kernel, shim) = (run(false), run(true));
+    let _ = std::fs::remove_file(&bin);
+    // The program's lines are not trivially equal: the kernel refuses some of the calls.
+    assert!(kernel.contains("Cannot allocate memory") && kernel.contains("Invalid argument"));
+    assert_eq!(
+        shim, kernel,
+        "the shim answered differently from the kernel"
     );
 }

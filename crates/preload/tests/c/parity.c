@@ -1,0 +1,71 @@
+/* Prints the result and errno of calls the shim answers for KSM, one line each. Run with and
+ * without LD_PRELOAD=libpageone_preload.so: the two outputs must be identical (the shim answers
+ * as the kernel does). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/capability.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#define PR_GET_MEMORY_MERGE 68
+#endif
+#define PAGE 4096UL
+
+static void show(const char *what, long r) {
+    printf("%s: %ld %s\n", what, r, r < 0 ? strerror(errno) : "-");
+    fflush(stdout);
+}
+
+/* Clears CAP_SYS_RESOURCE from the effective set (the kernel's PR_SET_MEMORY_MERGE needs it). */
+static int drop_sys_resource(void) {
+    struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct d[2];
+    if (syscall(SYS_capget, &h, d))
+        return -1;
+    d[CAP_SYS_RESOURCE / 32].effective &= ~(1u << (CAP_SYS_RESOURCE % 32));
+    return (int)syscall(SYS_capset, &h, d);
+}
+
+int main(void) {
+    char *p = mmap(NULL, 8 * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return 2;
+    memset(p, 1, 8 * PAGE);
+    /* A hole: pages 4..8 unmapped. */
+    munmap(p + 4 * PAGE, 4 * PAGE);
+    errno = 0;
+    show("mergeable, mapped", madvise(p, 4 * PAGE, MADV_MERGEABLE));
+    show("unmergeable, mapped", madvise(p, 4 * PAGE, MADV_UNMERGEABLE));
+    show("mergeable, unmapped", madvise(p + 4 * PAGE, 4 * PAGE, MADV_MERGEABLE));
+    show("unmergeable, unmapped", madvise(p + 4 * PAGE, 4 * PAGE, MADV_UNMERGEABLE));
+    show("mergeable, partly unmapped", madvise(p, 8 * PAGE, MADV_MERGEABLE));
+    show("unmergeable, partly unmapped", madvise(p, 8 * PAGE, MADV_UNMERGEABLE));
+    show("mergeable, unaligned", madvise(p + 1, PAGE, MADV_MERGEABLE));
+    show("unmergeable, unaligned", madvise(p + 1, PAGE, MADV_UNMERGEABLE));
+    show("set merge, extra argument", prctl(PR_SET_MEMORY_MERGE, 1, 1, 0, 0));
+    show("get merge, extra argument", prctl(PR_GET_MEMORY_MERGE, 1, 0, 0, 0));
+    show("get merge, initially", prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0));
+    show("set merge on", prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0));
+    show("get merge, on", prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0));
+    show("set merge off", prctl(PR_SET_MEMORY_MERGE, 0, 0, 0, 0));
+    show("get merge, off", prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0));
+    pid_t k = fork();
+    if (k == 0) {
+        if (drop_sys_resource())
+            _exit(3);
+        show("set merge on, without CAP_SYS_RESOURCE", prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0));
+        show("get merge, without CAP_SYS_RESOURCE", prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0));
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(k, &status, 0);
+    show("child exit", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    return 0;
+}
