@@ -77,7 +77,7 @@ fn shim() -> Option<&'static Shim> {
             log("cannot watch fork(); not starting (the kernel's KSM answers instead)");
             return None;
         }
-        match Engine::builder().build() {
+        match builder().build() {
             Ok(engine) => Some(Shim {
                 engine,
                 regions: Mutex::new(BTreeMap::new()),
@@ -91,6 +91,30 @@ fn shim() -> Option<&'static Shim> {
         }
     })
     .as_ref()
+}
+
+/// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`
+/// (ignored, like every `PAGEONE_*` variable, in set-user-ID and similar secure-execution
+/// programs).
+fn builder() -> pageone_engine::Builder {
+    let b = Engine::builder();
+    // SAFETY: getauxval only reads the auxiliary vector.
+    if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
+        return b;
+    }
+    let Ok(text) = std::env::var("PAGEONE_MERGE_PERIOD_MS") else {
+        return b;
+    };
+    match text.trim().parse::<u64>() {
+        Ok(ms) if ms > 0 => b.merge_period(std::time::Duration::from_millis(ms)),
+        _ => {
+            log(&format!(
+                "PAGEONE_MERGE_PERIOD_MS={text} is not a positive number of milliseconds; \
+                 using the default"
+            ));
+            b
+        }
+    }
 }
 
 /// Runs `f` with the re-entrancy flag set and panics contained; `None` if the shim must not act

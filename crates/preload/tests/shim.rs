@@ -6,12 +6,18 @@ use std::process::Command;
 
 /// Compiles `tests/c/NAME.c` into a fresh temporary executable.
 fn compile(name: &str) -> PathBuf {
+    compile_with(name, &[])
+}
+
+/// The same with extra compiler arguments.
+fn compile_with(name: &str, extra: &[&str]) -> PathBuf {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let bin = std::env::temp_dir().join(format!("pageone-{name}-{}", std::process::id()));
     let cc = Command::new("cc")
         .args(["-O2", "-Wall", "-Werror", "-o"])
         .arg(&bin)
         .arg(&src)
+        .args(extra)
         .status()
         .expect("a C compiler (cc)");
     assert!(cc.success(), "compiling {} failed", src.display());
@@ -97,5 +103,66 @@ fn the_shim_answers_with_the_kernels_results_and_errno() {
     assert_eq!(
         shim, kernel,
         "the shim answered differently from the kernel"
+    );
+}
+
+/// The randomized model (tests/c/model.c): writers, maps, unmaps (also inside free()), mremaps,
+/// partial madvise, mprotect, mlock, forks and signals on merged memory, checked against a shadow
+/// after every step. `PAGEONE_MODEL_SECONDS` (default 30) and `PAGEONE_MODEL_SEED` (default: from
+/// the clock, printed) replay or lengthen a run:
+/// `PAGEONE_MODEL_SEED=N PAGEONE_MODEL_SECONDS=600 cargo test --release -p pageone-preload --test shim model`.
+#[test]
+fn a_randomized_program_never_reads_a_wrong_page() {
+    let seconds: f64 = std::env::var("PAGEONE_MODEL_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30.0);
+    let seed: u64 = std::env::var("PAGEONE_MODEL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    println!("model seed {seed} for {seconds} s (replay: PAGEONE_MODEL_SEED={seed})");
+    let bin = compile_with("model", &["-pthread"]);
+    let mut child = Command::new(&bin)
+        .arg(seed.to_string())
+        .arg(seconds.to_string())
+        .env("LD_PRELOAD", preload_lib())
+        .env("PAGEONE_MERGE_PERIOD_MS", "20")
+        .env_remove("PAGEONE_SOCKET")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A hang (a writer blocked for ever on a frozen page, a deadlock) is a failure too.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds + 60.0);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    let _ = std::fs::remove_file(&bin);
+    println!("{out}");
+    let status = status.unwrap_or_else(|| panic!("the model hung (seed {seed})"));
+    assert!(status.success(), "the model failed (seed {seed}): {out}");
+    let merged: usize = out
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("merged_mappings="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        merged > 0,
+        "nothing merged, so the model checked nothing (seed {seed}): {out}"
     );
 }

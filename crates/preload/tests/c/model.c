@@ -1,0 +1,490 @@
+/* A randomized model of a program using mergeable memory, checked against a shadow after every
+ * step. Run under LD_PRELOAD=libpageone_preload.so (KSM off) with PAGEONE_MERGE_PERIOD_MS small:
+ *
+ *     model SEED SECONDS
+ *
+ * Writer threads keep writing pages (shared contents, zero pages, unique pages); the main thread
+ * maps, unmaps (also through free() of large malloc blocks, which glibc unmaps internally),
+ * mremaps, madvises (DONTNEED, FREE, MERGEABLE, UNMERGEABLE) parts of regions, mprotects and
+ * mlocks them, forks (children check what they inherited, write, exec or exit) and signals
+ * itself (the handler writes registered memory). Every page must read what the shadow says:
+ * the last bytes written, zeros after DONTNEED, zeros or the old bytes after FREE.
+ * Prints "OK steps=N merged_mappings=M"; on the first wrong page prints the seed, the step and
+ * the page, and exits 1. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PAGE 4096UL
+#define SHARED 16   /* contents 1..SHARED are shared patterns, 0 is the zero page */
+#define UNIQUE 255  /* a page of its own, derived from its version */
+#define MAXREG 48
+#define WRITERS 3
+
+enum { F_RO = 1, F_MAYBE_ZERO = 2, F_LOCKED = 4 };
+
+struct region {
+    unsigned char *addr;
+    size_t pages;
+    unsigned char *cid;  /* content per page */
+    uint32_t *ver;       /* version per page (unique contents) */
+    unsigned char *flag; /* F_* per page */
+    void *malloc_block;  /* set when the region lies in a malloc'd block */
+    int used;
+};
+
+static struct region R[MAXREG];
+static pthread_rwlock_t big = PTHREAD_RWLOCK_INITIALIZER;
+static volatile int stopping;
+static uint64_t seed;
+static long step;
+static unsigned char patterns[SHARED + 1][PAGE];
+
+/* The signal page: written only by the handler. */
+static volatile uint64_t *sig_page;
+static volatile uint64_t sig_count;
+
+static uint64_t next(uint64_t *s) {
+    uint64_t x = *s;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *s = x;
+}
+
+static void unique_page(unsigned char *out, uint32_t ver) {
+    uint64_t s = 0x9e3779b97f4a7c15ULL ^ ((uint64_t)ver << 20) ^ seed;
+    for (size_t i = 0; i < PAGE; i += 8) {
+        uint64_t v = next(&s);
+        memcpy(out + i, &v, 8);
+    }
+}
+
+static void expected(const struct region *r, size_t i, unsigned char *out) {
+    if (r->cid[i] == UNIQUE)
+        unique_page(out, r->ver[i]);
+    else
+        memcpy(out, patterns[r->cid[i]], PAGE);
+}
+
+/* What a page holds, as far as the model can name it. */
+static int name_content(const unsigned char *p) {
+    for (int c = 0; c <= SHARED; c++)
+        if (memcmp(p, patterns[c], PAGE) == 0)
+            return c;
+    return -1;
+}
+
+static void fail(const char *what, int k, size_t i) {
+    printf("FAIL seed=%llu step=%ld: %s: region %d page %zu at %p (cid %u flag %u) differs: "
+           "it holds content %d\n",
+           (unsigned long long)seed, step, what, k, i, (void *)(R[k].addr + i * PAGE),
+           R[k].cid[i], R[k].flag[i], name_content(R[k].addr + i * PAGE));
+    fflush(stdout);
+    _exit(1);
+}
+
+static void check_page(int k, size_t i, const char *what) {
+    static __thread unsigned char want[PAGE];
+    struct region *r = &R[k];
+    const unsigned char *p = r->addr + i * PAGE;
+    if (r->addr == (unsigned char *)sig_page && i == 0)
+        return; /* checked separately */
+    expected(r, i, want);
+    if (memcmp(p, want, PAGE) == 0)
+        return;
+    if ((r->flag[i] & F_MAYBE_ZERO) && memcmp(p, patterns[0], PAGE) == 0)
+        return;
+    fail(what, k, i);
+}
+
+static void check_region(int k, const char *what) {
+    for (size_t i = 0; i < R[k].pages; i++)
+        check_page(k, i, what);
+}
+
+static void check_all(const char *what) {
+    for (int k = 0; k < MAXREG; k++)
+        if (R[k].used)
+            check_region(k, what);
+    /* The handler writes the page, then counts: a read between the two sees one more. */
+    uint64_t before = sig_count, v = sig_page ? sig_page[0] : 0, after = sig_count;
+    if (sig_page && (v < before || v > after + 1)) {
+        printf("FAIL seed=%llu step=%ld: %s: signal page reads %llu, %llu signals handled\n",
+               (unsigned long long)seed, step, what, (unsigned long long)v,
+               (unsigned long long)after);
+        _exit(1);
+    }
+}
+
+static void write_page(struct region *r, size_t i, uint64_t *rng, uint32_t ver) {
+    unsigned kind = next(rng) % 10;
+    unsigned char *p = r->addr + i * PAGE;
+    if (kind < 6) {
+        r->cid[i] = 1 + next(rng) % SHARED;
+        memcpy(p, patterns[r->cid[i]], PAGE);
+    } else if (kind < 8) {
+        r->cid[i] = 0;
+        memset(p, 0, PAGE);
+    } else {
+        r->cid[i] = UNIQUE;
+        r->ver[i] = ver;
+        unique_page(p, ver);
+    }
+    r->flag[i] &= ~F_MAYBE_ZERO;
+}
+
+static void *writer(void *arg) {
+    long t = (long)arg;
+    sigset_t s;
+    sigemptyset(&s);
+    sigaddset(&s, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &s, NULL);
+    uint64_t rng = seed * 31 + t + 1;
+    uint32_t ver = (uint32_t)t << 24;
+    while (!stopping) {
+        pthread_rwlock_rdlock(&big);
+        for (int n = 0; n < 64; n++) {
+            int k = next(&rng) % MAXREG;
+            struct region *r = &R[k];
+            if (!r->used || r->pages == 0)
+                continue;
+            size_t i = next(&rng) % r->pages;
+            if ((size_t)(i % WRITERS) != (size_t)t || (r->flag[i] & F_RO))
+                continue;
+            if ((unsigned char *)sig_page == r->addr && i == 0)
+                continue;
+            write_page(r, i, &rng, ++ver);
+        }
+        pthread_rwlock_unlock(&big);
+        usleep(200);
+    }
+    return NULL;
+}
+
+static void on_signal(int sig) {
+    (void)sig;
+    sig_page[0] = sig_page[0] + 1;
+    sig_count++;
+}
+
+static int free_slot(void) {
+    for (int k = 0; k < MAXREG; k++)
+        if (!R[k].used)
+            return k;
+    return -1;
+}
+
+static void track(int k, unsigned char *addr, size_t pages, void *block) {
+    struct region *r = &R[k];
+    r->addr = addr;
+    r->pages = pages;
+    r->cid = calloc(pages + 1, 1);
+    r->ver = calloc(pages + 1, sizeof *r->ver);
+    r->flag = calloc(pages + 1, 1);
+    r->malloc_block = block;
+    r->used = 1;
+}
+
+static void untrack(int k) {
+    free(R[k].cid);
+    free(R[k].ver);
+    free(R[k].flag);
+    memset(&R[k], 0, sizeof R[k]);
+}
+
+static void fill_region(int k, uint64_t *rng) {
+    uint32_t ver = 0x80000000u | (uint32_t)step << 8;
+    for (size_t i = 0; i < R[k].pages; i++)
+        write_page(&R[k], i, rng, ver + (uint32_t)i);
+}
+
+static void new_region(uint64_t *rng, void *hint) {
+    int k = free_slot();
+    if (k < 0)
+        return;
+    size_t pages = 16 + next(rng) % 2048;
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | (hint ? MAP_FIXED_NOREPLACE : 0);
+    unsigned char *p = mmap(hint, pages * PAGE, PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (p == MAP_FAILED)
+        p = mmap(NULL, pages * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return;
+    track(k, p, pages, NULL);
+    fill_region(k, rng);
+    madvise(p, pages * PAGE, MADV_MERGEABLE);
+}
+
+/* A large malloc block (glibc maps it, and unmaps it in free() with a call no shim sees). */
+static void new_malloc_region(uint64_t *rng) {
+    int k = free_slot();
+    if (k < 0)
+        return;
+    size_t bytes = (64 + next(rng) % 1024) * PAGE;
+    unsigned char *b = malloc(bytes);
+    if (!b)
+        return;
+    unsigned char *p = (unsigned char *)(((uintptr_t)b + PAGE - 1) & ~(PAGE - 1));
+    size_t pages = (bytes - (size_t)(p - b)) / PAGE - 1;
+    track(k, p, pages, b);
+    fill_region(k, rng);
+    madvise(p, pages * PAGE, MADV_MERGEABLE);
+}
+
+/* A random page range [a, a+n) of region k. */
+static void subrange(uint64_t *rng, int k, size_t *a, size_t *n) {
+    *a = next(rng) % R[k].pages;
+    *n = 1 + next(rng) % (R[k].pages - *a < 64 ? R[k].pages - *a : 64);
+}
+
+static int pick(uint64_t *rng) {
+    for (int tries = 0; tries < 100; tries++) {
+        int k = 1 + next(rng) % (MAXREG - 1);
+        if (R[k].used && R[k].pages > 0)
+            return k;
+    }
+    return -1;
+}
+
+static void op_unmap(uint64_t *rng, int k) {
+    struct region *r = &R[k];
+    if (r->malloc_block) {
+        /* Protections outlive free(): the allocator writes its own bookkeeping there. */
+        mprotect(r->addr, r->pages * PAGE, PROT_READ | PROT_WRITE);
+        munlock(r->addr, r->pages * PAGE);
+        free(r->malloc_block);
+        untrack(k);
+        new_malloc_region(rng); /* often at the same address */
+        return;
+    }
+    size_t a, n;
+    subrange(rng, k, &a, &n);
+    munmap(r->addr + a * PAGE, n * PAGE);
+    size_t tail = r->pages - a - n;
+    int k2 = tail ? free_slot() : -1;
+    if (tail && k2 >= 0) {
+        track(k2, r->addr + (a + n) * PAGE, tail, NULL);
+        memcpy(R[k2].cid, r->cid + a + n, tail);
+        memcpy(R[k2].ver, r->ver + a + n, tail * sizeof *r->ver);
+        memcpy(R[k2].flag, r->flag + a + n, tail);
+    } else if (tail) {
+        munmap(r->addr + (a + n) * PAGE, tail * PAGE);
+    }
+    r->pages = a;
+    if (a == 0)
+        untrack(k);
+}
+
+static void op_remap(uint64_t *rng, int k) {
+    struct region *r = &R[k];
+    if (r->malloc_block)
+        return;
+    size_t pages = r->pages + (next(rng) % 2 ? 1 + next(rng) % 256 : 0);
+    size_t shrink = next(rng) % 4 == 0 && r->pages > 2 ? r->pages / 2 : 0;
+    if (shrink)
+        pages = shrink;
+    for (size_t i = 0; i < r->pages; i++)
+        if (r->flag[i] & (F_RO | F_LOCKED))
+            return; /* keep it simple: only plain regions move */
+    unsigned char *p = mremap(r->addr, r->pages * PAGE, pages * PAGE, MREMAP_MAYMOVE);
+    if (p == MAP_FAILED)
+        return;
+    r->cid = realloc(r->cid, pages + 1);
+    r->ver = realloc(r->ver, (pages + 1) * sizeof *r->ver);
+    r->flag = realloc(r->flag, pages + 1);
+    for (size_t i = r->pages; i < pages; i++)
+        r->cid[i] = 0, r->ver[i] = 0, r->flag[i] = 0;
+    r->addr = p;
+    r->pages = pages;
+}
+
+static void op_advise(uint64_t *rng, int k) {
+    size_t a, n;
+    subrange(rng, k, &a, &n);
+    struct region *r = &R[k];
+    unsigned choice = next(rng) % 4;
+    int advice = choice == 0   ? MADV_DONTNEED
+                 : choice == 1 ? MADV_FREE
+                 : choice == 2 ? MADV_UNMERGEABLE
+                               : MADV_MERGEABLE;
+    for (size_t i = a; i < a + n; i++)
+        if (r->flag[i] & F_LOCKED && advice == MADV_DONTNEED)
+            return; /* DONTNEED on locked memory fails; not what this checks */
+    if (madvise(r->addr + a * PAGE, n * PAGE, advice) != 0)
+        return;
+    for (size_t i = a; i < a + n; i++) {
+        if (advice == MADV_DONTNEED)
+            r->cid[i] = 0, r->flag[i] &= ~F_MAYBE_ZERO;
+        else if (advice == MADV_FREE)
+            r->flag[i] |= F_MAYBE_ZERO;
+    }
+}
+
+static void op_protect(uint64_t *rng, int k) {
+    size_t a, n;
+    subrange(rng, k, &a, &n);
+    struct region *r = &R[k];
+    int ro = next(rng) % 2;
+    if (mprotect(r->addr + a * PAGE, n * PAGE, ro ? PROT_READ : PROT_READ | PROT_WRITE) != 0)
+        return;
+    for (size_t i = a; i < a + n; i++)
+        r->flag[i] = ro ? (r->flag[i] | F_RO) : (r->flag[i] & ~F_RO);
+}
+
+static void op_lock(uint64_t *rng, int k) {
+    size_t a, n;
+    subrange(rng, k, &a, &n);
+    struct region *r = &R[k];
+    int lock = next(rng) % 2;
+    if ((lock ? mlock : munlock)(r->addr + a * PAGE, n * PAGE) != 0)
+        return;
+    for (size_t i = a; i < a + n; i++)
+        r->flag[i] = lock ? (r->flag[i] | F_LOCKED) : (r->flag[i] & ~F_LOCKED);
+}
+
+static void op_fork(uint64_t *rng) {
+    unsigned what = next(rng) % 3;
+    pid_t c = fork();
+    if (c < 0)
+        return;
+    if (c == 0) {
+        check_all("in a forked child");
+        if (what == 0)
+            execl("/bin/true", "true", (char *)NULL);
+        if (what == 1) {
+            uint64_t r2 = seed ^ 77;
+            for (int n = 0; n < 256; n++) {
+                int k = pick(&r2);
+                if (k < 0)
+                    break;
+                size_t i = next(&r2) % R[k].pages;
+                if (!(R[k].flag[i] & F_RO))
+                    write_page(&R[k], i, &r2, 0x40000000u + n);
+            }
+            check_all("in a forked child after its writes");
+        }
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(c, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        printf("FAIL seed=%llu step=%ld: a forked child failed (status %d)\n",
+               (unsigned long long)seed, step, status);
+        _exit(1);
+    }
+}
+
+static int merged_mappings(void) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[512];
+    int n = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (strstr(line, "pageone"))
+            n++;
+    if (f)
+        fclose(f);
+    return n;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: model SEED SECONDS\n");
+        return 2;
+    }
+    seed = strtoull(argv[1], NULL, 0) | 1;
+    double seconds = atof(argv[2]);
+    uint64_t rng = seed;
+    for (int c = 1; c <= SHARED; c++)
+        for (size_t i = 0; i < PAGE; i += 8) {
+            uint64_t v = next(&rng);
+            memcpy(patterns[c] + i, &v, 8);
+        }
+    /* Region 0 holds the signal page and is never changed structurally. */
+    new_region(&rng, NULL);
+    sig_page = (volatile uint64_t *)R[0].addr;
+    memset(R[0].addr, 0, PAGE);
+    R[0].cid[0] = 0;
+    signal(SIGUSR1, on_signal);
+    for (int i = 0; i < 8; i++)
+        next(&rng) % 2 ? new_region(&rng, NULL) : new_malloc_region(&rng);
+    pthread_t w[WRITERS];
+    for (long t = 0; t < WRITERS; t++)
+        pthread_create(&w[t], NULL, writer, (void *)t);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int most_merged = 0;
+    for (step = 0;; step++) {
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        if (t1.tv_sec - t0.tv_sec + (t1.tv_nsec - t0.tv_nsec) * 1e-9 > seconds)
+            break;
+        unsigned op = next(&rng) % 100;
+        if (op < 3) {
+            /* A process-wide signal while this thread (and the writers) block it: only a thread
+             * of the engine could take it now, and the handler writes registered memory. If no
+             * thread can, it waits until this thread unblocks it. */
+            sigset_t s;
+            sigemptyset(&s);
+            sigaddset(&s, SIGUSR1);
+            pthread_sigmask(SIG_BLOCK, &s, NULL);
+            kill(getpid(), SIGUSR1);
+            usleep(1000);
+            pthread_sigmask(SIG_UNBLOCK, &s, NULL);
+            continue;
+        }
+        if (op < 40) {
+            usleep(2000); /* let writes and merges happen */
+            pthread_rwlock_wrlock(&big);
+            int k = pick(&rng);
+            if (k >= 0)
+                check_region(k, "between writes");
+            pthread_rwlock_unlock(&big);
+            continue;
+        }
+        pthread_rwlock_wrlock(&big);
+        check_all("before a change");
+        int k = pick(&rng);
+        if (op < 48)
+            next(&rng) % 2 ? new_region(&rng, NULL) : new_malloc_region(&rng);
+        else if (k < 0)
+            ;
+        else if (op < 58)
+            op_unmap(&rng, k);
+        else if (op < 64) {
+            /* A new mapping where one was just unmapped. */
+            void *at = R[k].addr;
+            op_unmap(&rng, k);
+            if (!R[k].used)
+                new_region(&rng, at);
+        } else if (op < 70)
+            op_remap(&rng, k);
+        else if (op < 84)
+            op_advise(&rng, k);
+        else if (op < 90)
+            op_protect(&rng, k);
+        else if (op < 94)
+            op_lock(&rng, k);
+        else
+            op_fork(&rng);
+        check_all("after a change");
+        int m = merged_mappings();
+        if (m > most_merged)
+            most_merged = m;
+        pthread_rwlock_unlock(&big);
+    }
+    stopping = 1;
+    for (int t = 0; t < WRITERS; t++)
+        pthread_join(w[t], NULL);
+    check_all("at the end");
+    printf("OK steps=%ld merged_mappings=%d signals=%llu\n", step, most_merged,
+           (unsigned long long)sig_count);
+    return 0;
+}
