@@ -1,0 +1,241 @@
+//! Memory mappings of this process: `mmap`, `munmap`, `mremap`, `mprotect` and `madvise`, the
+//! page size, and the C heap's own trimming.
+//!
+//! Memory-map calls are raw system calls: an `LD_PRELOAD` shim interposes the C library's
+//! `mmap`/`munmap`/`mremap` to see the program's own mappings, and the engine's calls must neither
+//! reach it nor be mistaken for the program's.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use crate::cvt;
+
+/// The base page size, 4096 on every platform pageone supports (checked in [`page_size`]).
+pub const PAGE_SIZE: usize = 4096;
+
+/// Returns the kernel's base page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if v <= 0 {
+        PAGE_SIZE
+    } else {
+        v as usize
+    }
+}
+
+/// `mmap(2)` as a raw system call; returns `MAP_FAILED` with `errno` set on error.
+///
+/// # Safety
+/// As `mmap(2)`: a fixed mapping replaces whatever was mapped there.
+pub unsafe fn raw_mmap(
+    addr: *mut libc::c_void,
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: RawFd,
+    off: libc::off_t,
+) -> *mut libc::c_void {
+    // SAFETY: forwarded to the caller's contract.
+    let r = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
+    if r == -1 {
+        libc::MAP_FAILED
+    } else {
+        r as *mut libc::c_void
+    }
+}
+
+/// `munmap(2)` as a raw system call.
+///
+/// # Safety
+/// As `munmap(2)`.
+pub unsafe fn raw_munmap(addr: *mut libc::c_void, len: usize) -> libc::c_int {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { libc::syscall(libc::SYS_munmap, addr, len) as libc::c_int }
+}
+
+/// `mprotect(2)` as a raw system call.
+///
+/// # Safety
+/// As `mprotect(2)`: no live Rust reference may rely on the old protections.
+pub unsafe fn raw_mprotect(addr: *mut libc::c_void, len: usize, prot: libc::c_int) -> libc::c_int {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) as libc::c_int }
+}
+
+/// `mremap(2)` as a raw system call; returns `MAP_FAILED` with `errno` set on error.
+///
+/// # Safety
+/// As `mremap(2)`.
+pub unsafe fn raw_mremap(
+    old: *mut libc::c_void,
+    old_len: usize,
+    new_len: usize,
+    flags: libc::c_int,
+    new: *mut libc::c_void,
+) -> *mut libc::c_void {
+    // SAFETY: forwarded to the caller's contract.
+    let r = unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new) };
+    if r == -1 {
+        libc::MAP_FAILED
+    } else {
+        r as *mut libc::c_void
+    }
+}
+
+/// Maps `len` bytes of fresh private anonymous memory (read/write) anywhere.
+pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
+    // SAFETY: a non-fixed anonymous mapping cannot alias existing memory.
+    let p = unsafe {
+        raw_mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
+/// Maps `len` bytes of `fd` at `offset` shared and read/write anywhere (the engine's view of its
+/// stable store).
+pub fn mmap_shared(fd: RawFd, len: usize, offset: u64) -> io::Result<*mut u8> {
+    // SAFETY: a non-fixed mapping cannot alias existing memory.
+    let p = unsafe {
+        raw_mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
+/// Maps `len` bytes of `fd` shared and read-only anywhere (a client's view of a daemon's store,
+/// whose descriptor it holds read-only).
+pub fn mmap_shared_readonly(fd: RawFd, len: usize) -> io::Result<*const u8> {
+    // SAFETY: a non-fixed mapping cannot alias existing memory.
+    let p = unsafe {
+        raw_mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast_const().cast())
+}
+
+/// Replaces `[addr, addr+len)` by a private (copy-on-write) read/write mapping of `fd` at `offset`.
+///
+/// # Safety
+/// The range must belong to the caller (no live Rust references into it), and its previous contents
+/// are discarded: the caller must have moved out anything it still needs.
+pub unsafe fn mmap_private_fixed(
+    addr: *mut u8,
+    len: usize,
+    fd: RawFd,
+    offset: u64,
+) -> io::Result<()> {
+    // SAFETY: the caller owns the range (see the function's contract).
+    let p = unsafe {
+        raw_mmap(
+            addr.cast(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_FIXED,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Moves the mapping `[old, old+len)` (one whole VMA) to `new`, replacing whatever was mapped
+/// there, in one step: no other thread can observe `new` unmapped.
+///
+/// # Safety
+/// Both ranges' contents change place: no reference into either may be live, and the caller must
+/// own what was mapped at `new`.
+pub unsafe fn mremap_fixed(old: *mut u8, len: usize, new: *mut u8) -> io::Result<()> {
+    // SAFETY: forwarded to the caller's contract.
+    let p = unsafe {
+        raw_mremap(
+            old.cast(),
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            new.cast::<libc::c_void>(),
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Unmaps `[addr, addr+len)`.
+///
+/// # Safety
+/// No reference into the range may outlive the call.
+pub unsafe fn munmap(addr: *mut u8, len: usize) -> io::Result<()> {
+    // SAFETY: the caller guarantees nothing refers to the range any more.
+    cvt(unsafe { raw_munmap(addr.cast(), len) } as libc::c_long).map(drop)
+}
+
+/// `madvise(addr, len, advice)`, issued as a raw system call: the `LD_PRELOAD` shim interposes
+/// the C library's `madvise`, and the engine inside it must reach the kernel, not the shim.
+///
+/// # Safety
+/// Advice that discards contents (`MADV_DONTNEED`, `MADV_REMOVE`, ...) must only be given for memory
+/// whose contents the caller owns and no longer needs.
+pub unsafe fn madvise(addr: *mut u8, len: usize, advice: libc::c_int) -> io::Result<()> {
+    // SAFETY: forwarded to the caller's contract; the arguments are madvise(2)'s.
+    cvt(unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) }).map(drop)
+}
+
+/// Returns the free memory of the C heap (every malloc arena) to the kernel, after a burst of
+/// large transient allocations; the allocator otherwise keeps it when later chunks pin the top
+/// of a heap. Not an error when there is nothing to return. Does nothing on other C libraries.
+pub fn release_free_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks and trims the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Makes the C heap give every allocation of at least `bytes` its own mapping, returned to the
+/// kernel when freed. glibc's default raises that threshold after each large free (up to 32 MiB),
+/// after which a process that once had large tables keeps their memory in its heaps. For a
+/// long-running program that owns its allocator settings (the daemon), not for a library inside
+/// a host program. Does nothing on other C libraries.
+pub fn set_heap_mmap_threshold(bytes: usize) {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes the allocator's tuning parameters.
+    unsafe {
+        libc::mallopt(
+            libc::M_MMAP_THRESHOLD,
+            bytes.min(i32::MAX as usize) as libc::c_int,
+        );
+    }
+}

@@ -1,0 +1,173 @@
+//! `/proc/self/pagemap`: the [`Pagemap`] file, its `PAGEMAP_SCAN` ioctl ([`ScanQuery`]) and
+//! classic entry reads, and whether this kernel has the ioctl ([`pagemap_scan_supported`]).
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+
+use crate::uapi::*;
+use crate::{cvt, PAGE_SIZE};
+
+/// What a `PAGEMAP_SCAN` matches and reports (fields of `struct pm_scan_arg`): a page matches
+/// when `(categories ^ category_inverted) & category_mask == category_mask` and, if
+/// `category_anyof_mask` is set, `categories & category_anyof_mask != 0`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScanQuery {
+    pub flags: u64,
+    pub category_mask: u64,
+    pub category_inverted: u64,
+    pub category_anyof_mask: u64,
+    pub return_mask: u64,
+}
+
+/// The process's `/proc/self/pagemap`, for the `PAGEMAP_SCAN` ioctl and classic entry reads.
+#[derive(Debug)]
+pub struct Pagemap {
+    file: File,
+}
+
+impl Pagemap {
+    /// Opens `/proc/self/pagemap`.
+    pub fn open() -> io::Result<Self> {
+        Ok(Self {
+            file: File::open("/proc/self/pagemap")?,
+        })
+    }
+
+    /// Runs `PAGEMAP_SCAN` over `[start, end)`, appending matching page ranges to `out` (the
+    /// kernel merges adjacent pages with equal categories). With `PM_SCAN_WP_MATCHING`, pages
+    /// reported are also write-protected again (async uffd-wp): "written since last scan" becomes
+    /// "written since now". VMAs without async uffd-wp are skipped silently in that mode.
+    pub fn scan(
+        &self,
+        start: usize,
+        end: usize,
+        q: &ScanQuery,
+        out: &mut Vec<PageRegion>,
+    ) -> io::Result<()> {
+        self.walk(start, end, q, Some(out))
+    }
+
+    /// The `PAGEMAP_SCAN` loop of [`Pagemap::scan`] and [`Pagemap::write_protect`]: resumes at
+    /// `walk_end` until `end`. Without `out` the kernel gets no output vector (then, with
+    /// `PM_SCAN_WP_MATCHING`, it takes its exclusive write-protect path).
+    fn walk(
+        &self,
+        start: usize,
+        end: usize,
+        q: &ScanQuery,
+        mut out: Option<&mut Vec<PageRegion>>,
+    ) -> io::Result<()> {
+        let mut buf = match out {
+            Some(_) => vec![PageRegion::default(); 1024],
+            None => Vec::new(),
+        };
+        let mut cur = start as u64;
+        while cur < end as u64 {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags: q.flags,
+                start: cur,
+                end: end as u64,
+                walk_end: 0,
+                vec: if buf.is_empty() {
+                    0
+                } else {
+                    buf.as_mut_ptr() as u64
+                },
+                vec_len: buf.len() as u64,
+                max_pages: 0,
+                category_inverted: q.category_inverted,
+                category_mask: q.category_mask,
+                category_anyof_mask: q.category_anyof_mask,
+                return_mask: q.return_mask,
+            };
+            // SAFETY: arg is a live pm_scan_arg whose vec points to buf.len() live regions, or
+            // has no vector at all (vec and vec_len 0).
+            let n = cvt(
+                unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) }
+                    as libc::c_long,
+            )? as usize;
+            if let Some(out) = out.as_deref_mut() {
+                out.extend_from_slice(&buf[..n]);
+            }
+            if arg.walk_end <= cur {
+                break;
+            }
+            cur = arg.walk_end;
+        }
+        Ok(())
+    }
+
+    /// Whether each of the `n` pages from `start` has all the categories of `mask` (e.g.
+    /// `PAGE_IS_PRESENT`).
+    pub fn pages_with(&self, start: usize, n: usize, mask: u64) -> io::Result<Vec<bool>> {
+        let q = ScanQuery {
+            category_mask: mask,
+            return_mask: mask,
+            ..Default::default()
+        };
+        let mut found = Vec::new();
+        self.scan(start, start + n * PAGE_SIZE, &q, &mut found)?;
+        let mut out = vec![false; n];
+        for r in &found {
+            let lo = (r.start as usize - start) / PAGE_SIZE;
+            let hi = ((r.end as usize - start) / PAGE_SIZE).min(n);
+            out[lo..hi].fill(true);
+        }
+        Ok(out)
+    }
+
+    /// How many of the `n` pages from `start` have all the categories of `mask`.
+    pub fn count_pages(&self, start: usize, n: usize, mask: u64) -> io::Result<usize> {
+        Ok(self
+            .pages_with(start, n, mask)?
+            .iter()
+            .filter(|&&b| b)
+            .count())
+    }
+
+    /// Write-protects (async uffd-wp) every page of `[start, end)` not protected yet, reporting
+    /// nothing: `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` and no output vector, which the kernel
+    /// runs as its exclusive write-protect fast path. VMAs without async uffd-wp are skipped.
+    pub fn write_protect(&self, start: usize, end: usize) -> io::Result<()> {
+        let q = ScanQuery {
+            flags: PM_SCAN_WP_MATCHING,
+            category_mask: PAGE_IS_WRITTEN,
+            return_mask: PAGE_IS_WRITTEN,
+            ..Default::default()
+        };
+        self.walk(start, end, &q, None)
+    }
+
+    /// Reads classic pagemap entries for the pages of `[start, start + n*4096)`.
+    pub fn entries(&self, start: usize, n: usize, out: &mut Vec<u64>) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut bytes = vec![0u8; n * 8];
+        self.file
+            .read_exact_at(&mut bytes, (start / PAGE_SIZE * 8) as u64)?;
+        out.extend(
+            bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().unwrap())),
+        );
+        Ok(())
+    }
+}
+
+/// Whether this kernel has the `PAGEMAP_SCAN` ioctl (6.7+).
+pub fn pagemap_scan_supported() -> bool {
+    let Ok(pm) = Pagemap::open() else {
+        return false;
+    };
+    let mut v = Vec::new();
+    // An empty-but-valid query: ENOTTY/EINVAL on kernels without the ioctl.
+    let probe = [0u8; PAGE_SIZE];
+    let a = probe.as_ptr() as usize & !(PAGE_SIZE - 1);
+    let q = ScanQuery {
+        category_anyof_mask: PAGE_IS_PRESENT,
+        return_mask: PAGE_IS_PRESENT,
+        ..ScanQuery::default()
+    };
+    pm.scan(a, a + PAGE_SIZE, &q, &mut v).is_ok()
+}

@@ -1,0 +1,169 @@
+//! The process and its threads: eventfd wake-ups and polling, scheduling class and CPU clocks,
+//! fork hooks, `SIGPIPE`'s disposition, pidfds, kernel randomness, and `prctl`.
+
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+
+use crate::cvt;
+
+/// Creates an eventfd used to interrupt a blocking poll (non-blocking, close-on-exec).
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: no memory is passed to the kernel.
+    let fd =
+        cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) } as libc::c_long)?;
+    // SAFETY: fd was just returned by the kernel and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Adds one to an eventfd's counter, waking its pollers.
+pub fn eventfd_signal(fd: RawFd) -> io::Result<()> {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live local.
+    cvt(unsafe { libc::write(fd, (&one as *const u64).cast(), 8) } as libc::c_long).map(drop)
+}
+
+/// Waits until one of `fds` is readable; returns which ones are.
+pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<Vec<bool>> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        // SAFETY: pfds is a live array of pfds.len() pollfd structures.
+        let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+        if r == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        return Ok(pfds
+            .iter()
+            .map(|p| p.revents & (libc::POLLIN | libc::POLLERR) != 0)
+            .collect());
+    }
+}
+
+/// Puts the calling thread in the `SCHED_IDLE` class, so it only runs on otherwise idle CPUs.
+pub fn set_thread_idle_priority() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: param is a live sched_param; pid 0 means the calling thread.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } as libc::c_long).map(drop)
+}
+
+/// The CPU-time clock of one thread, readable from any thread of the process while that thread
+/// has not been joined (`pthread_getcpuclockid`).
+#[derive(Clone, Copy, Debug)]
+pub struct CpuClock(libc::clockid_t);
+
+impl CpuClock {
+    /// The calling thread's clock.
+    pub fn current() -> io::Result<Self> {
+        let mut id: libc::clockid_t = 0;
+        // SAFETY: `id` is a live out-parameter; pthread_self() is the calling thread.
+        let r = unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut id) };
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+        Ok(Self(id))
+    }
+
+    /// CPU time the thread used so far, in nanoseconds (0 if the clock cannot be read).
+    pub fn ns(&self) -> u64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: ts is a live timespec.
+        if unsafe { libc::clock_gettime(self.0, &mut ts) } != 0 {
+            return 0;
+        }
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+}
+
+/// Whether the process behind `pidfd` has exited; with `wait`, waits until it has.
+pub fn pidfd_exited(pidfd: RawFd, wait: bool) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd: pidfd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `p` is one live pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, if wait { -1 } else { 0 }) };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Runs `prepare` in the forking thread before every `fork` of this process (`pthread_atfork`).
+pub fn on_fork(prepare: extern "C" fn()) -> io::Result<()> {
+    // SAFETY: `prepare` is a plain function valid for the life of the program.
+    let r = unsafe { libc::pthread_atfork(Some(prepare), None, None) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
+
+/// Runs `child` in the child after every `fork` of this process (`pthread_atfork`).
+pub fn on_fork_child(child: extern "C" fn()) -> io::Result<()> {
+    // SAFETY: `child` is a plain function valid for the life of the program.
+    let r = unsafe { libc::pthread_atfork(None, None, Some(child)) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
+
+/// Gives `SIGPIPE` its default action (end the process) again. Rust's runtime starts programs
+/// with it ignored, while C programs (and so most host programs of the shim and the C ABI) keep
+/// the default; tools that stand in for such programs call this.
+pub fn default_sigpipe() -> io::Result<()> {
+    // SAFETY: SIG_DFL is a valid disposition for SIGPIPE; no memory is passed.
+    if unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) } == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A random 64-bit value from the kernel (`getrandom`, blocking only until the pool is seeded
+/// at boot).
+pub fn random_u64() -> io::Result<u64> {
+    let mut v = [0u8; 8];
+    // SAFETY: `v` is a live buffer of 8 bytes.
+    let n = cvt(unsafe { libc::getrandom(v.as_mut_ptr().cast(), v.len(), 0) } as libc::c_long)?;
+    if n != 8 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "getrandom returned short",
+        ));
+    }
+    Ok(u64::from_ne_bytes(v))
+}
+
+/// `prctl(2)` as a raw system call (for a shim that interposes the C library's `prctl`).
+///
+/// # Safety
+/// As `prctl(2)`: options that take pointers need valid ones.
+pub unsafe fn raw_prctl(
+    option: libc::c_int,
+    a2: libc::c_ulong,
+    a3: libc::c_ulong,
+    a4: libc::c_ulong,
+    a5: libc::c_ulong,
+) -> libc::c_int {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { libc::syscall(libc::SYS_prctl, option, a2, a3, a4, a5) as libc::c_int }
+}
