@@ -75,7 +75,7 @@ enum Command {
     /// (built with `cargo build --release -p pageone-bench`).
     #[command(disable_help_flag = true)]
     Bench {
-        /// `sdtree`, `ksm` or `ppr`, and their flags (`pageone bench --help`).
+        /// `sdtree`, `ksm`, `ppr` or `plot`, and their flags (`pageone bench --help`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },

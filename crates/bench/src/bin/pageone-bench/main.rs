@@ -1,7 +1,9 @@
-//! `pageone-bench`: pageone's benchmarks, each next to its baseline in the same run.
-//! `pageone bench ARGS...` runs this command with the same arguments.
+//! `pageone-bench`: pageone's benchmarks, each next to its baseline in the same run, and the plots
+//! of their results. `pageone bench ARGS...` runs this command with the same arguments.
 
+mod chart;
 mod ksm;
+mod plot;
 mod ppr;
 mod sdtree;
 
@@ -53,6 +55,8 @@ enum Bench {
     },
     /// The engine vs the kernel's KSM: time to 99% of the possible saving and CPU-seconds.
     Ksm(KsmArgs),
+    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm or ppr).
+    Plot(plot::PlotArgs),
 }
 
 #[derive(clap::Args)]
@@ -119,6 +123,7 @@ fn main() -> Result<()> {
                 json: a.json,
             })
         }
+        Bench::Plot(a) => plot::run(&a),
     }
 }
 
