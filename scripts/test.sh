@@ -28,6 +28,8 @@ ls /boot/vmlinuz-* >/dev/null 2>&1 || need_pkgs+=(linux-image-amd64)
 [ -x /bin/busybox ] && file -L /bin/busybox 2>/dev/null | grep -q static || need_pkgs+=(busybox-static)
 command -v cpio >/dev/null 2>&1 || need_pkgs+=(cpio)
 command -v file >/dev/null 2>&1 || need_pkgs+=(file)
+# `pageone-bench plot` (and its tests) draws text with a TrueType font read at run time.
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq

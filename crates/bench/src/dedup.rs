@@ -14,47 +14,9 @@ use pageone_sys as sys;
 
 use crate::ksm;
 
+pub use pageone_seed::{fill_page, Data};
+
 const PAGE: usize = 4096;
-
-/// The seed data sets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Data {
-    Easy,
-    Hard,
-}
-
-impl std::fmt::Display for Data {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Data::Easy => "easy",
-            Data::Hard => "hard",
-        })
-    }
-}
-
-/// A small, fast, seeded generator (xorshift64*), so every run and both sides see the same bytes.
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-}
-
-/// Writes page `i` of data set `data` at `page` (4096 bytes, already zero).
-///
-/// # Safety
-/// `page` must be valid for writes of 4096 bytes and not otherwise accessed meanwhile.
-pub unsafe fn fill_page(page: *mut u8, data: Data, i: u64) {
-    let v = mix(i.wrapping_add(0x9E37_79B9_7F4A_7C15)) | 1; // nonzero, distinct per i w.h.p.
-    let v = (v & !0xFFFF_FFFF) | i; // and certainly distinct (low half = index)
-    let off = match data {
-        Data::Easy => 0,
-        Data::Hard => (mix(i ^ 0xABCD) % 253) as usize,
-    };
-    // SAFETY: off + 8 <= 260 < 4096, inside the page the caller vouches for.
-    unsafe { std::ptr::copy_nonoverlapping(v.to_le_bytes().as_ptr(), page.add(off), 8) };
-}
 
 /// One measurement of one side.
 #[derive(Clone, Debug, serde::Serialize)]

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use pageone_bench::dedup::{fill_page, Data};
 use pageone_engine::Engine;
+use pageone_seed::{fill_page, Data};
 use pageone_sys as sys;
 
 const PAGE: usize = 4096;

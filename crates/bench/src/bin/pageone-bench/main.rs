@@ -1,0 +1,138 @@
+//! `pageone-bench`: pageone's benchmarks, each next to its baseline in the same run, and the plots
+//! of their results. `pageone bench ARGS...` runs this command with the same arguments.
+
+mod chart;
+mod ksm;
+mod plot;
+mod ppr;
+mod sdtree;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "pageone-bench",
+    version,
+    about = "pageone's benchmarks, each next to its baseline in the same run"
+)]
+struct Cli {
+    #[command(subcommand)]
+    which: Bench,
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// The SD tree vs a memcmp-ordered tree (KSM's) and an xxh3-128 hash index.
+    Sdtree {
+        /// 32 Ki keys and one run instead of 256 Ki keys and five runs.
+        #[arg(long)]
+        quick: bool,
+        /// Runs per measurement (the median is reported).
+        #[arg(long)]
+        runs: Option<usize>,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// PPR (marking freed pages, the engine releasing them) vs `madvise(MADV_DONTNEED)` per page.
+    Ppr {
+        /// Memory marked free per run, in MiB.
+        #[arg(long, default_value_t = 256)]
+        mib: usize,
+        /// Runs (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// The engine's period in milliseconds.
+        #[arg(long, default_value_t = 100)]
+        period_ms: u64,
+        /// Also write the samples as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// The engine vs the kernel's KSM: time to 99% of the possible saving and CPU-seconds.
+    Ksm(KsmArgs),
+    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm or ppr).
+    Plot(plot::PlotArgs),
+}
+
+#[derive(clap::Args)]
+struct KsmArgs {
+    /// 4 x 64 MiB and one run instead of 4 x 512 MiB and three runs.
+    #[arg(long)]
+    quick: bool,
+    /// Runs per side and data set (the median is reported).
+    #[arg(long)]
+    runs: Option<usize>,
+    /// Regions (one process each with --processes).
+    #[arg(long, default_value_t = 4)]
+    regions: usize,
+    /// Size of each region in MiB (default 512, 64 with --quick).
+    #[arg(long)]
+    region_mib: Option<usize>,
+    /// PageONE worker threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// PageONE merge period in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    period_ms: u64,
+    /// Run pageone as one process per region sharing through `pageone daemon` (issue #4's
+    /// measurement) instead of one process with all regions.
+    #[arg(long)]
+    processes: bool,
+    /// Run only pageone's side (for profiling it; no ratio is reported).
+    #[arg(long)]
+    pageone_only: bool,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("PAGEONE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().which {
+        Bench::Sdtree { quick, runs, json } => sdtree::run(quick, runs, json),
+        Bench::Ppr {
+            mib,
+            runs,
+            period_ms,
+            json,
+        } => ppr::run(mib, runs, Duration::from_millis(period_ms), json),
+        Bench::Ksm(a) => {
+            let params = pageone_bench::dedup::Params {
+                regions: a.regions,
+                region_mib: a.region_mib.unwrap_or(if a.quick { 64 } else { 512 }),
+                workers: a.workers,
+                merge_period: Duration::from_millis(a.period_ms),
+                timeout: Duration::from_secs(300),
+            };
+            ksm::run(&ksm::Options {
+                params,
+                runs: a.runs.unwrap_or(if a.quick { 1 } else { 3 }),
+                processes: a.processes,
+                pageone_only: a.pageone_only,
+                json: a.json,
+            })
+        }
+        Bench::Plot(a) => plot::run(&a),
+    }
+}
+
+/// Writes `value` as pretty JSON to `path`, if one was given.
+fn write_json(path: &Option<PathBuf>, value: &serde_json::Value) -> Result<()> {
+    if let Some(p) = path {
+        std::fs::write(p, serde_json::to_string_pretty(value)?)
+            .with_context(|| format!("could not write {}", p.display()))?;
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
