@@ -5,7 +5,8 @@ use std::time::Duration;
 use crate::{Engine, EngineError};
 
 /// How written pages are detected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum WatchMode {
     /// Use async uffd write-protection when the kernel has it, else checksums.
     #[default]
@@ -136,6 +137,14 @@ impl Builder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn watch_modes_serialise_as_they_display() {
+        for m in [WatchMode::Auto, WatchMode::UffdWp, WatchMode::Checksum] {
+            let json = serde_json::to_string(&m).unwrap();
+            assert_eq!(json, format!("\"{m}\""));
+        }
+    }
 
     #[test]
     fn settings_the_engine_cannot_run_with_are_refused() {

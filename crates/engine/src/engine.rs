@@ -10,6 +10,7 @@ use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
+use crate::error::Chain;
 use crate::faults::fault_loop;
 use crate::freeze::{FrozenRange, MAX_RUN};
 use crate::period::{commit_loop, engine_loop};
@@ -92,20 +93,20 @@ impl Watch {
 
 /// The stable store: the configured daemon's scope store, or a store of this process alone (also
 /// when the daemon cannot be joined: service degrades, memory stays correct). Returns it with
-/// the daemon link to report while there is none ("none", or "unreachable").
-fn open_store(config: &Config) -> Result<(Store, &'static str), EngineError> {
+/// whether the daemon was unreachable.
+fn open_store(config: &Config) -> Result<(Store, bool), EngineError> {
     // Capacity of the store: every page of RAM (virtual; only used copies cost memory).
     let ram = sys::meminfo_kib("MemTotal").unwrap_or(16 << 20) * 1024;
     let local_capacity = (ram / PAGE as u64).min(u32::MAX as u64 - 1) as u32;
     let Some(path) = &config.daemon else {
-        return Ok((Store::new(local_capacity)?, "none"));
+        return Ok((Store::new(local_capacity)?, false));
     };
     match crate::remote::Remote::connect(path, &config.scope) {
-        Ok((remote, fd, capacity)) => Ok((Store::shared(fd, capacity, remote)?, "none")),
+        Ok((remote, fd, capacity)) => Ok((Store::shared(fd, capacity, remote)?, false)),
         Err(e) => {
             // Service degrades (no sharing with other processes), memory stays correct.
-            tracing::warn!(error = %e, socket = %path.display(), "running alone");
-            Ok((Store::new(local_capacity)?, "unreachable"))
+            tracing::warn!(error = %Chain(&e), socket = %path.display(), "running alone");
+            Ok((Store::new(local_capacity)?, true))
         }
     }
 }
@@ -124,7 +125,7 @@ impl Engine {
             reg_mode,
         } = Watch::open(&config)?;
         let config_workers = config.workers;
-        let (store, daemon_note) = open_store(&config)?;
+        let (store, daemon_unreachable) = open_store(&config)?;
         // The scratch area receives frozen pages; UFFDIO_MOVE needs its destination registered
         // with the same context and the same protections as the source.
         let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).map_err(EngineError::Map)? as usize;
@@ -141,7 +142,7 @@ impl Engine {
             store_uffd,
             mode,
             reg_mode,
-            daemon_note,
+            daemon_unreachable,
             state: Mutex::new(State::new(store, scratch, pagemap)),
             period_lock: Mutex::new(()),
             config: Mutex::new(config),

@@ -94,8 +94,8 @@ mod watch;
 
 pub use config::{Builder, Config, WatchMode};
 pub use engine::{Engine, Region};
-pub use error::EngineError;
+pub use error::{DaemonError, EngineError};
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;
-pub use stats::Stats;
+pub use stats::{DaemonLink, Stats};
 pub use store::punch_runs;

@@ -10,6 +10,7 @@ use pageone_sys as sys;
 
 use crate::access::PAGE;
 use crate::config::{Config, WatchMode};
+use crate::error::Chain;
 use crate::read_ahead::forget_read_ahead;
 use crate::registry::anonymize;
 use crate::state::{PageKind, Shared, State};
@@ -83,7 +84,7 @@ fn join_again(sh: &Shared, config: &Config) -> bool {
     {
         Ok(s) => s,
         Err(e) => {
-            tracing::debug!(error = %e, "the pageone daemon is still not reachable");
+            tracing::debug!(error = %Chain(&e), "the pageone daemon is still not reachable");
             return false;
         }
     };

@@ -168,8 +168,9 @@ pub(crate) struct Shared {
     pub(crate) store_uffd: Option<sys::Uffd>,
     pub(crate) mode: WatchMode,
     pub(crate) reg_mode: u64,
-    /// Why there is no daemon link although one was configured ("unreachable"), else "none".
-    pub(crate) daemon_note: &'static str,
+    /// Whether the configured daemon could not be joined at the start (reported as the daemon
+    /// link while there is none).
+    pub(crate) daemon_unreachable: bool,
     /// Held by the engine thread for a whole period and by register/unregister: the set of
     /// registered regions never changes while a period reads or remaps their pages.
     pub(crate) period_lock: Mutex<()>,

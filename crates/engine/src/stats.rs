@@ -7,6 +7,7 @@ use pageone_sys as sys;
 
 use crate::access::PAGE;
 use crate::candidates::PagePre;
+use crate::config::WatchMode;
 use crate::read_ahead::ahead_pages;
 use crate::state::{Shared, State};
 
@@ -42,16 +43,16 @@ pub struct Stats {
     pub vma_limit: u64,
     /// Merges skipped because they would have exceeded the VMA budget.
     pub vma_limited_merges: u64,
-    /// How writes are detected: "uffd-wp" or "checksum".
-    pub watch_mode: String,
+    /// How writes are detected: [`WatchMode::UffdWp`] or [`WatchMode::Checksum`] (serialised as
+    /// "uffd-wp" or "checksum").
+    pub watch_mode: WatchMode,
     /// CPU time of the engine's threads (workers and committer), in nanoseconds.
     pub worker_cpu_ns: u64,
     /// Registered bytes.
     pub registered_bytes: u64,
-    /// The daemon link: "none" (alone), "connected", "lost" (running unshared since it went away)
-    /// or "unreachable" (configured but could not be joined at start). A lost or unreachable
-    /// daemon is asked for again every second; see `daemon_joins`.
-    pub daemon: String,
+    /// The daemon link. A lost or unreachable daemon is asked for again every second; see
+    /// `daemon_joins`.
+    pub daemon: DaemonLink,
     /// The scope joined at the daemon (empty when alone).
     pub scope: String,
     /// Times a daemon was joined after the start (after losing one, or after it was unreachable):
@@ -61,6 +62,40 @@ pub struct Stats {
     /// dropped by the program, or still waiting) and were made private so that the old store can
     /// be freed; they merge again like any page.
     pub pages_left_private: u64,
+}
+
+/// The engine's link to a `pageone daemon` (serialised in lower case: "none", "connected", "lost",
+/// "unreachable").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum DaemonLink {
+    /// No daemon configured: the process runs alone.
+    #[default]
+    None,
+    /// Joined: the scope's store is shared with its other processes.
+    Connected,
+    /// The daemon went away: the process runs unshared since.
+    Lost,
+    /// Configured, but it could not be joined at the start.
+    Unreachable,
+}
+
+impl DaemonLink {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DaemonLink::None => "none",
+            DaemonLink::Connected => "connected",
+            DaemonLink::Lost => "lost",
+            DaemonLink::Unreachable => "unreachable",
+        }
+    }
+}
+
+impl std::fmt::Display for DaemonLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A snapshot of the counters, as the holder of the state lock sees them.
@@ -96,19 +131,48 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         vmas_used: vmas,
         vma_limit: c.vma_limit.load(Ordering::Relaxed),
         vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
-        watch_mode: sh.mode.to_string(),
+        watch_mode: sh.mode,
         worker_cpu_ns: lock(&sh.clocks).iter().map(sys::CpuClock::ns).sum(),
         registered_bytes: registered as u64,
         daemon: match st.store.daemon_state() {
-            "none" => sh.daemon_note,
-            s => s,
-        }
-        .into(),
+            "connected" => DaemonLink::Connected,
+            "lost" => DaemonLink::Lost,
+            // "none": alone, or unreachable at the start.
+            _ if sh.daemon_unreachable => DaemonLink::Unreachable,
+            _ => DaemonLink::None,
+        },
         scope: st
             .store
             .remote
             .as_ref()
             .map(|r| r.scope.clone())
             .unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The JSON the daemon and `pageone scope` read keeps its lowercase words.
+    #[test]
+    fn stats_serialise_their_links_and_modes_as_words() {
+        let s = Stats {
+            watch_mode: WatchMode::UffdWp,
+            daemon: DaemonLink::Unreachable,
+            ..Stats::default()
+        };
+        let v: serde_json::Value = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["watch_mode"], "uffd-wp");
+        assert_eq!(v["daemon"], "unreachable");
+        for link in [
+            DaemonLink::None,
+            DaemonLink::Connected,
+            DaemonLink::Lost,
+            DaemonLink::Unreachable,
+        ] {
+            let json = serde_json::to_string(&link).unwrap();
+            assert_eq!(json, format!("\"{link}\""));
+        }
     }
 }

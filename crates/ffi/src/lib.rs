@@ -18,7 +18,7 @@
 //!   [`std::panic::catch_unwind`]; a panic becomes `PAGEONE_PANIC` (or is swallowed by functions
 //!   that return nothing). Every pointer argument is checked for NULL before use.
 //! * **Plain data out.** [`pageone_stats`] is a `#[repr(C)]` struct of the numeric counters of
-//!   [`::pageone_engine::Stats`]; its two textual fields become small enums
+//!   [`::pageone_engine::Stats`]; its watch mode and daemon link become small C enums
 //!   ([`pageone_watch_mode`], [`pageone_daemon_link`]) stored as `uint32_t`. Integers coming *from*
 //!   C that name an enum value are taken as `uint32_t`/`int` and checked, so an out-of-range value
 //!   is an error instead of undefined behaviour.
@@ -40,7 +40,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 use ::pageone_engine::recycler::Pool;
-use ::pageone_engine::{Config, Engine, EngineError, WatchMode};
+use ::pageone_engine::{Config, DaemonLink, Engine, EngineError, WatchMode};
 
 // The engine is shared between the caller's threads.
 const _: fn() = || {
@@ -237,16 +237,16 @@ pub struct pageone_stats {
 
 impl From<&::pageone_engine::Stats> for pageone_stats {
     fn from(s: &::pageone_engine::Stats) -> Self {
-        let watch_mode = match s.watch_mode.as_str() {
-            "uffd-wp" => pageone_watch_mode::PAGEONE_WATCH_UFFD_WP,
-            "checksum" => pageone_watch_mode::PAGEONE_WATCH_CHECKSUM,
-            _ => pageone_watch_mode::PAGEONE_WATCH_AUTO,
+        let watch_mode = match s.watch_mode {
+            WatchMode::UffdWp => pageone_watch_mode::PAGEONE_WATCH_UFFD_WP,
+            WatchMode::Checksum => pageone_watch_mode::PAGEONE_WATCH_CHECKSUM,
+            WatchMode::Auto => pageone_watch_mode::PAGEONE_WATCH_AUTO,
         };
-        let daemon = match s.daemon.as_str() {
-            "none" => pageone_daemon_link::PAGEONE_DAEMON_LINK_NONE,
-            "connected" => pageone_daemon_link::PAGEONE_DAEMON_LINK_CONNECTED,
-            "lost" => pageone_daemon_link::PAGEONE_DAEMON_LINK_LOST,
-            "unreachable" => pageone_daemon_link::PAGEONE_DAEMON_LINK_UNREACHABLE,
+        let daemon = match s.daemon {
+            DaemonLink::None => pageone_daemon_link::PAGEONE_DAEMON_LINK_NONE,
+            DaemonLink::Connected => pageone_daemon_link::PAGEONE_DAEMON_LINK_CONNECTED,
+            DaemonLink::Lost => pageone_daemon_link::PAGEONE_DAEMON_LINK_LOST,
+            DaemonLink::Unreachable => pageone_daemon_link::PAGEONE_DAEMON_LINK_UNREACHABLE,
             _ => pageone_daemon_link::PAGEONE_DAEMON_LINK_UNKNOWN,
         };
         Self {
