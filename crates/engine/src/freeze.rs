@@ -295,3 +295,226 @@ impl Drop for ProtectedRun<'_> {
         let _ = self.uffd.wake(self.start, self.n * PAGE);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The guards on the real kernel: whatever path leaves a freeze (the commit's own, an early
+    //! return, a panic), the pages come back with their contents and blocked writers go on.
+
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    /// A region of `n` pages (page `k` filled with `k + 1`) and a scratch area, both registered
+    /// for missing faults with a context that can move pages, as the engine registers them. No
+    /// thread answers missing faults: a page is only read where the page tables say it is.
+    struct Frozen {
+        uffd: sys::Uffd,
+        range: FrozenRange,
+        pagemap: sys::Pagemap,
+        region: usize,
+        scratch: usize,
+        n: usize,
+    }
+
+    impl Frozen {
+        fn new(n: usize) -> Self {
+            let uffd = sys::Uffd::open(UFFD_FEATURE_MOVE).unwrap();
+            assert_ne!(
+                uffd.features() & UFFD_FEATURE_MOVE,
+                0,
+                "UFFDIO_MOVE is needed"
+            );
+            let region = sys::mmap_anonymous(n * PAGE).unwrap() as usize;
+            for k in 0..n {
+                // SAFETY: a page of the fresh mapping above, which only this test uses.
+                unsafe { std::ptr::write_bytes((region + k * PAGE) as *mut u8, k as u8 + 1, PAGE) };
+            }
+            let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).unwrap() as usize;
+            uffd.register(region, n * PAGE, UFFDIO_REGISTER_MODE_MISSING)
+                .unwrap();
+            uffd.register(scratch, MAX_RUN * PAGE, UFFDIO_REGISTER_MODE_MISSING)
+                .unwrap();
+            Frozen {
+                uffd,
+                range: FrozenRange::default(),
+                pagemap: sys::Pagemap::open().unwrap(),
+                region,
+                scratch,
+                n,
+            }
+        }
+
+        fn freeze(&self) -> FrozenRun<'_> {
+            let f = Freezer {
+                uffd: &self.uffd,
+                range: &self.range,
+                scratch: self.scratch,
+                pagemap: &self.pagemap,
+            };
+            // SAFETY: the region and the scratch area are registered above and only this test
+            // uses them; nothing answers missing faults.
+            unsafe { FrozenRun::freeze(f, self.region, self.n) }
+        }
+
+        fn present(&self, addr: usize, n: usize) -> Vec<bool> {
+            self.pagemap.pages_with(addr, n, PAGE_IS_PRESENT).unwrap()
+        }
+
+        /// Whether page `k` is present and holds `k + 1` throughout, but for `first` at byte 0.
+        fn intact(&self, k: usize, first: u8) -> bool {
+            if !self.present(self.region + k * PAGE, 1)[0] {
+                return false;
+            }
+            // SAFETY: a present page of this test's region; the writers are done.
+            let page =
+                unsafe { std::slice::from_raw_parts((self.region + k * PAGE) as *const u8, PAGE) };
+            page[0] == first && page[1..].iter().all(|&b| b == k as u8 + 1)
+        }
+
+        fn is_frozen(&self, k: usize) -> bool {
+            self.range.gate().is_frozen(self.region + k * PAGE)
+        }
+    }
+
+    /// Writes `v` to the byte at `addr` on a thread of its own; the receiver hears when it is
+    /// done.
+    fn write_on_a_thread(addr: usize, v: u8) -> mpsc::Receiver<()> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            // SAFETY: a page of a mapping the test owns, written only by this thread meanwhile.
+            unsafe { std::ptr::write_volatile(addr as *mut u8, v) };
+            let _ = tx.send(());
+        });
+        rx
+    }
+
+    /// Waits until `uffd` reports a fault at the page of `addr`: the writer is blocked in the
+    /// kernel, and only a wake lets it go on.
+    fn blocked_at(uffd: &sys::Uffd, addr: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(msg)) = uffd.read_event() {
+                if msg.event == UFFD_EVENT_PAGEFAULT
+                    && msg.pf_address as usize & !(PAGE - 1) == addr
+                {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "the writer never faulted");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_dropped_frozen_run_puts_every_page_back_and_wakes_its_writers() {
+        let t = Frozen::new(4);
+        let run = t.freeze();
+        assert!(t.is_frozen(0) && t.is_frozen(3) && !t.is_frozen(4));
+        assert_eq!(
+            t.present(t.region, 4),
+            [false; 4],
+            "frozen pages are moved out"
+        );
+        assert_eq!(t.present(t.scratch, 4), [true; 4]);
+        assert!((0..4).all(|k| run.frozen_page(k) == Some(t.scratch + k * PAGE)));
+        let done = write_on_a_thread(t.region + 2 * PAGE, 0xee);
+        blocked_at(&t.uffd, t.region + 2 * PAGE);
+        assert!(done.try_recv().is_err(), "a write to a frozen page waits");
+        // An early return of the commit: nothing consumed, nothing restored.
+        drop(run);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer is woken when the run is dropped");
+        assert!(!t.is_frozen(0));
+        assert!(t.intact(0, 1) && t.intact(1, 2) && t.intact(3, 4));
+        assert!(t.intact(2, 0xee), "the write lands on the page put back");
+        assert_eq!(
+            t.present(t.scratch, 4),
+            [false; 4],
+            "the scratch area is discarded"
+        );
+    }
+
+    #[test]
+    fn a_panic_while_frozen_still_puts_the_pages_back() {
+        let t = Frozen::new(3);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _run = t.freeze();
+            assert!(t.is_frozen(1));
+            panic!("a commit fails while the run is frozen");
+        }));
+        assert!(r.is_err());
+        assert!(!t.is_frozen(1));
+        assert!((0..3).all(|k| t.intact(k, k as u8 + 1)));
+        assert_eq!(t.present(t.scratch, 3), [false; 3]);
+    }
+
+    #[test]
+    fn consumed_pages_stay_released_and_the_others_come_back() {
+        let t = Frozen::new(3);
+        let mut run = t.freeze();
+        run.consume(1);
+        run.restore();
+        // Restored but still frozen: writers wait for the drop.
+        assert!(t.is_frozen(1));
+        assert_eq!(t.present(t.region, 3), [true, false, true]);
+        assert_eq!(t.present(t.scratch, 3), [false; 3]);
+        drop(run);
+        assert!(!t.is_frozen(1));
+        assert!(t.intact(0, 1) && t.intact(2, 3));
+        assert_eq!(
+            t.present(t.region + PAGE, 1),
+            [false],
+            "a consumed page stays released"
+        );
+    }
+
+    #[test]
+    fn a_dropped_protected_run_unprotects_what_was_not_replaced_and_wakes_writers() {
+        let n = 3;
+        let uffd = sys::Uffd::open(UFFD_FEATURE_WP_HUGETLBFS_SHMEM).unwrap();
+        assert_ne!(uffd.features() & UFFD_FEATURE_WP_HUGETLBFS_SHMEM, 0);
+        // Private pages inside a private mapping of a memfd, as COW-broken pages are.
+        let fd = sys::memfd_create(c"pageone-freeze-test").unwrap();
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        sys::ftruncate(raw, (n * PAGE) as u64).unwrap();
+        let base = sys::mmap_anonymous(n * PAGE).unwrap();
+        // SAFETY: `base` is a fresh mapping of this length that only this test uses.
+        unsafe { sys::mmap_private_fixed(base, n * PAGE, raw, 0) }.unwrap();
+        let base = base as usize;
+        for k in 0..n {
+            // SAFETY: a page of the mapping above; the write gives it a private copy.
+            unsafe { std::ptr::write_bytes((base + k * PAGE) as *mut u8, k as u8 + 1, PAGE) };
+        }
+        uffd.register(base, n * PAGE, UFFDIO_REGISTER_MODE_WP)
+            .unwrap();
+        let mut held = ProtectedRun::protect(&uffd, base, n).expect("shmem write-protection");
+        let done = write_on_a_thread(base, 0xee);
+        blocked_at(&uffd, base);
+        assert!(
+            done.try_recv().is_err(),
+            "a write to a protected page waits"
+        );
+        // Page 1 counts as replaced: the drop leaves it protected.
+        held.mark_replaced(1);
+        drop(held);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer is woken when the run is dropped");
+        let again = write_on_a_thread(base + 2 * PAGE, 0xdd);
+        again
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a page not replaced is writable again");
+        let blocked = write_on_a_thread(base + PAGE, 0xcc);
+        blocked_at(&uffd, base + PAGE);
+        assert!(
+            blocked.try_recv().is_err(),
+            "a replaced page is not un-protected"
+        );
+        // Let that writer go (un-protecting wakes it).
+        uffd.writeprotect(base + PAGE, PAGE, false).unwrap();
+        blocked.recv_timeout(Duration::from_secs(10)).unwrap();
+        // SAFETY: the pages are present (written above) and the writers are done.
+        let bytes = |k: usize| unsafe { std::ptr::read_volatile((base + k * PAGE) as *const u8) };
+        assert_eq!([bytes(0), bytes(1), bytes(2)], [0xee, 0xcc, 0xdd]);
+    }
+}
