@@ -50,208 +50,52 @@
 //! `vm.max_map_count` with a margin: a merge that would cross it is not even frozen, the page
 //! backs off (waits longer each time), and [`Stats`] counts it, rather than failing the host
 //! process.
+//!
+//! # Layout
+//!
+//! Modules named for what they do, each using only those listed before it (besides the leaves
+//! `config`, `error`, `pool`, `store`, `remote` and `proto`). The one exception is data: `state`
+//! holds what the stages keep between periods, and names the types `sightings`, `watch` and
+//! `read_ahead` define for it.
+//!
+//! * `access`: reading pages of live memory, and what a read finds.
+//! * `candidates`: the pages a period may merge, and their order into batches by content.
+//! * `freeze`: the guards that hold a run of pages still for a merge, and let it go on drop.
+//! * `state`: per-page and per-region bookkeeping, the state lock's contents, what the threads
+//!   share.
+//! * `sightings`: the first-sighting map. `watch`: written and unchanged pages. `read_ahead`:
+//!   reading newly registered pages while they wait. `registry`: registering and unregistering.
+//! * `classify` → `commit`: what to do with each candidate, then doing it.
+//! * `stats`: the counters. `rejoin`: joining a daemon again. `period`: the engine and committer
+//!   threads, running watch, classify and commit. `faults`: the fault thread.
+//! * `engine`: the [`Engine`] handle that starts and stops it all.
 
+mod access;
+mod candidates;
+mod classify;
+mod commit;
+mod config;
 mod engine;
+mod error;
+mod faults;
+mod freeze;
+mod period;
 mod pool;
 pub mod proto;
+mod read_ahead;
+mod registry;
+mod rejoin;
 mod remote;
+mod sightings;
+mod state;
+mod stats;
 mod store;
+mod watch;
 
-use std::time::Duration;
-
+pub use config::{Builder, Config, WatchMode};
 pub use engine::{Engine, Region};
+pub use error::{DaemonError, EngineError};
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;
+pub use stats::{DaemonLink, Stats};
 pub use store::punch_runs;
-
-/// How written pages are detected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum WatchMode {
-    /// Use async uffd write-protection when the kernel has it, else checksums.
-    #[default]
-    Auto,
-    /// userfaultfd `WP_ASYNC` + `PAGEMAP_SCAN` (Linux 6.7+): no page is read to detect a write.
-    UffdWp,
-    /// A per-page xxh3 checksum compared every period, as KSM does.
-    Checksum,
-}
-
-impl std::fmt::Display for WatchMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            WatchMode::Auto => "auto",
-            WatchMode::UffdWp => "uffd-wp",
-            WatchMode::Checksum => "checksum",
-        })
-    }
-}
-
-/// Engine settings; every field can be changed at run time with [`Engine::reconfigure`].
-#[derive(Clone, Debug)]
-pub struct Config {
-    /// Worker threads for classification (at least 1).
-    pub workers: usize,
-    /// Length of one merge period.
-    pub merge_period: Duration,
-    /// Periods a page must stay unchanged before it is merged (at least 1; default 2).
-    pub merge_periods: u8,
-    /// Cap of the adaptive back-off for pages that keep changing, in periods.
-    pub max_backoff: u8,
-    /// Most pages mapping one stable copy (KSM's `max_page_sharing`).
-    pub max_sharing: u32,
-    /// Scope (tenant) name; only pages of one scope are ever shared.
-    pub scope: String,
-    /// How written pages are detected.
-    pub watch: WatchMode,
-    /// VMAs kept free below `vm.max_map_count`.
-    pub vma_margin: usize,
-    /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
-    /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET`.
-    pub daemon: Option<std::path::PathBuf>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            workers: 2,
-            merge_period: Duration::from_millis(200),
-            merge_periods: 2,
-            max_backoff: 16,
-            max_sharing: 256,
-            scope: std::env::var("PAGEONE_SCOPE").unwrap_or_else(|_| "default".into()),
-            watch: WatchMode::Auto,
-            vma_margin: 1024,
-            daemon: std::env::var_os("PAGEONE_SOCKET")
-                .filter(|s| !s.is_empty())
-                .map(Into::into),
-        }
-    }
-}
-
-/// Builds an [`Engine`].
-#[derive(Clone, Debug, Default)]
-pub struct Builder {
-    config: Config,
-}
-
-impl Builder {
-    pub fn workers(mut self, n: usize) -> Self {
-        self.config.workers = n;
-        self
-    }
-    pub fn merge_period(mut self, d: Duration) -> Self {
-        self.config.merge_period = d;
-        self
-    }
-    pub fn merge_periods(mut self, n: u8) -> Self {
-        self.config.merge_periods = n;
-        self
-    }
-    pub fn max_sharing(mut self, n: u32) -> Self {
-        self.config.max_sharing = n;
-        self
-    }
-    pub fn scope(mut self, s: impl Into<String>) -> Self {
-        self.config.scope = s.into();
-        self
-    }
-    pub fn watch(mut self, m: WatchMode) -> Self {
-        self.config.watch = m;
-        self
-    }
-    pub fn vma_margin(mut self, n: usize) -> Self {
-        self.config.vma_margin = n;
-        self
-    }
-    /// Joins the daemon at `socket` (`None`: run alone even if `$PAGEONE_SOCKET` is set).
-    pub fn daemon(mut self, socket: Option<std::path::PathBuf>) -> Self {
-        self.config.daemon = socket;
-        self
-    }
-    /// Starts the engine.
-    pub fn build(self) -> Result<Engine, EngineError> {
-        Engine::start(self.config)
-    }
-}
-
-/// Live counters. The first group has KSM's names and meanings (`/sys/kernel/mm/ksm`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Stats {
-    /// Stable copies in use.
-    pub pages_shared: u64,
-    /// Pages mapping a stable copy beyond one per copy: the pages saved.
-    pub pages_sharing: u64,
-    /// Candidates that matched nothing in the last period.
-    pub pages_unshared: u64,
-    /// Present pages still changing (not yet candidates).
-    pub pages_volatile: u64,
-    /// Pages examined (all registered pages, every period).
-    pub pages_scanned: u64,
-    /// Periods completed (each examines all registered memory).
-    pub full_scans: u64,
-    /// Zero pages released (pages recycled through PPR included).
-    pub zero_pages: u64,
-    /// Pages the program marked free (PPR) that the engine released.
-    pub pages_recycled: u64,
-    /// Bytes saved minus the engine's own metadata and VMAs (may be negative).
-    pub general_profit: i64,
-    /// Successful page merges since start.
-    pub merges: u64,
-    /// Merged pages later written (copy-on-write broken).
-    pub cow_breaks: u64,
-    /// Frozen pages that differed from their copy at compare time and were moved back.
-    pub compare_mismatches: u64,
-    /// VMAs of this process now, and the limit the engine respects.
-    pub vmas_used: u64,
-    pub vma_limit: u64,
-    /// Merges skipped because they would have exceeded the VMA budget.
-    pub vma_limited_merges: u64,
-    /// How writes are detected: "uffd-wp" or "checksum".
-    pub watch_mode: String,
-    /// CPU time of the engine's threads (workers and committer), in nanoseconds.
-    pub worker_cpu_ns: u64,
-    /// Registered bytes.
-    pub registered_bytes: u64,
-    /// The daemon link: "none" (alone), "connected", "lost" (running unshared since it went away)
-    /// or "unreachable" (configured but could not be joined at start). A lost or unreachable
-    /// daemon is asked for again every second; see `daemon_joins`.
-    pub daemon: String,
-    /// The scope joined at the daemon (empty when alone).
-    pub scope: String,
-    /// Times a daemon was joined after the start (after losing one, or after it was unreachable):
-    /// pages merged before move to the new daemon's store.
-    pub daemon_joins: u64,
-    /// Pages that had not moved to the new store some periods after a join (written since,
-    /// dropped by the program, or still waiting) and were made private so that the old store can
-    /// be freed; they merge again like any page.
-    pub pages_left_private: u64,
-}
-
-/// Why an engine operation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("the kernel lacks a feature pageone needs: {0}")]
-    Unsupported(&'static str),
-    #[error("userfaultfd could not be set up")]
-    Uffd(#[source] std::io::Error),
-    #[error("the stable store could not be created")]
-    Store(#[source] std::io::Error),
-    #[error("the content index failed")]
-    Index(#[source] pageone_index::IndexError),
-    #[error("range {addr:#x}+{len:#x} is not page-aligned and non-empty")]
-    Unaligned { addr: usize, len: usize },
-    #[error("range {addr:#x}+{len:#x} is not entirely private anonymous read/write memory")]
-    NotAnonymous { addr: usize, len: usize },
-    #[error("range {addr:#x}+{len:#x} overlaps a registered region without matching it")]
-    Overlap { addr: usize, len: usize },
-    #[error("range {addr:#x}+{len:#x} is not registered")]
-    NotRegistered { addr: usize, len: usize },
-    #[error("invalid configuration: {0}")]
-    Config(&'static str),
-    #[error("memory could not be mapped")]
-    Map(#[source] std::io::Error),
-    #[error("the engine thread could not be started")]
-    Thread(#[source] std::io::Error),
-    #[error("the pageone daemon could not be joined: {0}")]
-    Daemon(String),
-}

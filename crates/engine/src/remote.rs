@@ -27,7 +27,7 @@ use std::sync::Mutex;
 use pageone_sys as sys;
 
 use crate::proto::{self, ProtoError, Reply, Request};
-use crate::EngineError;
+use crate::{DaemonError, EngineError};
 
 const PAGE: usize = sys::PAGE_SIZE;
 /// How long the daemon may take to answer the greeting.
@@ -64,8 +64,9 @@ impl Remote {
     /// Joins the daemon at `path` asking for `scope`. Returns the connection, the store's
     /// read-only descriptor and its size in pages.
     pub(crate) fn connect(path: &Path, scope: &str) -> Result<(Self, OwnedFd, u32), EngineError> {
-        let refused = |e: ProtoError| EngineError::Daemon(e.to_string());
-        let sock = UnixStream::connect(path).map_err(|e| EngineError::Daemon(e.to_string()))?;
+        let refused = |e: ProtoError| EngineError::Daemon(DaemonError::Greeting(e));
+        let sock =
+            UnixStream::connect(path).map_err(|e| EngineError::Daemon(DaemonError::Connect(e)))?;
         let (pipe_r, pipe) = sys::pipe().map_err(EngineError::Store)?;
         let pipe_pages = sys::set_pipe_capacity(pipe.as_raw_fd(), PIPE_BYTES)
             .map_err(EngineError::Store)?
@@ -80,7 +81,7 @@ impl Remote {
         let set_timeout = |t| {
             sock.set_read_timeout(t)
                 .and_then(|()| sock.set_write_timeout(t))
-                .map_err(|e| EngineError::Daemon(e.to_string()))
+                .map_err(|e| EngineError::Daemon(DaemonError::Timeout(e)))
         };
         set_timeout(Some(HELLO_TIMEOUT))?;
         let (reply, fd) = proto::call(&sock, &hello, Some(&pipe_r)).map_err(refused)?;
@@ -94,14 +95,10 @@ impl Remote {
             Some(store),
         ) = (reply, fd)
         else {
-            return Err(EngineError::Daemon(
-                "the daemon answered the greeting without a store".into(),
-            ));
+            return Err(EngineError::Daemon(DaemonError::NoStore));
         };
         if capacity == 0 || capacity > proto::MAX_SLOT {
-            return Err(EngineError::Daemon(
-                "the daemon offered an unusable store".into(),
-            ));
+            return Err(EngineError::Daemon(DaemonError::UnusableStore));
         }
         tracing::info!(client, %scope, capacity, "joined the pageone daemon");
         Ok((

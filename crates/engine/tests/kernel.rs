@@ -55,7 +55,7 @@ fn merge_cow_and_zero(mode: WatchMode) {
     let s = wait_for(&e, |s| {
         s.pages_sharing >= 3 * distinct && s.zero_pages >= n as u64
     });
-    assert_eq!(s.watch_mode, mode.to_string());
+    assert_eq!(s.watch_mode, mode);
     assert_eq!(
         s.pages_shared, distinct,
         "one stable copy per distinct content: {s:?}"

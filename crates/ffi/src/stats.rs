@@ -1,5 +1,5 @@
 //! Plain data out: [`pageone_stats`], the engine's counters as a `#[repr(C)]` struct, and the
-//! small enums its textual fields become ([`pageone_watch_mode`], [`pageone_daemon_link`]).
+//! small C enums its watch mode and daemon link become ([`pageone_watch_mode`], [`pageone_daemon_link`]).
 
 /// How written pages are detected (`pageone_config_set_watch`, `pageone_stats.watch_mode`).
 #[repr(C)]
@@ -77,16 +77,20 @@ pub struct pageone_stats {
 
 impl From<&::pageone_engine::Stats> for pageone_stats {
     fn from(s: &::pageone_engine::Stats) -> Self {
-        let watch_mode = match s.watch_mode.as_str() {
-            "uffd-wp" => pageone_watch_mode::PAGEONE_WATCH_UFFD_WP,
-            "checksum" => pageone_watch_mode::PAGEONE_WATCH_CHECKSUM,
-            _ => pageone_watch_mode::PAGEONE_WATCH_AUTO,
+        let watch_mode = match s.watch_mode {
+            ::pageone_engine::WatchMode::UffdWp => pageone_watch_mode::PAGEONE_WATCH_UFFD_WP,
+            ::pageone_engine::WatchMode::Checksum => pageone_watch_mode::PAGEONE_WATCH_CHECKSUM,
+            ::pageone_engine::WatchMode::Auto => pageone_watch_mode::PAGEONE_WATCH_AUTO,
         };
-        let daemon = match s.daemon.as_str() {
-            "none" => pageone_daemon_link::PAGEONE_DAEMON_LINK_NONE,
-            "connected" => pageone_daemon_link::PAGEONE_DAEMON_LINK_CONNECTED,
-            "lost" => pageone_daemon_link::PAGEONE_DAEMON_LINK_LOST,
-            "unreachable" => pageone_daemon_link::PAGEONE_DAEMON_LINK_UNREACHABLE,
+        let daemon = match s.daemon {
+            ::pageone_engine::DaemonLink::None => pageone_daemon_link::PAGEONE_DAEMON_LINK_NONE,
+            ::pageone_engine::DaemonLink::Connected => {
+                pageone_daemon_link::PAGEONE_DAEMON_LINK_CONNECTED
+            }
+            ::pageone_engine::DaemonLink::Lost => pageone_daemon_link::PAGEONE_DAEMON_LINK_LOST,
+            ::pageone_engine::DaemonLink::Unreachable => {
+                pageone_daemon_link::PAGEONE_DAEMON_LINK_UNREACHABLE
+            }
             _ => pageone_daemon_link::PAGEONE_DAEMON_LINK_UNKNOWN,
         };
         Self {

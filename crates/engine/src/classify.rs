@@ -1,0 +1,734 @@
+//! Classification: what to do with each candidate of a batch, decided on the worker threads.
+//!
+//! Zero pages first: an all-zero candidate is released without touching any index. Then the
+//! stable index is searched; pages not found are grouped by an xxh3-128 hash of their contents,
+//! with each other and with the first sightings of earlier periods (and, with a daemon, with what
+//! the scope's other processes have). Each group of two or more gets a new stable copy; copies of
+//! a run of pages get consecutive ids. Singletons wait in the first-sighting map.
+//!
+//! The state lock is taken only to group first sightings and to record the new copies; reading
+//! pages, writing copies and indexing them run without it, so the committer works meanwhile.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, MutexGuard};
+use std::time::Instant;
+
+use pageone_index::{KeyId, SdTree};
+use pageone_sync::lock;
+
+use crate::access::{joined, read_page, stable_copy, HashOfHash, Pre, WORDS};
+use crate::candidates::{push_candidate, Action, Candidate, CandidateSet};
+use crate::config::Config;
+use crate::pool::Pool;
+use crate::proto;
+use crate::remote::{Offers, Remote};
+use crate::sightings::take_waiting;
+use crate::state::{PageKind, Shared, State};
+use crate::store::{Store, StoreKeys};
+
+/// A batch classified and ready for the committer.
+pub(crate) struct Classified {
+    pub(crate) cands: Vec<Candidate>,
+    pub(crate) actions: Vec<Option<Action>>,
+    /// Copies made for this batch; those that merged nothing are freed after its commit.
+    pub(crate) new_copies: Vec<KeyId>,
+}
+
+/// What classification needs of the store without its lock: fixed for the engine's life.
+pub(crate) struct StoreView {
+    /// The stable tree; `None` with a daemon (see `Store::local_index`).
+    pub(crate) tree: Option<Arc<SdTree<StoreKeys>>>,
+    pub(crate) base: usize,
+    pub(crate) fd: i32,
+    pub(crate) remote: Option<Arc<Remote>>,
+}
+
+/// Which waiting first sightings to ask the daemon about again in a batch.
+#[derive(Clone, Copy)]
+pub(crate) struct Relook {
+    pub(crate) skip: usize,
+    pub(crate) take: usize,
+}
+
+/// What classifying one batch works with.
+struct Ctx<'a> {
+    sh: &'a Shared,
+    view: &'a StoreView,
+    pool: &'a Pool,
+    /// Parts the work on the workers is split into.
+    parts: usize,
+}
+
+/// Decides, on the worker threads, what to do with each candidate (adding UNIQUE pages of earlier
+/// periods that turn out to be duplicates).
+pub(crate) fn classify(
+    sh: &Shared,
+    view: &StoreView,
+    config: &Config,
+    cands: Vec<Candidate>,
+    pool: &Pool,
+    relook: Option<Relook>,
+) -> Classified {
+    let t_start = Instant::now();
+    let cx = Ctx {
+        sh,
+        view,
+        pool,
+        parts: config.workers.clamp(1, pool.size()),
+    };
+    // Phase 1: zero check, stable index, hash of first sightings.
+    let read = read_batch(&cx, &cands);
+    let t_phase1 = Instant::now();
+    tracing::debug!(
+        phase1_ms = (t_phase1 - t_start).as_secs_f64() * 1e3,
+        "classify"
+    );
+    let Some(FirstRead { actions, hashes }) = read else {
+        // A worker failed (it cannot, short of a bug): merge nothing in this batch.
+        let n = cands.len();
+        return Classified {
+            cands,
+            actions: vec![None; n],
+            new_copies: Vec::new(),
+        };
+    };
+    // Phase 2: group first sightings by hash, with this period's candidates and with the UNIQUE
+    // pages of earlier periods (and across processes); each group of two or more gets a stable
+    // copy, in address order so that runs of pages get runs of ids. Singletons become UNIQUE and
+    // wait in the map.
+    let mut g = Grouping::new(cands, actions, hashes.len());
+    let mut guard = lock(&sh.state);
+    g.pair(&mut guard, &hashes);
+    if let Some(remote) = &view.remote {
+        guard = g.ask_daemon(&cx, guard, remote, relook);
+    }
+    g.wait_alone(&mut guard, config.max_backoff);
+    // A copy serves at most `max_sharing` pages of this process: larger groups, and groups whose
+    // adopted copy is (nearly) full here, are split; each further chunk is led by a page that
+    // gets a copy of its own (a fresh one: through the daemon, it must not be deduplicated back
+    // onto the full copy).
+    let mut fresh_groups = split_groups(
+        &guard.store,
+        config.max_sharing,
+        &g.groups,
+        &mut g.adopted,
+        &mut g.member_of,
+    );
+    // Their copies are not indexed: the tree would answer with the full copy of that content.
+    let mut chunk_leaders = CandidateSet::default();
+    for &l in &fresh_groups {
+        chunk_leaders.insert(l);
+    }
+    if g.groups.is_empty() && g.adopted.is_empty() && fresh_groups.is_empty() {
+        return g.classified(Vec::new());
+    }
+    g.groups.sort_unstable();
+    fresh_groups.sort_unstable();
+    let t_group = Instant::now();
+    let mut copies = g.copies(&cx, guard, fresh_groups);
+    write_local_copies(&cx, &mut copies);
+    let t_copy = Instant::now();
+    let new_copies = g.publish(&cx, &copies.todo, &chunk_leaders);
+    tracing::debug!(
+        phase1_to_group_ms = (t_group - t_phase1).as_secs_f64() * 1e3,
+        copy_ms = (t_copy - t_group).as_secs_f64() * 1e3,
+        publish_ms = t_copy.elapsed().as_secs_f64() * 1e3,
+        "classify"
+    );
+    g.classified(new_copies)
+}
+
+/// A candidate as phase 1 reads it.
+#[derive(Clone, Copy)]
+struct Item {
+    addr: usize,
+    pre: Pre,
+    /// Read ahead, and alone of its content in the batch.
+    alone: bool,
+}
+
+/// What phase 1 found: an action for each candidate (zero, or a stable copy), and the hashes of
+/// the others with their candidate numbers, in candidate order.
+struct FirstRead {
+    actions: Vec<Option<Action>>,
+    hashes: Vec<(u128, u32)>,
+}
+
+/// Phase 1, on the workers: zero check, stable index, hash of first sightings (done already for
+/// pages read ahead). `None` if a worker did not report.
+fn read_batch(cx: &Ctx<'_>, cands: &[Candidate]) -> Option<FirstRead> {
+    // A page read ahead whose content is alone in this batch may have a stable copy published
+    // since its read: it looks in the tree as usual (the others are grouped by their hash).
+    // (With a daemon there is no tree here: the daemon is asked by hash either way.)
+    let mut in_batch: HashMap<u128, bool, HashOfHash> = HashMap::default();
+    for c in cands.iter().filter(|_| cx.view.tree.is_some()) {
+        if let Pre::Hash(h) = c.pre() {
+            in_batch
+                .entry(joined(h))
+                .and_modify(|alone| *alone = false)
+                .or_insert(true);
+        }
+    }
+    let items: Arc<Vec<Item>> = Arc::new(
+        cands
+            .iter()
+            .map(|c| {
+                let alone = match c.pre() {
+                    Pre::Hash(h) => in_batch.get(&joined(h)).copied().unwrap_or(true),
+                    _ => false,
+                };
+                Item {
+                    addr: c.addr(),
+                    pre: c.pre(),
+                    alone,
+                }
+            })
+            .collect(),
+    );
+    drop(in_batch);
+    let tree = cx.view.tree.clone();
+    let store_base = cx.view.base;
+    let parts_out = cx.pool.map_parts(cx.parts, items, move |lo, items| {
+        let mut acts = Vec::with_capacity(items.len());
+        let mut hs = Vec::new();
+        let mut buf = Box::new([0u64; WORDS]);
+        for (k, &Item { addr, pre, alone }) in items.iter().enumerate() {
+            // Pages not read ahead are read now, the same way.
+            let pre = match pre {
+                Pre::None => read_page(addr, tree.as_deref(), store_base, &mut buf),
+                Pre::Hash(h) if alone => match &tree {
+                    Some(t) => stable_copy(addr, t, store_base).map_or(Pre::Hash(h), Pre::Stable),
+                    None => Pre::Hash(h),
+                },
+                p => p,
+            };
+            match pre {
+                Pre::Zero => acts.push(Some(Action::Zero)),
+                Pre::Stable(id) => acts.push(Some(Action::Merge(id))),
+                Pre::Hash(h) => {
+                    acts.push(None);
+                    hs.push((joined(h), (lo + k) as u32));
+                }
+                Pre::None => acts.push(None),
+            }
+        }
+        (acts, hs)
+    });
+    let mut actions: Vec<Option<Action>> = Vec::with_capacity(cands.len());
+    let mut hashes: Vec<(u128, u32)> = Vec::new();
+    for (mut a, mut h) in parts_out.into_iter().flatten() {
+        actions.append(&mut a);
+        hashes.append(&mut h);
+    }
+    (actions.len() == cands.len()).then_some(FirstRead { actions, hashes })
+}
+
+/// A batch being grouped by content: its candidates (waiting first sightings join them as they
+/// pair up), their actions, and the groups found. Candidates are named by their number.
+struct Grouping {
+    cands: Vec<Candidate>,
+    actions: Vec<Option<Action>>,
+    /// Per hash: its first candidate, and whether that leads a group (of two pages or more, or
+    /// of a copy made elsewhere).
+    first: HashMap<u128, (u32, bool), HashOfHash>,
+    /// The first candidate of each group that needs a new copy.
+    groups: Vec<u32>,
+    /// The other pages of groups: (candidate, first).
+    member_of: Vec<(u32, u32)>,
+    /// Candidates that adopt a copy the daemon holds: (candidate, slot).
+    adopted: Vec<(u32, KeyId)>,
+}
+
+/// A hash asked about at the daemon: its first candidate, and whether that leads a group.
+struct Asked {
+    hash: u128,
+    first: u32,
+    grouped: bool,
+}
+
+/// The copy the first candidate of a group gets, made for this batch (`is_new`) or not.
+#[derive(Clone, Copy)]
+struct GroupCopy {
+    first: u32,
+    id: KeyId,
+    is_new: bool,
+}
+
+/// The copies of a batch's groups, and the local ones still to be written (`srcs[k]` into
+/// `to_write[k]`).
+struct Copies {
+    todo: Vec<GroupCopy>,
+    srcs: Vec<usize>,
+    to_write: Option<Vec<KeyId>>,
+}
+
+impl Grouping {
+    fn new(cands: Vec<Candidate>, actions: Vec<Option<Action>>, hashes: usize) -> Self {
+        Grouping {
+            cands,
+            actions,
+            first: HashMap::with_capacity_and_hasher(hashes, HashOfHash::default()),
+            groups: Vec::new(),
+            member_of: Vec::new(),
+            adopted: Vec::new(),
+        }
+    }
+
+    fn classified(self, new_copies: Vec<KeyId>) -> Classified {
+        Classified {
+            cands: self.cands,
+            actions: self.actions,
+            new_copies,
+        }
+    }
+
+    /// Groups the batch's first sightings (`hashes`, in candidate order: parts are consecutive
+    /// chunks, appended in order) with each other and with the UNIQUE pages of earlier periods.
+    fn pair(&mut self, st: &mut State, hashes: &[(u128, u32)]) {
+        for &(h, i) in hashes {
+            if let Some((f, grouped)) = self.first.get_mut(&h) {
+                if !*grouped {
+                    *grouped = true;
+                    self.groups.push(*f);
+                }
+                self.member_of.push((i, *f));
+                continue;
+            }
+            if let Some(c) = take_waiting(st, h) {
+                let j = push_candidate(&mut self.cands, &mut self.actions, c);
+                self.first.insert(h, (i, true));
+                self.groups.push(i);
+                self.member_of.push((j, i));
+                continue;
+            }
+            self.first.insert(h, (i, false));
+        }
+    }
+
+    /// Across processes: asks the scope's daemon about this batch's first sightings. A hash with
+    /// a copy is adopted (no copy made here); one another process noted is copied even when
+    /// single here; the rest wait as before. Offers are copies made for content this process
+    /// noted. The call is made without the state lock (the committer goes on meanwhile; it does
+    /// not touch the first-sighting map nor pages waiting in it): the lock is given back taken
+    /// again.
+    fn ask_daemon<'s>(
+        &mut self,
+        cx: &Ctx<'s>,
+        guard: MutexGuard<'s, State>,
+        remote: &Remote,
+        relook: Option<Relook>,
+    ) -> MutexGuard<'s, State> {
+        let asked: Vec<Asked> = self
+            .first
+            .iter()
+            .map(|(&hash, &(first, grouped))| Asked {
+                hash,
+                first,
+                grouped,
+            })
+            .collect();
+        let mut hs: Vec<u128> = asked.iter().map(|k| k.hash).collect();
+        // Pages waiting in the first-sighting map are asked about again now and then: the copy
+        // another process was to make for them may have come out under another hash (its page
+        // changed), and then no offer ever comes.
+        if let Some(r) = relook {
+            let n = guard.unstable.len();
+            hs.extend(
+                guard
+                    .unstable
+                    .keys()
+                    .cycle()
+                    .skip(r.skip % n.max(1))
+                    .take(r.take.min(n))
+                    .filter(|h| !self.first.contains_key(h)),
+            );
+        }
+        drop(guard);
+        let reply = remote.lookup(&hs);
+        let mut guard = lock(&cx.sh.state);
+        if let Some((answers, offers)) = reply {
+            let st = &mut *guard;
+            let n = asked.len();
+            self.take_relooked(st, &hs[n..], &answers[n..]);
+            self.take_answers(st, &asked, &answers);
+            self.take_offers(st, offers);
+        }
+        guard
+    }
+
+    /// The daemon's answers about waiting pages asked about again: a page still waiting joins the
+    /// batch, to be copied or to adopt the copy found.
+    fn take_relooked(&mut self, st: &mut State, hashes: &[u128], answers: &[u32]) {
+        for (&h, &a) in hashes.iter().zip(answers) {
+            if a == proto::NOTED {
+                continue;
+            }
+            match (take_waiting(st, h), a) {
+                (Some(c), _) => {
+                    let j = push_candidate(&mut self.cands, &mut self.actions, c);
+                    self.first.insert(h, (j, true));
+                    if a == proto::WANTED {
+                        self.groups.push(j);
+                    } else {
+                        self.adopted.push((j, a));
+                    }
+                }
+                // Not usable any more: give the hold back (unless this process holds it).
+                (None, slot) if slot != proto::WANTED => {
+                    if st.store.adopt(slot) == Some(true) {
+                        st.store.unadopt(slot);
+                    }
+                }
+                (None, _) => {}
+            }
+        }
+    }
+
+    /// The daemon's answers about this batch's first sightings.
+    fn take_answers(&mut self, st: &mut State, asked: &[Asked], answers: &[u32]) {
+        let mut taken = CandidateSet::default();
+        for (
+            &Asked {
+                hash: h,
+                first: i,
+                grouped,
+            },
+            &a,
+        ) in asked.iter().zip(answers)
+        {
+            match a {
+                proto::NOTED => {
+                    // A page still on a replaced store gets a copy here even alone of its
+                    // content: it is a merge already (a copy of its own costs no memory),
+                    // and the replaced store is freed once no page maps it.
+                    let c = &self.cands[i as usize];
+                    let foreign = st.store.has_replaced()
+                        && st
+                            .regions
+                            .get(&c.region)
+                            .is_some_and(|r| r.pages[c.index()].kind == PageKind::Foreign);
+                    if foreign && !grouped {
+                        self.first.insert(h, (i, true));
+                        self.groups.push(i);
+                    }
+                }
+                proto::WANTED => {
+                    if !grouped {
+                        self.first.insert(h, (i, true));
+                        self.groups.push(i);
+                    }
+                }
+                slot => {
+                    self.first.insert(h, (i, true));
+                    taken.insert(i);
+                    self.adopted.push((i, slot));
+                }
+            }
+        }
+        self.groups.retain(|&g| !taken.contains(g));
+    }
+
+    /// Copies other processes made for content waiting here: its page joins the batch to adopt
+    /// them.
+    fn take_offers(&mut self, st: &mut State, offers: Offers) {
+        for (h, slot) in offers {
+            match take_waiting(st, h) {
+                Some(c) => {
+                    st.offered = true;
+                    let j = push_candidate(&mut self.cands, &mut self.actions, c);
+                    self.adopted.push((j, slot));
+                }
+                // Not usable any more: give the hold back (unless this process holds it anyway).
+                None => {
+                    if st.store.adopt(slot) == Some(true) {
+                        st.store.unadopt(slot);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Candidates alone of their content become UNIQUE and wait in the first-sighting map.
+    fn wait_alone(&self, st: &mut State, max_backoff: u8) {
+        // Room for the new first sightings at once (a map larger than its entries need would have
+        // them spread over more fresh memory).
+        st.unstable.reserve(
+            self.first
+                .values()
+                .filter(|&&(_, grouped)| !grouped)
+                .count(),
+        );
+        for (&h, &(i, grouped)) in &self.first {
+            if !grouped {
+                let c = &self.cands[i as usize];
+                if let Some(r) = st.regions.get_mut(&c.region) {
+                    let p = &mut r.pages[c.index()];
+                    p.unchanged = 0;
+                    if !p.kind.in_store_mapping() {
+                        p.kind = PageKind::Unique;
+                        st.unstable.insert(h, c.addr(), p.epoch);
+                    } else {
+                        // A COW-broken page is re-hashed when it is a candidate again instead;
+                        // each miss doubles the wait (to max_backoff periods), so the many unique
+                        // pages a booting guest rewrites do not cost a hash and a lookup every two
+                        // periods.
+                        p.back_off(max_backoff);
+                    }
+                    st.unshared += 1;
+                }
+            }
+        }
+    }
+
+    /// The copies of the groups: new ones (consecutive ids for runs of pages where the store
+    /// allows; `fresh_groups` lead chunks that need a copy of their own), then the adopted slots.
+    /// Local copies are only allocated here: they are written without the lock, their ids being
+    /// this batch's alone until published. With a daemon, it makes them, asked without the lock.
+    /// Releases the state lock.
+    fn copies<'s>(
+        &mut self,
+        cx: &Ctx<'s>,
+        mut guard: MutexGuard<'s, State>,
+        mut fresh_groups: Vec<u32>,
+    ) -> Copies {
+        if cx.view.remote.is_none() {
+            // Every local copy is a new one.
+            self.groups.append(&mut fresh_groups);
+            self.groups.sort_unstable();
+        }
+        let addr_of = |g: &u32| self.cands[*g as usize].addr();
+        let srcs: Vec<usize> = self.groups.iter().map(addr_of).collect();
+        let (made, to_write) = match &cx.view.remote {
+            // The daemon makes them; asked without the state lock.
+            Some(remote) if !srcs.is_empty() || !fresh_groups.is_empty() => {
+                drop(guard);
+                let mut slots = remote.copy(&srcs, false);
+                let fresh_srcs: Vec<usize> = fresh_groups.iter().map(addr_of).collect();
+                slots.extend(remote.copy(&fresh_srcs, true));
+                self.groups.append(&mut fresh_groups);
+                guard = lock(&cx.sh.state);
+                let st = &mut *guard;
+                let made: Vec<Option<(KeyId, bool)>> = slots
+                    .into_iter()
+                    .map(|s| {
+                        let id = s?;
+                        st.store.adopt(id).map(|fresh| (id, fresh))
+                    })
+                    .collect();
+                (made, None)
+            }
+            Some(_) => (Vec::new(), None),
+            None => match guard.store.alloc(srcs.len()) {
+                Some(ids) => (ids.iter().map(|&id| Some((id, true))).collect(), Some(ids)),
+                None => {
+                    tracing::warn!(
+                        "stable store is full; first sightings are not merged this period"
+                    );
+                    (vec![None; srcs.len()], None)
+                }
+            },
+        };
+        let st = &mut *guard;
+        let mut todo = Vec::with_capacity(self.groups.len() + self.adopted.len());
+        for (&g, m) in self.groups.iter().zip(made) {
+            if let Some((id, fresh)) = m {
+                todo.push(GroupCopy {
+                    first: g,
+                    id,
+                    is_new: fresh,
+                });
+            }
+        }
+        for &(i, slot) in &self.adopted {
+            if let Some(fresh) = st.store.adopt(slot) {
+                todo.push(GroupCopy {
+                    first: i,
+                    id: slot,
+                    is_new: fresh,
+                });
+            }
+        }
+        Copies {
+            todo,
+            srcs,
+            to_write,
+        }
+    }
+
+    /// Indexes the new copies on the workers (the SD tree takes concurrent inserts), then records
+    /// the outcomes serially and gives every page of a group its copy. Returns the copies made
+    /// for this batch.
+    fn publish(
+        &mut self,
+        cx: &Ctx<'_>,
+        todo: &[GroupCopy],
+        chunk_leaders: &CandidateSet,
+    ) -> Vec<KeyId> {
+        let fresh: Vec<KeyId> = todo
+            .iter()
+            .filter(|t| t.is_new && !chunk_leaders.contains(t.first))
+            .map(|t| t.id)
+            .collect();
+        let mut inserted = match &cx.view.tree {
+            Some(tree) => insert_parallel(cx.pool, cx.parts, tree, &fresh),
+            None => Vec::new(),
+        }
+        .into_iter();
+        let mut guard = lock(&cx.sh.state);
+        let st = &mut *guard;
+        let mut new_copies = Vec::new();
+        // The copy of each group, by its first candidate.
+        let mut id_of_first: Vec<Option<KeyId>> = vec![None; self.cands.len()];
+        for &GroupCopy {
+            first: g,
+            id,
+            is_new,
+        } in todo
+        {
+            let used = if is_new && chunk_leaders.contains(g) {
+                // Allocated here and never indexed: freed when its last page lets go of it.
+                new_copies.push(id);
+                id
+            } else if is_new {
+                new_copies.push(id);
+                let recorded = if cx.view.tree.is_some() {
+                    let ins = inserted
+                        .next()
+                        .unwrap_or(Err(pageone_index::IndexError::Full(0)));
+                    st.store.record_insert(id, ins)
+                } else {
+                    Ok(st.store.record_adopted(id))
+                };
+                match recorded {
+                    Ok(used) => used,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "stable copy not published");
+                        continue;
+                    }
+                }
+            } else {
+                id
+            };
+            id_of_first[g as usize] = Some(used);
+            self.actions[g as usize] = Some(Action::Merge(used));
+        }
+        for &(i, f) in &self.member_of {
+            if let Some(id) = id_of_first[f as usize] {
+                self.actions[i as usize] = Some(Action::Merge(id));
+            }
+        }
+        new_copies
+    }
+}
+
+/// Writes the new local copies: the kernel reads the source pages (they may be changing: every
+/// merge is verified later on frozen bytes). If that fails, the copies are freed and their groups
+/// merge nothing.
+fn write_local_copies(cx: &Ctx<'_>, copies: &mut Copies) {
+    let Some(ids) = &copies.to_write else {
+        return;
+    };
+    if let Err(e) = crate::store::write_copies(cx.view.fd, &copies.srcs, ids) {
+        tracing::warn!(error = %e, "stable copies could not be written; not merging them");
+        let mut st = lock(&cx.sh.state);
+        for &id in ids {
+            st.store.free_unmapped(id);
+        }
+        let written: HashSet<KeyId> = ids.iter().copied().collect();
+        copies.todo.retain(|t| !written.contains(&t.id));
+    }
+}
+
+/// Splits groups so that no copy serves more than `max_sharing` pages of this process. `groups`
+/// are leaders of new copies, `adopted` leaders of copies the daemon holds, `member_of` the
+/// other pages as (candidate, leader). Returns the leaders of the extra chunks (each needs a new
+/// copy of its own); members are re-pointed to them. An adopted copy retired here (full) gives
+/// its whole group to a fresh leader.
+fn split_groups(
+    store: &Store,
+    max_sharing: u32,
+    groups: &[u32],
+    adopted: &mut Vec<(u32, KeyId)>,
+    member_of: &mut [(u32, u32)],
+) -> Vec<u32> {
+    let cap = max_sharing.max(2) as usize;
+    let mut fresh = Vec::new();
+    if member_of.is_empty() {
+        // No group has members (the usual batch across processes: each page adopts another
+        // process's copy): only leaders whose adopted copy is full need a fresh copy.
+        adopted.retain(|&(l, slot)| {
+            let full = store.room(slot, max_sharing) == 0;
+            if full {
+                fresh.push(l);
+            }
+            !full
+        });
+        return fresh;
+    }
+    // Room per leader, counting the leader itself.
+    let mut room: HashMap<u32, usize> = groups.iter().map(|&g| (g, cap)).collect();
+    let mut full_adopted = HashSet::new();
+    for &(l, slot) in adopted.iter() {
+        let r = store.room(slot, max_sharing) as usize;
+        if r == 0 {
+            // The leader itself needs a fresh copy.
+            full_adopted.insert(l);
+            fresh.push(l);
+            room.insert(l, cap);
+        } else {
+            room.insert(l, r);
+        }
+    }
+    adopted.retain(|(l, _)| !full_adopted.contains(l));
+    // Members in candidate order, so chunks keep address runs together.
+    member_of.sort_unstable();
+    let mut used: HashMap<u32, usize> = room.keys().map(|&l| (l, 1)).collect();
+    // The current chunk leader of each original leader.
+    let mut chunk: HashMap<u32, u32> = HashMap::new();
+    for (c, l) in member_of.iter_mut() {
+        let orig = *l;
+        let lead = *chunk.get(&orig).unwrap_or(&orig);
+        let Some(&r) = room.get(&lead) else {
+            continue;
+        };
+        let u = used.entry(lead).or_insert(1);
+        if *u < r {
+            *u += 1;
+            *l = lead;
+        } else {
+            // This page starts a new chunk with a copy of its own.
+            fresh.push(*c);
+            room.insert(*c, cap);
+            used.insert(*c, 1);
+            chunk.insert(orig, *c);
+            *l = *c;
+        }
+    }
+    fresh
+}
+
+/// Inserts `ids` into the stable tree from the worker threads; results in the order of `ids`.
+fn insert_parallel(
+    pool: &Pool,
+    parts: usize,
+    tree: &Arc<pageone_index::SdTree<crate::store::StoreKeys>>,
+    ids: &[KeyId],
+) -> Vec<Result<pageone_index::Insert, pageone_index::IndexError>> {
+    let tree = tree.clone();
+    let n = ids.len();
+    let mut all: Vec<_> = pool
+        .map_parts(parts, Arc::new(ids.to_vec()), move |_, ids| {
+            ids.iter()
+                .map(|&id| tree.insert_or_get(id))
+                .collect::<Vec<_>>()
+        })
+        .into_iter()
+        .flatten()
+        .flatten()
+        .collect();
+    // A part that did not report publishes nothing.
+    while all.len() < n {
+        all.push(Err(pageone_index::IndexError::Full(0)));
+    }
+    all
+}

@@ -1,0 +1,164 @@
+//! The engine's settings: [`Config`], its [`Builder`], and how writes are watched ([`WatchMode`]).
+
+use std::time::Duration;
+
+use crate::{Engine, EngineError};
+
+/// How written pages are detected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WatchMode {
+    /// Use async uffd write-protection when the kernel has it, else checksums.
+    #[default]
+    Auto,
+    /// userfaultfd `WP_ASYNC` + `PAGEMAP_SCAN` (Linux 6.7+): no page is read to detect a write.
+    UffdWp,
+    /// A per-page xxh3 checksum compared every period, as KSM does.
+    Checksum,
+}
+
+impl std::fmt::Display for WatchMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WatchMode::Auto => "auto",
+            WatchMode::UffdWp => "uffd-wp",
+            WatchMode::Checksum => "checksum",
+        })
+    }
+}
+
+/// Engine settings; every field can be changed at run time with [`Engine::reconfigure`].
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Worker threads for classification (at least 1).
+    pub workers: usize,
+    /// Length of one merge period.
+    pub merge_period: Duration,
+    /// Periods a page must stay unchanged before it is merged (at least 1; default 2).
+    pub merge_periods: u8,
+    /// Cap of the adaptive back-off for pages that keep changing, in periods.
+    pub max_backoff: u8,
+    /// Most pages mapping one stable copy (KSM's `max_page_sharing`).
+    pub max_sharing: u32,
+    /// Scope (tenant) name; only pages of one scope are ever shared.
+    pub scope: String,
+    /// How written pages are detected.
+    pub watch: WatchMode,
+    /// VMAs kept free below `vm.max_map_count`.
+    pub vma_margin: usize,
+    /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
+    /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET`.
+    pub daemon: Option<std::path::PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            merge_period: Duration::from_millis(200),
+            merge_periods: 2,
+            max_backoff: 16,
+            max_sharing: 256,
+            scope: std::env::var("PAGEONE_SCOPE").unwrap_or_else(|_| "default".into()),
+            watch: WatchMode::Auto,
+            vma_margin: 1024,
+            daemon: std::env::var_os("PAGEONE_SOCKET")
+                .filter(|s| !s.is_empty())
+                .map(Into::into),
+        }
+    }
+}
+
+impl Config {
+    /// Checks the settings the engine cannot run with.
+    pub(crate) fn validate(&self) -> Result<(), EngineError> {
+        if self.workers == 0 {
+            return Err(EngineError::Config("workers must be at least 1"));
+        }
+        if self.merge_periods == 0 {
+            return Err(EngineError::Config("merge_periods must be at least 1"));
+        }
+        if self.max_sharing < 2 {
+            return Err(EngineError::Config("max_sharing must be at least 2"));
+        }
+        if self.merge_period.is_zero() {
+            return Err(EngineError::Config("merge_period must be positive"));
+        }
+        Ok(())
+    }
+}
+
+/// Builds an [`Engine`].
+#[derive(Clone, Debug, Default)]
+pub struct Builder {
+    config: Config,
+}
+
+impl Builder {
+    pub fn workers(mut self, n: usize) -> Self {
+        self.config.workers = n;
+        self
+    }
+    pub fn merge_period(mut self, d: Duration) -> Self {
+        self.config.merge_period = d;
+        self
+    }
+    pub fn merge_periods(mut self, n: u8) -> Self {
+        self.config.merge_periods = n;
+        self
+    }
+    pub fn max_sharing(mut self, n: u32) -> Self {
+        self.config.max_sharing = n;
+        self
+    }
+    pub fn scope(mut self, s: impl Into<String>) -> Self {
+        self.config.scope = s.into();
+        self
+    }
+    pub fn watch(mut self, m: WatchMode) -> Self {
+        self.config.watch = m;
+        self
+    }
+    pub fn vma_margin(mut self, n: usize) -> Self {
+        self.config.vma_margin = n;
+        self
+    }
+    /// Joins the daemon at `socket` (`None`: run alone even if `$PAGEONE_SOCKET` is set).
+    pub fn daemon(mut self, socket: Option<std::path::PathBuf>) -> Self {
+        self.config.daemon = socket;
+        self
+    }
+    /// Starts the engine.
+    pub fn build(self) -> Result<Engine, EngineError> {
+        Engine::start(self.config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_modes_serialise_as_they_display() {
+        for m in [WatchMode::Auto, WatchMode::UffdWp, WatchMode::Checksum] {
+            let json = serde_json::to_string(&m).unwrap();
+            assert_eq!(json, format!("\"{m}\""));
+        }
+    }
+
+    #[test]
+    fn settings_the_engine_cannot_run_with_are_refused() {
+        assert!(Config::default().validate().is_ok());
+        let bad: [fn(&mut Config); 4] = [
+            |c| c.workers = 0,
+            |c| c.merge_periods = 0,
+            |c| c.max_sharing = 1,
+            |c| c.merge_period = Duration::ZERO,
+        ];
+        for f in bad {
+            let mut c = Config::default();
+            f(&mut c);
+            assert!(matches!(c.validate(), Err(EngineError::Config(_))));
+        }
+    }
+}

@@ -1,0 +1,520 @@
+//! Freezing a run of pages for a merge, as guards whose drop lets the run go on every path.
+//!
+//! * [`FrozenRun`]: anonymous pages are moved out (`UFFDIO_MOVE`) into the engine's scratch area.
+//!   While a page is out, any access to its address blocks in the kernel as a missing fault that
+//!   the fault thread leaves alone (the run is published in [`FrozenRange`]). The commit compares
+//!   the moved bytes, maps copies over equal pages and releases zero pages, marking each such page
+//!   *consumed*; the guard puts every other moved page back, discards the scratch area,
+//!   unpublishes the run and wakes its writers.
+//! * [`ProtectedRun`]: COW-broken pages live in store mappings, which `UFFDIO_MOVE` cannot move;
+//!   they are held still with synchronous write-protection instead (through the store mappings'
+//!   own userfaultfd). The guard un-protects the pages that were not replaced and wakes the
+//!   writers.
+//!
+//! Either way a writer waits for one run at most, also when the commit returns early or panics.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use pageone_sync::lock;
+use pageone_sys::{self as sys, uapi::*};
+
+use crate::access::PAGE;
+
+/// Longest run frozen at once: bounds how long a writer can be blocked and the scratch size.
+pub(crate) const MAX_RUN: usize = 512;
+
+/// The run currently frozen, as the fault thread sees it.
+#[derive(Default)]
+pub(crate) struct FrozenRange {
+    /// The run, packed by [`pack_run`] into one word so the fault thread never sees half of an
+    /// update.
+    word: AtomicU64,
+    /// Makes "is it frozen?" and "fill it" one step for the fault thread: a freeze cannot start
+    /// between them (else a page moved out just after the check would get a zero page, and the
+    /// frozen contents could not be put back).
+    gate: Mutex<()>,
+}
+
+impl FrozenRange {
+    /// Holds freezes off until the returned gate is dropped: the fault thread asks whether an
+    /// address is frozen and fills it under one gate.
+    pub(crate) fn gate(&self) -> Gate<'_> {
+        Gate {
+            range: self,
+            _held: lock(&self.gate),
+        }
+    }
+
+    /// Publishes the run `[start, start + n*PAGE)`, before any of its pages moves.
+    fn publish(&self, start: usize, n: usize) {
+        let _gate = lock(&self.gate);
+        // SeqCst pairs with the fault thread's load (`Gate::is_frozen`): the range is visible
+        // before any page moves.
+        self.word.store(pack_run(start, n), Ordering::SeqCst);
+    }
+
+    /// Unpublishes the run, after every page is back or replaced and before its writers are woken.
+    fn clear(&self) {
+        // SeqCst pairs with the fault thread's load, as in `publish`.
+        self.word.store(0, Ordering::SeqCst);
+    }
+}
+
+/// The fault thread's view of the frozen run, with freezes held off (see [`FrozenRange::gate`]).
+pub(crate) struct Gate<'a> {
+    range: &'a FrozenRange,
+    _held: MutexGuard<'a, ()>,
+}
+
+impl Gate<'_> {
+    /// Whether `addr` is in the frozen run.
+    pub(crate) fn is_frozen(&self, addr: usize) -> bool {
+        // Pairs with the committer's SeqCst stores around a freeze: a fault on a page moved
+        // out is reported after the move, which follows the store of the frozen range.
+        let (fs, fe) = unpack_run(self.range.word.load(Ordering::SeqCst));
+        addr >= fs && addr < fe
+    }
+}
+
+/// Packs a run `[start, start + pages*PAGE)` into one word: page number above, length below.
+fn pack_run(start: usize, pages: usize) -> u64 {
+    ((start as u64 / PAGE as u64) << 16) | pages as u64
+}
+
+fn unpack_run(w: u64) -> (usize, usize) {
+    let start = (w >> 16) as usize * PAGE;
+    (start, start + (w & 0xffff) as usize * PAGE)
+}
+
+/// What freezing needs: the userfaultfd context of registered memory, the range the fault thread
+/// reads, and the scratch area (`MAX_RUN` pages registered with the same context and protections
+/// as registered memory, which `UFFDIO_MOVE` requires of its destination).
+pub(crate) struct Freezer<'a> {
+    pub(crate) uffd: &'a sys::Uffd,
+    pub(crate) range: &'a FrozenRange,
+    pub(crate) scratch: usize,
+    pub(crate) pagemap: &'a sys::Pagemap,
+}
+
+/// A run of anonymous pages moved out into the scratch area: page `k` is in scratch slot `k`.
+/// Dropping it puts back every moved page not [consumed](Self::consume) (unless
+/// [`restore`](Self::restore) did), discards the scratch area, unpublishes the run and wakes the
+/// writers blocked on it.
+pub(crate) struct FrozenRun<'a> {
+    uffd: &'a sys::Uffd,
+    range: &'a FrozenRange,
+    scratch: usize,
+    start: usize,
+    n: usize,
+    moved: [bool; MAX_RUN],
+    consumed: [bool; MAX_RUN],
+    /// Whether the pages were put back and the scratch area discarded already.
+    restored: bool,
+}
+
+impl<'a> FrozenRun<'a> {
+    /// Freezes the `n` pages from `start`: publishes the run, then moves its pages into scratch
+    /// slots `0..n`. Until the guard is dropped, any access to the run blocks in the kernel.
+    ///
+    /// # Safety
+    ///
+    /// `[start, start + n*PAGE)` (`n <= MAX_RUN`) is registered with `f.uffd` for missing faults,
+    /// and the engine holds no reference into it; the scratch area is empty (discarded after every
+    /// run) and no other run is frozen; missing faults in the run are left unanswered while it is
+    /// published.
+    pub(crate) unsafe fn freeze(f: Freezer<'a>, start: usize, n: usize) -> Self {
+        assert!(n <= MAX_RUN, "a run of {n} pages exceeds the scratch area");
+        f.range.publish(start, n);
+        let mut run = FrozenRun {
+            uffd: f.uffd,
+            range: f.range,
+            scratch: f.scratch,
+            start,
+            n,
+            moved: [false; MAX_RUN],
+            consumed: [false; MAX_RUN],
+            restored: false,
+        };
+        run.move_out(f.pagemap);
+        run
+    }
+
+    fn move_out(&mut self, pagemap: &sys::Pagemap) {
+        let (start, n, scratch) = (self.start, self.n, self.scratch);
+        let mut failed = false;
+        let mut off = 0;
+        while off < n {
+            // SAFETY: the run is registered memory the engine froze (no reference to it exists in
+            // the engine) and the scratch slots [off, n) are empty (`freeze`'s contract).
+            let r = unsafe {
+                self.uffd.move_pages(
+                    scratch + off * PAGE,
+                    start + off * PAGE,
+                    (n - off) * PAGE,
+                    UFFDIO_MOVE_MODE_DONTWAKE,
+                )
+            };
+            match r {
+                Ok(bytes) if bytes >= PAGE => {
+                    let k = bytes / PAGE;
+                    self.moved[off..off + k].fill(true);
+                    off += k;
+                }
+                // A hole, a page shared with a child, or a page busy in the kernel: skip it.
+                _ => {
+                    off += 1;
+                    failed = true;
+                }
+            }
+        }
+        if failed {
+            // A failed move may still have moved pages: Linux 6.18 can move part of a batch
+            // of pages, meet a concurrent writer, retry from the batch's start and report
+            // EEXIST (its destination is now taken) without counting what it moved. A page left
+            // in scratch and thought unmoved would be discarded with it, losing its writes. So
+            // the page tables say what moved: a page in scratch whose address is empty (frozen
+            // addresses stay empty until the wake).
+            reconcile_moved(pagemap, start, scratch, &mut self.moved[..n]);
+        }
+    }
+
+    /// The run's first address.
+    pub(crate) fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Where page `k`'s frozen bytes are, if it moved: its scratch slot. Only the engine knows
+    /// the scratch area, so nobody writes them while the run is frozen.
+    pub(crate) fn frozen_page(&self, k: usize) -> Option<usize> {
+        self.moved[k].then(|| self.scratch + k * PAGE)
+    }
+
+    /// Marks moved page `k` consumed: merged (its address maps a copy now) or released (its
+    /// address stays empty). Its frozen bytes are discarded, not put back.
+    pub(crate) fn consume(&mut self, k: usize) {
+        debug_assert!(self.moved[k], "only a moved page can be consumed");
+        self.consumed[k] = true;
+    }
+
+    /// Puts back every moved page that was not consumed, then discards the scratch area (the
+    /// originals of merged and released pages). The run stays frozen, its writers blocked, until
+    /// the guard is dropped. Done once; dropping the guard does it if the commit did not.
+    pub(crate) fn restore(&mut self) {
+        if self.restored {
+            return;
+        }
+        self.restored = true;
+        for k in (0..self.n).filter(|&k| self.moved[k] && !self.consumed[k]) {
+            let addr = self.start + k * PAGE;
+            // SAFETY: scratch slot k holds the page moved out of this frozen address, which is
+            // still empty (the fault thread does not fill frozen pages).
+            let r = unsafe {
+                self.uffd.move_pages(
+                    addr,
+                    self.scratch + k * PAGE,
+                    PAGE,
+                    UFFDIO_MOVE_MODE_DONTWAKE,
+                )
+            };
+            if let Err(e) = r {
+                eprintln!("pageone: a frozen page could not be put back at {addr:#x}: {e}");
+                tracing::error!(error = %e, addr, "a frozen page could not be put back");
+            }
+        }
+        // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
+        let _ =
+            unsafe { sys::madvise(self.scratch as *mut u8, self.n * PAGE, libc::MADV_DONTNEED) };
+    }
+}
+
+impl Drop for FrozenRun<'_> {
+    fn drop(&mut self) {
+        self.restore();
+        self.range.clear();
+        let _ = self.uffd.wake(self.start, self.n * PAGE);
+    }
+}
+
+/// Sets `moved[k]` to whether page `k` of the run at `start` moved to scratch slot `k`: the slot
+/// holds a page and the run's address none (see the failed-move note in `move_out`). If a scan
+/// fails, `moved` stays as the moves reported it.
+fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: &mut [bool]) {
+    let n = moved.len();
+    let (Ok(slots), Ok(live)) = (
+        pagemap.pages_with(scratch, n, PAGE_IS_PRESENT),
+        pagemap.pages_with(start, n, PAGE_IS_PRESENT),
+    ) else {
+        return;
+    };
+    for (k, m) in moved.iter_mut().enumerate() {
+        *m = slots[k] && !live[k];
+    }
+}
+
+/// A run of pages in store mappings held still by synchronous write-protection: they stay
+/// readable, and any write blocks until the guard is dropped. Dropping it un-protects the pages
+/// not [replaced](Self::mark_replaced), then wakes everyone who waited on the run (a wake needs
+/// no mapping, so it also reaches writers of the replaced pages).
+pub(crate) struct ProtectedRun<'a> {
+    uffd: &'a sys::Uffd,
+    start: usize,
+    n: usize,
+    replaced: [bool; MAX_RUN],
+}
+
+impl<'a> ProtectedRun<'a> {
+    /// Write-protects the `n` pages from `start` (`n <= MAX_RUN`) through `uffd`, the context
+    /// their store mappings are registered with for write-protection. `None`, with nothing left
+    /// protected, if some page is not in a write-protectable mapping.
+    pub(crate) fn protect(uffd: &'a sys::Uffd, start: usize, n: usize) -> Option<Self> {
+        assert!(n <= MAX_RUN, "a run of {n} pages exceeds the longest run");
+        if uffd.writeprotect(start, n * PAGE, true).is_err() {
+            let _ = uffd.writeprotect(start, n * PAGE, false);
+            return None;
+        }
+        Some(ProtectedRun {
+            uffd,
+            start,
+            n,
+            replaced: [false; MAX_RUN],
+        })
+    }
+
+    /// Marks page `k` replaced by a mapping of its copy: there is nothing to un-protect there.
+    pub(crate) fn mark_replaced(&mut self, k: usize) {
+        self.replaced[k] = true;
+    }
+}
+
+impl Drop for ProtectedRun<'_> {
+    fn drop(&mut self) {
+        for k in (0..self.n).filter(|&k| !self.replaced[k]) {
+            let _ = self.uffd.writeprotect(self.start + k * PAGE, PAGE, false);
+        }
+        let _ = self.uffd.wake(self.start, self.n * PAGE);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The guards on the real kernel: whatever path leaves a freeze (the commit's own, an early
+    //! return, a panic), the pages come back with their contents and blocked writers go on.
+
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    /// A region of `n` pages (page `k` filled with `k + 1`) and a scratch area, both registered
+    /// for missing faults with a context that can move pages, as the engine registers them. No
+    /// thread answers missing faults: a page is only read where the page tables say it is.
+    struct Frozen {
+        uffd: sys::Uffd,
+        range: FrozenRange,
+        pagemap: sys::Pagemap,
+        region: usize,
+        scratch: usize,
+        n: usize,
+    }
+
+    impl Frozen {
+        fn new(n: usize) -> Self {
+            let uffd = sys::Uffd::open(UFFD_FEATURE_MOVE).unwrap();
+            assert_ne!(
+                uffd.features() & UFFD_FEATURE_MOVE,
+                0,
+                "UFFDIO_MOVE is needed"
+            );
+            let region = sys::mmap_anonymous(n * PAGE).unwrap() as usize;
+            for k in 0..n {
+                // SAFETY: a page of the fresh mapping above, which only this test uses.
+                unsafe { std::ptr::write_bytes((region + k * PAGE) as *mut u8, k as u8 + 1, PAGE) };
+            }
+            let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).unwrap() as usize;
+            uffd.register(region, n * PAGE, UFFDIO_REGISTER_MODE_MISSING)
+                .unwrap();
+            uffd.register(scratch, MAX_RUN * PAGE, UFFDIO_REGISTER_MODE_MISSING)
+                .unwrap();
+            Frozen {
+                uffd,
+                range: FrozenRange::default(),
+                pagemap: sys::Pagemap::open().unwrap(),
+                region,
+                scratch,
+                n,
+            }
+        }
+
+        fn freeze(&self) -> FrozenRun<'_> {
+            let f = Freezer {
+                uffd: &self.uffd,
+                range: &self.range,
+                scratch: self.scratch,
+                pagemap: &self.pagemap,
+            };
+            // SAFETY: the region and the scratch area are registered above and only this test
+            // uses them; nothing answers missing faults.
+            unsafe { FrozenRun::freeze(f, self.region, self.n) }
+        }
+
+        fn present(&self, addr: usize, n: usize) -> Vec<bool> {
+            self.pagemap.pages_with(addr, n, PAGE_IS_PRESENT).unwrap()
+        }
+
+        /// Whether page `k` is present and holds `k + 1` throughout, but for `first` at byte 0.
+        fn intact(&self, k: usize, first: u8) -> bool {
+            if !self.present(self.region + k * PAGE, 1)[0] {
+                return false;
+            }
+            // SAFETY: a present page of this test's region; the writers are done.
+            let page =
+                unsafe { std::slice::from_raw_parts((self.region + k * PAGE) as *const u8, PAGE) };
+            page[0] == first && page[1..].iter().all(|&b| b == k as u8 + 1)
+        }
+
+        fn is_frozen(&self, k: usize) -> bool {
+            self.range.gate().is_frozen(self.region + k * PAGE)
+        }
+    }
+
+    /// Writes `v` to the byte at `addr` on a thread of its own; the receiver hears when it is
+    /// done.
+    fn write_on_a_thread(addr: usize, v: u8) -> mpsc::Receiver<()> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            // SAFETY: a page of a mapping the test owns, written only by this thread meanwhile.
+            unsafe { std::ptr::write_volatile(addr as *mut u8, v) };
+            let _ = tx.send(());
+        });
+        rx
+    }
+
+    /// Waits until `uffd` reports a fault at the page of `addr`: the writer is blocked in the
+    /// kernel, and only a wake lets it go on.
+    fn blocked_at(uffd: &sys::Uffd, addr: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(msg)) = uffd.read_event() {
+                if msg.event == UFFD_EVENT_PAGEFAULT
+                    && msg.pf_address as usize & !(PAGE - 1) == addr
+                {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "the writer never faulted");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_dropped_frozen_run_puts_every_page_back_and_wakes_its_writers() {
+        let t = Frozen::new(4);
+        let run = t.freeze();
+        assert!(t.is_frozen(0) && t.is_frozen(3) && !t.is_frozen(4));
+        assert_eq!(
+            t.present(t.region, 4),
+            [false; 4],
+            "frozen pages are moved out"
+        );
+        assert_eq!(t.present(t.scratch, 4), [true; 4]);
+        assert!((0..4).all(|k| run.frozen_page(k) == Some(t.scratch + k * PAGE)));
+        let done = write_on_a_thread(t.region + 2 * PAGE, 0xee);
+        blocked_at(&t.uffd, t.region + 2 * PAGE);
+        assert!(done.try_recv().is_err(), "a write to a frozen page waits");
+        // An early return of the commit: nothing consumed, nothing restored.
+        drop(run);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer is woken when the run is dropped");
+        assert!(!t.is_frozen(0));
+        assert!(t.intact(0, 1) && t.intact(1, 2) && t.intact(3, 4));
+        assert!(t.intact(2, 0xee), "the write lands on the page put back");
+        assert_eq!(
+            t.present(t.scratch, 4),
+            [false; 4],
+            "the scratch area is discarded"
+        );
+    }
+
+    #[test]
+    fn a_panic_while_frozen_still_puts_the_pages_back() {
+        let t = Frozen::new(3);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _run = t.freeze();
+            assert!(t.is_frozen(1));
+            panic!("a commit fails while the run is frozen");
+        }));
+        assert!(r.is_err());
+        assert!(!t.is_frozen(1));
+        assert!((0..3).all(|k| t.intact(k, k as u8 + 1)));
+        assert_eq!(t.present(t.scratch, 3), [false; 3]);
+    }
+
+    #[test]
+    fn consumed_pages_stay_released_and_the_others_come_back() {
+        let t = Frozen::new(3);
+        let mut run = t.freeze();
+        run.consume(1);
+        run.restore();
+        // Restored but still frozen: writers wait for the drop.
+        assert!(t.is_frozen(1));
+        assert_eq!(t.present(t.region, 3), [true, false, true]);
+        assert_eq!(t.present(t.scratch, 3), [false; 3]);
+        drop(run);
+        assert!(!t.is_frozen(1));
+        assert!(t.intact(0, 1) && t.intact(2, 3));
+        assert_eq!(
+            t.present(t.region + PAGE, 1),
+            [false],
+            "a consumed page stays released"
+        );
+    }
+
+    #[test]
+    fn a_dropped_protected_run_unprotects_what_was_not_replaced_and_wakes_writers() {
+        let n = 3;
+        let uffd = sys::Uffd::open(UFFD_FEATURE_WP_HUGETLBFS_SHMEM).unwrap();
+        assert_ne!(uffd.features() & UFFD_FEATURE_WP_HUGETLBFS_SHMEM, 0);
+        // Private pages inside a private mapping of a memfd, as COW-broken pages are.
+        let fd = sys::memfd_create(c"pageone-freeze-test").unwrap();
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        sys::ftruncate(raw, (n * PAGE) as u64).unwrap();
+        let base = sys::mmap_anonymous(n * PAGE).unwrap();
+        // SAFETY: `base` is a fresh mapping of this length that only this test uses.
+        unsafe { sys::mmap_private_fixed(base, n * PAGE, raw, 0) }.unwrap();
+        let base = base as usize;
+        for k in 0..n {
+            // SAFETY: a page of the mapping above; the write gives it a private copy.
+            unsafe { std::ptr::write_bytes((base + k * PAGE) as *mut u8, k as u8 + 1, PAGE) };
+        }
+        uffd.register(base, n * PAGE, UFFDIO_REGISTER_MODE_WP)
+            .unwrap();
+        let mut held = ProtectedRun::protect(&uffd, base, n).expect("shmem write-protection");
+        let done = write_on_a_thread(base, 0xee);
+        blocked_at(&uffd, base);
+        assert!(
+            done.try_recv().is_err(),
+            "a write to a protected page waits"
+        );
+        // Page 1 counts as replaced: the drop leaves it protected.
+        held.mark_replaced(1);
+        drop(held);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer is woken when the run is dropped");
+        let again = write_on_a_thread(base + 2 * PAGE, 0xdd);
+        again
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a page not replaced is writable again");
+        let blocked = write_on_a_thread(base + PAGE, 0xcc);
+        blocked_at(&uffd, base + PAGE);
+        assert!(
+            blocked.try_recv().is_err(),
+            "a replaced page is not un-protected"
+        );
+        // Let that writer go (un-protecting wakes it).
+        uffd.writeprotect(base + PAGE, PAGE, false).unwrap();
+        blocked.recv_timeout(Duration::from_secs(10)).unwrap();
+        // SAFETY: the pages are present (written above) and the writers are done.
+        let bytes = |k: usize| unsafe { std::ptr::read_volatile((base + k * PAGE) as *const u8) };
+        assert_eq!([bytes(0), bytes(1), bytes(2)], [0xee, 0xcc, 0xdd]);
+    }
+}

@@ -1,0 +1,560 @@
+//! Periods: the engine thread's loop (watch, classify in batches, hand each batch to the
+//! committer, sleep out the period) and the committer thread's loop.
+//!
+//! A period holds the period lock from watch to the end of its last commit; `register` and
+//! `unregister` take it too, so a region never changes shape under a period.
+
+use std::collections::HashSet;
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, SendError, SyncSender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pageone_sync::lock;
+use pageone_sys as sys;
+
+use crate::access::{mark_words, Pre, PAGE};
+use crate::candidates::{batches_by_content, Action, Candidate, ContentBatches};
+use crate::candidates::{BATCH, REMOTE_BATCH};
+use crate::classify::{classify, Classified, Relook, StoreView};
+use crate::commit::commit;
+use crate::config::Config;
+use crate::pool::Pool;
+use crate::read_ahead::use_read_ahead;
+use crate::rejoin::Rejoin;
+use crate::sightings::sweep_first_sightings;
+use crate::state::{page_at, PageKind, Shared, State};
+use crate::stats::stats_of;
+use crate::watch::watch;
+
+/// Every this many periods, waiting first sightings are asked about again (daemon only), one
+/// request's worth (`proto::MAX_ITEMS`) at a time.
+const RELOOK_PERIODS: u64 = 16;
+/// Relooks skipped in a row at most while offers keep coming (so a waiting page whose copy came
+/// out under another hash is asked about again within 4 x RELOOK_PERIODS periods at the latest).
+const RELOOK_SKIPS: u32 = 3;
+/// Periods without anything to merge before the engine scans less often (see `engine_loop`).
+const IDLE_PERIODS: u32 = 8;
+/// Every this many periods the VMA count is read again once it is large (see `observe`).
+const VMA_RECOUNT_PERIODS: u64 = 16;
+/// Below this many VMAs, counting them (reading `/proc/self/maps`) every period is cheap.
+const SMALL_VMA_COUNT: usize = 4096;
+/// Most PPR tickets taken per period (the rest wait for the next one).
+const MAX_TICKETS: usize = 1 << 16;
+/// Periods with some work between returns of free heap memory (every period with many
+/// candidates returns it at once).
+const TRIM_PERIODS: u64 = 8;
+
+/// What the engine thread hands the committer.
+pub(crate) enum ToCommitter {
+    Batch {
+        batch: Classified,
+        config: Arc<Config>,
+        /// Most VMAs the process may have after a merge.
+        budget: usize,
+    },
+    /// Answered once every batch sent before it is committed.
+    Flush(SyncSender<()>),
+}
+
+/// The engine thread: a period, then sleep until the next one, until the engine stops.
+pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToCommitter>) {
+    let _ = sys::set_thread_idle_priority();
+    sh.count_cpu_of_this_thread();
+    // Whether this period was started by `kick` rather than by the clock.
+    let mut kicked = false;
+    // Periods in a row that changed little (merges, zero pages released and copy-on-write
+    // breaks under 1/1024 of the registered pages): after IDLE_PERIODS of them the engine
+    // sleeps 2, 4, then 8 periods between scans. Scanning tens of thousands of VMAs is most of a
+    // settled process's cost, and a settled guest keeps rewriting a few hundred unique pages,
+    // which become candidates again and again without merging, so "no candidates" never
+    // comes. A busy period, a registration or a kick brings the period back.
+    let mut idle = 0u32;
+    let mut rejoin = Rejoin::new();
+    while !sh.stop.load(Ordering::SeqCst) {
+        let t0 = Instant::now();
+        let config = Arc::new(lock(&sh.config).clone());
+        if config.workers > pool.size() {
+            if let Err(e) = pool.grow(config.workers) {
+                tracing::warn!(error = %e, "could not add workers; keeping {}", pool.size());
+            }
+        }
+        if rejoin.between_periods(sh, &config, t0) {
+            idle = 0;
+        }
+        let cx = PeriodCtx {
+            sh,
+            config: &config,
+            pool,
+            committer: &committer,
+        };
+        idle = if locked_period(&cx, kicked) {
+            0
+        } else {
+            idle.saturating_add(1)
+        };
+        {
+            *lock(&sh.periods) += 1;
+            sh.period_cv.notify_all();
+        }
+        kicked = sleep_out_period(sh, t0, config.merge_period, &mut idle);
+    }
+}
+
+/// What one period works with.
+struct PeriodCtx<'a> {
+    sh: &'a Shared,
+    config: &'a Arc<Config>,
+    pool: &'a Pool,
+    committer: &'a SyncSender<ToCommitter>,
+}
+
+/// Runs a period under the period lock, then reports the counters to the daemon, if any. Returns
+/// whether the period was busy: it changed at least 1/1024 of the registered pages (merges,
+/// copy-on-write breaks and zero pages released or touched again), or it failed.
+fn locked_period(cx: &PeriodCtx<'_>, kicked: bool) -> bool {
+    let sh = cx.sh;
+    let _period = lock(&sh.period_lock);
+    // Merges, copy-on-write breaks and zero pages released so far.
+    let activity = || {
+        let c = &sh.counters;
+        let changes = c.merges.load(Ordering::Relaxed) + c.cow_breaks.load(Ordering::Relaxed);
+        (changes, lock(&sh.state).zero)
+    };
+    let (changes0, zero0) = activity();
+    let busy = match run_period(cx, kicked) {
+        Ok(()) => {
+            let (changes, zero) = activity();
+            let done = changes - changes0 + zero.abs_diff(zero0);
+            let st = lock(&sh.state);
+            let pages: usize = st.regions.values().map(|r| r.pages.len()).sum();
+            done > 0 && done * 1024 >= pages as u64
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "merge period failed; memory is unchanged");
+            true
+        }
+    };
+    let st = lock(&sh.state);
+    if st.store.remote.is_some() {
+        let json = serde_json::to_string(&stats_of(sh, &st)).unwrap_or_default();
+        if let Some(r) = &st.store.remote {
+            r.report(json);
+        }
+    }
+    busy
+}
+
+/// Sleeps out the period that began at `t0` unless kicked or stopped: one `period`, stretched
+/// after idle periods, or until the deadline registrations set (see `Shared::not_before`).
+/// Returns whether it was kicked.
+fn sleep_out_period(sh: &Shared, t0: Instant, period: Duration, idle: &mut u32) -> bool {
+    let stretch = match idle.checked_sub(IDLE_PERIODS) {
+        None => 1,
+        Some(n) => 1u32 << (n + 1).min(3),
+    };
+    let (m, cv) = &sh.kick;
+    let mut k = lock(m);
+    while !*k && !sh.stop.load(Ordering::SeqCst) {
+        // Deferred to a period after the latest registration (see `not_before`). The bound
+        // is counted from the first registration, not from the last scan: counted from the
+        // scan (one period at most), a burst of registrations that began late in a period,
+        // or after idle periods, was scanned in its middle, so its regions came up as
+        // candidates in different periods, the later ones behind the others' merge work.
+        let deadline = match *lock(&sh.not_before) {
+            Some((t, cap)) => {
+                *idle = 0;
+                t.min(cap)
+            }
+            None => t0 + period * stretch,
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        k = cv
+            .wait_timeout(k, deadline - now)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+    let kicked = *k;
+    *k = false;
+    if kicked {
+        *idle = 0;
+    }
+    // A registration after the deadline keeps its own for the next period.
+    let mut nb = lock(&sh.not_before);
+    if nb.is_some_and(|(t, cap)| t.min(cap) <= Instant::now()) {
+        *nb = None;
+    }
+    kicked
+}
+
+/// The committer thread: commits batches in the order the classifier sends them, while the
+/// classifier works on the next one.
+pub(crate) fn commit_loop(sh: &Shared, pool: &Pool, batches: Receiver<ToCommitter>) {
+    let _ = sys::set_thread_idle_priority();
+    sh.count_cpu_of_this_thread();
+    while let Ok(msg) = batches.recv() {
+        match msg {
+            ToCommitter::Batch {
+                batch,
+                config,
+                budget,
+            } => {
+                let t0 = Instant::now();
+                commit(sh, pool, &config, &batch, budget);
+                let mut st = lock(&sh.state);
+                for id in batch.new_copies {
+                    st.store.free_unmapped(id);
+                }
+                drop(st);
+                tracing::debug!(
+                    pid = std::process::id(),
+                    candidates = batch.cands.len(),
+                    commit_ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "commit"
+                );
+            }
+            ToCommitter::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+/// What the watch found for one period.
+struct Watched {
+    candidates: Vec<Candidate>,
+    view: StoreView,
+    /// Whether pages wait in the first-sighting map.
+    waiting: bool,
+    tickets: Tickets,
+    /// Whether waiting pages are asked about again this period (see `relook_due`).
+    relook_now: bool,
+}
+
+/// PPR tickets claimed this period: their pages as candidates, in address order, and the
+/// tickets' slots.
+#[derive(Default)]
+struct Tickets {
+    cands: Vec<Candidate>,
+    slots: Vec<u32>,
+}
+
+/// What handing a period's batches to the committer came to.
+struct HandedOver {
+    /// Every batch was handed over (the committer is there).
+    all: bool,
+    /// Some batch had candidates.
+    worked: bool,
+}
+
+/// One period: watch, classify in batches while the committer commits them, then tidy up.
+fn run_period(cx: &PeriodCtx<'_>, kicked: bool) -> io::Result<()> {
+    let sh = cx.sh;
+    let t_watch = Instant::now();
+    let limit = sys::max_map_count().unwrap_or(65530);
+    sh.counters.vma_limit.store(limit as u64, Ordering::Relaxed);
+    let period = *lock(&sh.periods);
+    let recycler = lock(&sh.recycler).clone();
+    let Watched {
+        mut candidates,
+        view,
+        waiting,
+        tickets,
+        relook_now,
+    } = observe(cx, kicked, period, recycler.as_deref())?;
+    // Read-ahead still running is waited for when there is something to classify: it is that
+    // same work, started earlier.
+    let wait = !candidates.is_empty();
+    use_read_ahead(sh, &mut candidates, wait);
+    tracing::debug!(
+        pid = std::process::id(),
+        watch_ms = t_watch.elapsed().as_secs_f64() * 1e3,
+        candidates = candidates.len(),
+        "watch"
+    );
+    // In batches: memory freed by one batch's merges is reused for the next batch's stable
+    // copies, savings show up progressively, and first sightings pair up across batches through
+    // the first-sighting map. The committer commits a batch while the next one is classified.
+    // With a daemon, an empty batch still collects the copies other processes made for pages
+    // waiting here.
+    let many = candidates.len() >= BATCH;
+    let batches = order(cx, candidates, &view, many);
+    let collect_only = (batches.is_empty() && view.remote.is_some() && waiting).then(Vec::new);
+    let relook = (view.remote.is_some() && waiting && relook_now).then(|| Relook {
+        skip: (period / RELOOK_PERIODS) as usize * crate::proto::MAX_ITEMS,
+        take: crate::proto::MAX_ITEMS,
+    });
+    let budget = limit.saturating_sub(cx.config.vma_margin);
+    let recycling = hand_over_tickets(cx, &tickets, budget);
+    let handed = classify_batches(cx, &view, batches.chain(collect_only), relook, budget);
+    if handed.all || recycling {
+        let (done, wait) = std::sync::mpsc::sync_channel(1);
+        if cx.committer.send(ToCommitter::Flush(done)).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+    if let (Some(pool), true) = (&recycler, recycling) {
+        finish_tickets(sh, pool, &tickets);
+    }
+    tidy_up(sh, many, handed.worked, period);
+    Ok(())
+}
+
+/// The watch, under the state lock: this period's candidates (less the pages marked free, which
+/// are released instead), the PPR tickets, a fresh VMA count when due, and what classification
+/// needs of the store.
+fn observe(
+    cx: &PeriodCtx<'_>,
+    kicked: bool,
+    period: u64,
+    recycler: Option<&pageone_recycler::Pool>,
+) -> io::Result<Watched> {
+    let mut st = lock(&cx.sh.state);
+    let mut candidates = watch(cx.sh, &mut st, cx.config, kicked)?;
+    // Pages marked free (PPR) are released this period: they skip the unchanged wait.
+    let tickets = match recycler {
+        Some(pool) => claim_marked(&st, pool),
+        None => Tickets::default(),
+    };
+    if !tickets.cands.is_empty() {
+        let taken: HashSet<usize> = tickets.cands.iter().map(|c| c.addr()).collect();
+        candidates.retain(|c| !taken.contains(&c.addr()));
+    }
+    // Counting VMAs reads all of /proc/self/maps: megabytes of text with tens of thousands
+    // of merged runs, which made the count most of an idle QEMU's engine CPU. So the count
+    // is re-read every period only while it is small; otherwise every 16th period (the
+    // margin covers what the program maps meanwhile; merges add their worst case to the
+    // estimate), and by the commit when the estimate reaches the budget (`VmaBudget`).
+    if st.vmas < SMALL_VMA_COUNT || period % VMA_RECOUNT_PERIODS == 0 {
+        st.vmas = sys::map_count()?;
+    }
+    let view = StoreView {
+        tree: st.store.local_index(),
+        base: st.store.addr(0),
+        fd: st.store.fd(),
+        remote: st.store.remote.clone(),
+    };
+    let offered = std::mem::take(&mut st.offered);
+    let relook_now = relook_due(period, offered, &mut st.relooks_skipped);
+    Ok(Watched {
+        candidates,
+        view,
+        waiting: !st.unstable.is_empty(),
+        tickets,
+        relook_now,
+    })
+}
+
+/// Orders the candidates into batches by content (see `batches_by_content`), of the length that
+/// suits working alone or with a daemon.
+fn order(
+    cx: &PeriodCtx<'_>,
+    candidates: Vec<Candidate>,
+    view: &StoreView,
+    many: bool,
+) -> ContentBatches {
+    let t_order = Instant::now();
+    let batch = if view.remote.is_some() {
+        REMOTE_BATCH
+    } else {
+        BATCH
+    };
+    let batches = batches_by_content(candidates, cx.pool, batch);
+    tracing::debug!(order_ms = t_order.elapsed().as_secs_f64() * 1e3, "order");
+    if many && view.remote.is_none() {
+        // Contents seen once this period become first sightings (unless a stable copy has them):
+        // room for them at once, instead of rehashing a map of up to hundreds of thousands of
+        // entries into fresh memory doubling after doubling. (With a daemon, most are another
+        // process's: each batch makes room for what the daemon left to it, see `classify`.)
+        let singles = batches.singles();
+        lock(&cx.sh.state).unstable.reserve(singles);
+    }
+    batches
+}
+
+/// Hands the pages of PPR tickets to the committer as a batch of their own: each is released if
+/// its frozen bytes still hold its mark. Returns whether there were any.
+fn hand_over_tickets(cx: &PeriodCtx<'_>, tickets: &Tickets, budget: usize) -> bool {
+    if tickets.cands.is_empty() {
+        return false;
+    }
+    lock(&cx.sh.recycled_slots).clear();
+    let actions = tickets
+        .slots
+        .iter()
+        .map(|&s| Some(Action::Recycle(s)))
+        .collect();
+    let batch = Classified {
+        cands: tickets.cands.clone(),
+        actions,
+        new_copies: Vec::new(),
+    };
+    // A send fails only when the committer is gone; then nothing is released, and the
+    // tickets are ended all the same.
+    let _ = cx.committer.send(ToCommitter::Batch {
+        batch,
+        config: cx.config.clone(),
+        budget,
+    });
+    true
+}
+
+/// Classifies the batches one after the other, handing each to the committer, which commits it
+/// while the next one is classified. Stops when the engine stops, or when the committer is gone
+/// (giving the batch's copies back).
+fn classify_batches(
+    cx: &PeriodCtx<'_>,
+    view: &StoreView,
+    batches: impl Iterator<Item = Vec<Candidate>>,
+    mut relook: Option<Relook>,
+    budget: usize,
+) -> HandedOver {
+    let sh = cx.sh;
+    let mut handed = HandedOver {
+        all: true,
+        worked: false,
+    };
+    for batch in batches {
+        let t0 = Instant::now();
+        let classified = classify(sh, view, cx.config, batch, cx.pool, relook.take());
+        handed.worked |= !classified.cands.is_empty();
+        tracing::debug!(
+            pid = std::process::id(),
+            candidates = classified.cands.len(),
+            classify_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "classify"
+        );
+        let msg = ToCommitter::Batch {
+            batch: classified,
+            config: cx.config.clone(),
+            budget,
+        };
+        if let Err(SendError(ToCommitter::Batch { batch, .. })) = cx.committer.send(msg) {
+            // Only a bug ends the committer early: give this batch's copies back, merge nothing.
+            tracing::error!("the committer is gone; nothing more is merged");
+            let mut st = lock(&sh.state);
+            for id in batch.new_copies {
+                st.store.free_unmapped(id);
+            }
+            handed.all = false;
+            break;
+        }
+        if sh.stop.load(Ordering::Relaxed) {
+            break;
+        }
+    }
+    handed
+}
+
+/// Ends every ticket of this period, released or not, so no slot stays claimed.
+fn finish_tickets(sh: &Shared, pool: &pageone_recycler::Pool, tickets: &Tickets) {
+    let released: HashSet<u32> = std::mem::take(&mut *lock(&sh.recycled_slots))
+        .into_iter()
+        .collect();
+    for (c, &slot) in tickets.cands.iter().zip(&tickets.slots) {
+        let ticket = pageone_recycler::Ticket {
+            slot,
+            addr: c.addr(),
+        };
+        pool.finish(ticket, released.contains(&slot));
+    }
+}
+
+/// The period's housekeeping: stale first sightings are swept, the store reclaims, and the C
+/// heap's free memory is returned when due.
+fn tidy_up(sh: &Shared, many: bool, worked: bool, period: u64) {
+    let trim = {
+        let mut st = lock(&sh.state);
+        sweep_first_sightings(&mut st);
+        st.store.reclaim();
+        // A period with many candidates made large short-lived allocations (candidates,
+        // batches, read-ahead results, offers): their memory goes back at once, it counts
+        // against the saving. Smaller ones go back every few periods of work, or at the first
+        // idle period after some.
+        st.heap_dirty |= worked;
+        let trim = many || (st.heap_dirty && (!worked || period % TRIM_PERIODS == 0));
+        st.heap_dirty &= !trim;
+        trim
+    };
+    if trim {
+        sys::release_free_heap();
+    }
+}
+
+/// Whether waiting pages are asked about again this period (see RELOOK_PERIODS): every
+/// RELOOK_PERIODS periods, but not while other processes' copies for them keep coming (`offered`
+/// in the last period). Those offers do that work already, and a relook would repeat up to a
+/// request's worth of lookups (in the cross-process benchmark's merging, an eighth of all of
+/// them). At most RELOOK_SKIPS in a row are skipped; `skipped` counts them.
+fn relook_due(period: u64, offered: bool, skipped: &mut u32) -> bool {
+    if period % RELOOK_PERIODS != 0 {
+        return false;
+    }
+    if offered && *skipped < RELOOK_SKIPS {
+        *skipped += 1;
+        return false;
+    }
+    *skipped = 0;
+    true
+}
+
+/// Takes the tickets of pages marked free in `pool` that the engine may release: ANON or UNIQUE
+/// pages of registered regions (merged and COW-broken pages live in store mappings, which a
+/// freeze cannot move). Returns them as candidates in address order with their tickets' slots.
+/// The state lock keeps the regions mapped while their words are read; no run is frozen then
+/// (the period's commits start after this), so a read never waits for the committer.
+fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> Tickets {
+    let tickets = pool.claim(MAX_TICKETS, |addr| {
+        let (_, _, p) = page_at(&st.regions, addr)?;
+        if addr % PAGE != 0 || !matches!(p.kind, PageKind::Anon | PageKind::Unique) {
+            return None;
+        }
+        // SAFETY: a page of a registered region, mapped while the state lock is held (the
+        // program may write it meanwhile: the commit checks again on frozen bytes).
+        Some(unsafe { mark_words(addr) })
+    });
+    let mut out: Vec<(Candidate, u32)> = tickets
+        .iter()
+        .filter_map(|t| {
+            let (region, _, _) = page_at(&st.regions, t.addr)?;
+            let c = Candidate::new(region, t.addr, Pre::None);
+            Some((c, t.slot))
+        })
+        .collect();
+    out.sort_unstable_by_key(|(c, _)| c.addr());
+    let (cands, slots) = out.into_iter().unzip();
+    Tickets { cands, slots }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Relooks come only every RELOOK_PERIODS periods, always when no offers came, and are
+        /// never put off more than RELOOK_SKIPS times in a row, however offers come.
+        #[test]
+        fn relooks_are_put_off_a_bounded_number_of_times(
+            offered in proptest::collection::vec(any::<bool>(), 0..400),
+        ) {
+            let mut skipped = 0;
+            let mut put_off = 0;
+            for (period, &offered) in offered.iter().enumerate() {
+                let period = period as u64;
+                let due = relook_due(period, offered, &mut skipped);
+                if period % RELOOK_PERIODS != 0 {
+                    prop_assert!(!due);
+                    continue;
+                }
+                prop_assert!(due || offered);
+                put_off = if due { 0 } else { put_off + 1 };
+                prop_assert!(put_off <= RELOOK_SKIPS);
+            }
+        }
+    }
+}

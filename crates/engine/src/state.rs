@@ -1,0 +1,227 @@
+//! The engine's state: what it knows of every registered page ([`Page`], [`RegionState`]), what it
+//! keeps between periods ([`State`], behind the state lock) and what its threads share
+//! ([`Shared`]). Each stage's own kept data is defined with the stage: the first-sighting map in
+//! `sightings`, the watch's scratch in `watch`, read-ahead results in `read_ahead`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use pageone_index::KeyId;
+use pageone_sync::lock;
+use pageone_sys as sys;
+
+use crate::access::PAGE;
+use crate::config::{Config, WatchMode};
+use crate::freeze::FrozenRange;
+use crate::read_ahead::{AheadBlock, AheadJob};
+use crate::sightings::FirstSightings;
+use crate::store::Store;
+use crate::watch::ScanBuffers;
+
+/// What a registered page is, as the engine last saw it (owned by the engine thread).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum PageKind {
+    /// Private anonymous memory, watched for writes.
+    #[default]
+    Anon,
+    /// Maps a stable copy of the current store (copy-on-write).
+    Merged,
+    /// Released as a zero page: its address stays empty until touched, when the fault thread
+    /// maps the shared zero page.
+    Zero,
+    /// A merged page that was written: private again, inside a file-backed mapping of the store
+    /// that `UFFDIO_MOVE` cannot freeze. It is watched by checksum and frozen for a new merge with
+    /// synchronous write-protection through the store mappings' own userfaultfd (`store_uffd`).
+    Broken,
+    /// An unchanged page that matched nothing: it waits in the first-sighting map (no work per
+    /// period) until a duplicate shows up or it is written.
+    Unique,
+    /// A page merged onto a store this engine has since replaced (its daemon was lost and another
+    /// joined): it still maps that store's copy, and is merged again onto the current store like a
+    /// COW-broken page (the copy is in a store mapping). Written, it becomes `Broken`.
+    Foreign,
+}
+
+impl PageKind {
+    /// Pages living in a store mapping that is not (or no longer) a counted merge: frozen for a
+    /// merge with the store mappings' write-protection, not with `UFFDIO_MOVE`.
+    pub(crate) fn in_store_mapping(self) -> bool {
+        self == PageKind::Broken || self == PageKind::Foreign
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Page {
+    pub(crate) sid: KeyId,
+    pub(crate) kind: PageKind,
+    pub(crate) unchanged: u8,
+    pub(crate) writes: u8,
+    /// Incremented on every write seen, so a first-sighting entry can tell it is stale.
+    pub(crate) epoch: u8,
+}
+
+// One per registered page: 8 bytes.
+const _: () = assert!(std::mem::size_of::<Page>() == 8);
+
+impl Page {
+    /// Doubles the periods this page waits before its next merge attempt (two at least), up to
+    /// `max`: for pages whose merges keep failing or being undone.
+    pub(crate) fn back_off(&mut self, max: u8) {
+        self.writes = self.writes.max(1).saturating_mul(2).min(max);
+    }
+}
+
+pub(crate) struct RegionState {
+    pub(crate) start: usize,
+    pub(crate) pages: Vec<Page>,
+    /// Whether any page was ever merged: only then does the region contain mappings of the store
+    /// that the watch must scan separately (write-protect scans skip them).
+    pub(crate) merged_ever: bool,
+    /// When the watch was armed, until a scan a whole period later: a scheduled scan that comes
+    /// sooner does not count as an unchanged period (pages merge after `merge_periods` whole
+    /// periods, however registration fell between scans).
+    pub(crate) armed_at: Option<Instant>,
+    /// Checksums of the last period (checksum mode only).
+    pub(crate) sums: Vec<u64>,
+}
+
+impl RegionState {
+    pub(crate) fn len(&self) -> usize {
+        self.pages.len() * PAGE
+    }
+}
+
+/// The region (its start), index and state of the registered page holding `addr`.
+pub(crate) fn page_at(
+    regions: &BTreeMap<usize, RegionState>,
+    addr: usize,
+) -> Option<(usize, usize, &Page)> {
+    let (&start, r) = regions.range(..=addr).next_back()?;
+    let index = (addr - start) / PAGE;
+    Some((start, index, r.pages.get(index)?))
+}
+
+/// State owned by whoever holds the lock: the engine thread during a period, an API call otherwise.
+pub(crate) struct State {
+    pub(crate) regions: BTreeMap<usize, RegionState>,
+    pub(crate) store: Store,
+    /// The scratch area frozen pages are moved into (`MAX_RUN` pages).
+    pub(crate) scratch: usize,
+    pub(crate) pagemap: Arc<sys::Pagemap>,
+    pub(crate) unshared: u64,
+    pub(crate) volatile: u64,
+    pub(crate) zero: u64,
+    /// VMAs of the process: counted at the start of each period, then kept by the committer.
+    pub(crate) vmas: usize,
+    /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
+    pub(crate) unstable: FirstSightings,
+    /// Scratch space of the watch, kept between periods.
+    pub(crate) scan: ScanBuffers,
+    /// UNIQUE pages written (or released) since the last sweep: their first-sighting entries are
+    /// stale until `sweep_first_sightings` drops them.
+    pub(crate) stale_sightings: usize,
+    /// Periods did work since the C heap's free memory was last returned.
+    pub(crate) heap_dirty: bool,
+    /// Whether a copy another process made for a page waiting here was taken since the period
+    /// began, and relooks skipped in a row because such copies kept coming (see `relook_due`).
+    pub(crate) offered: bool,
+    pub(crate) relooks_skipped: u32,
+    /// Read-ahead of newly registered pages (see `read_ahead`): jobs still running, and the
+    /// results of finished ones by address, with the periods since they were installed.
+    pub(crate) ahead_jobs: Vec<AheadJob>,
+    pub(crate) ahead: Vec<AheadBlock>,
+    pub(crate) ahead_age: u32,
+}
+
+impl State {
+    /// No region registered yet.
+    pub(crate) fn new(store: Store, scratch: usize, pagemap: sys::Pagemap) -> Self {
+        State {
+            regions: BTreeMap::new(),
+            store,
+            scratch,
+            pagemap: Arc::new(pagemap),
+            unshared: 0,
+            volatile: 0,
+            zero: 0,
+            vmas: 0,
+            unstable: FirstSightings::default(),
+            scan: ScanBuffers::default(),
+            stale_sightings: 0,
+            heap_dirty: false,
+            offered: false,
+            relooks_skipped: 0,
+            ahead_jobs: Vec::new(),
+            ahead: Vec::new(),
+            ahead_age: 0,
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) uffd: sys::Uffd,
+    /// Registered (synchronous write-protect) on every mapping of the store, to freeze COW-broken
+    /// pages for a new merge; `None` when the kernel lacks write-protection of shmem.
+    pub(crate) store_uffd: Option<sys::Uffd>,
+    pub(crate) mode: WatchMode,
+    pub(crate) reg_mode: u64,
+    /// Whether the configured daemon could not be joined at the start (reported as the daemon
+    /// link while there is none).
+    pub(crate) daemon_unreachable: bool,
+    /// Held by the engine thread for a whole period and by register/unregister: the set of
+    /// registered regions never changes while a period reads or remaps their pages.
+    pub(crate) period_lock: Mutex<()>,
+    /// Taken for short sections only (by the classifier, the committer and the API), so that
+    /// classification and commits of one period overlap.
+    pub(crate) state: Mutex<State>,
+    pub(crate) config: Mutex<Config>,
+    /// The run currently frozen, as the fault thread sees it: it leaves faults there to the
+    /// committer, which wakes them after the replacement.
+    pub(crate) frozen: FrozenRange,
+    pub(crate) stop: AtomicBool,
+    pub(crate) stop_fd: std::os::fd::OwnedFd,
+    /// Periods completed, with a condvar for `wait_periods`.
+    pub(crate) periods: Mutex<u64>,
+    pub(crate) period_cv: Condvar,
+    pub(crate) kick: (Mutex<bool>, Condvar),
+    /// When the next period should start: a period after the latest registration, so newly
+    /// armed memory counts its first unchanged period at the first scan instead of waiting for a
+    /// second one; but no later than two periods after the first registration since the last
+    /// scan (registering all the time cannot hold periods off). `(latest + period, cap)`.
+    pub(crate) not_before: Mutex<Option<(Instant, Instant)>>,
+    pub(crate) counters: Counters,
+    /// The pool of pages the program marks free (PPR), when it attached one.
+    pub(crate) recycler: Mutex<Option<Arc<pageone_recycler::Pool>>>,
+    /// Slots of tickets whose page the committer released this period.
+    pub(crate) recycled_slots: Mutex<Vec<u32>>,
+    /// CPU clocks of the engine's threads (engine, committer, faults, workers).
+    pub(crate) clocks: Arc<Mutex<Vec<sys::CpuClock>>>,
+}
+
+impl Shared {
+    /// Records the calling thread's CPU clock for `Stats::worker_cpu_ns`.
+    pub(crate) fn count_cpu_of_this_thread(&self) {
+        if let Ok(c) = sys::CpuClock::current() {
+            lock(&self.clocks).push(c);
+        }
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) scanned: AtomicU64,
+    pub(crate) merges: AtomicU64,
+    pub(crate) cow_breaks: AtomicU64,
+    pub(crate) mismatches: AtomicU64,
+    pub(crate) vma_limited: AtomicU64,
+    pub(crate) vmas: AtomicU64,
+    pub(crate) vma_limit: AtomicU64,
+    pub(crate) recycled: AtomicU64,
+    /// Daemons joined after the start (see `join_again`).
+    pub(crate) joins: AtomicU64,
+    /// Pages made private when leaving replaced stores (see `leave_replaced_stores`).
+    pub(crate) left_private: AtomicU64,
+}

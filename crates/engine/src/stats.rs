@@ -1,0 +1,178 @@
+//! The engine's counters as the program reads them ([`Stats`]).
+
+use std::sync::atomic::Ordering;
+
+use pageone_sync::lock;
+use pageone_sys as sys;
+
+use crate::access::PAGE;
+use crate::candidates::PagePre;
+use crate::config::WatchMode;
+use crate::read_ahead::ahead_pages;
+use crate::state::{Shared, State};
+
+/// Live counters. The first group has KSM's names and meanings (`/sys/kernel/mm/ksm`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Stats {
+    /// Stable copies in use.
+    pub pages_shared: u64,
+    /// Pages mapping a stable copy beyond one per copy: the pages saved.
+    pub pages_sharing: u64,
+    /// Candidates that matched nothing in the last period.
+    pub pages_unshared: u64,
+    /// Present pages still changing (not yet candidates).
+    pub pages_volatile: u64,
+    /// Pages examined (all registered pages, every period).
+    pub pages_scanned: u64,
+    /// Periods completed (each examines all registered memory).
+    pub full_scans: u64,
+    /// Zero pages released (pages recycled through PPR included).
+    pub zero_pages: u64,
+    /// Pages the program marked free (PPR) that the engine released.
+    pub pages_recycled: u64,
+    /// Bytes saved minus the engine's own metadata and VMAs (may be negative).
+    pub general_profit: i64,
+    /// Successful page merges since start.
+    pub merges: u64,
+    /// Merged pages later written (copy-on-write broken).
+    pub cow_breaks: u64,
+    /// Frozen pages that differed from their copy at compare time and were moved back.
+    pub compare_mismatches: u64,
+    /// VMAs of this process now, and the limit the engine respects.
+    pub vmas_used: u64,
+    pub vma_limit: u64,
+    /// Merges skipped because they would have exceeded the VMA budget.
+    pub vma_limited_merges: u64,
+    /// How writes are detected: [`WatchMode::UffdWp`] or [`WatchMode::Checksum`] (serialised as
+    /// "uffd-wp" or "checksum").
+    pub watch_mode: WatchMode,
+    /// CPU time of the engine's threads (workers and committer), in nanoseconds.
+    pub worker_cpu_ns: u64,
+    /// Registered bytes.
+    pub registered_bytes: u64,
+    /// The daemon link. A lost or unreachable daemon is asked for again every second; see
+    /// `daemon_joins`.
+    pub daemon: DaemonLink,
+    /// The scope joined at the daemon (empty when alone).
+    pub scope: String,
+    /// Times a daemon was joined after the start (after losing one, or after it was unreachable):
+    /// pages merged before move to the new daemon's store.
+    pub daemon_joins: u64,
+    /// Pages that had not moved to the new store some periods after a join (written since,
+    /// dropped by the program, or still waiting) and were made private so that the old store can
+    /// be freed; they merge again like any page.
+    pub pages_left_private: u64,
+}
+
+/// The engine's link to a `pageone daemon` (serialised in lower case: "none", "connected", "lost",
+/// "unreachable").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum DaemonLink {
+    /// No daemon configured: the process runs alone.
+    #[default]
+    None,
+    /// Joined: the scope's store is shared with its other processes.
+    Connected,
+    /// The daemon went away: the process runs unshared since.
+    Lost,
+    /// Configured, but it could not be joined at the start.
+    Unreachable,
+}
+
+impl DaemonLink {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DaemonLink::None => "none",
+            DaemonLink::Connected => "connected",
+            DaemonLink::Lost => "lost",
+            DaemonLink::Unreachable => "unreachable",
+        }
+    }
+}
+
+impl std::fmt::Display for DaemonLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A snapshot of the counters, as the holder of the state lock sees them.
+pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
+    let c = &sh.counters;
+    let registered: usize = st.regions.values().map(|r| r.len()).sum();
+    let shared = st.store.shared;
+    let sharing = st.store.sharing_refs.saturating_sub(shared);
+    let vmas = c.vmas.load(Ordering::Relaxed);
+    // Our costs: per-page state, the store's index, each VMA (~200 bytes in the kernel),
+    // read-ahead results while kept (an address and a result per page), and the watch's scratch.
+    let ahead_bytes = ahead_pages(st) * std::mem::size_of::<PagePre>();
+    let meta = (registered / PAGE) as u64 * 8
+        + st.store.metadata_bytes()
+        + vmas * 200
+        + ahead_bytes as u64
+        + st.scan.bytes() as u64;
+    Stats {
+        pages_shared: shared,
+        pages_sharing: sharing,
+        pages_unshared: st.unshared,
+        pages_volatile: st.volatile,
+        pages_scanned: c.scanned.load(Ordering::Relaxed),
+        full_scans: *lock(&sh.periods),
+        zero_pages: st.zero,
+        pages_recycled: c.recycled.load(Ordering::Relaxed),
+        daemon_joins: c.joins.load(Ordering::Relaxed),
+        pages_left_private: c.left_private.load(Ordering::Relaxed),
+        general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
+        merges: c.merges.load(Ordering::Relaxed),
+        cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
+        compare_mismatches: c.mismatches.load(Ordering::Relaxed),
+        vmas_used: vmas,
+        vma_limit: c.vma_limit.load(Ordering::Relaxed),
+        vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
+        watch_mode: sh.mode,
+        worker_cpu_ns: lock(&sh.clocks).iter().map(sys::CpuClock::ns).sum(),
+        registered_bytes: registered as u64,
+        daemon: match st.store.daemon_state() {
+            "connected" => DaemonLink::Connected,
+            "lost" => DaemonLink::Lost,
+            // "none": alone, or unreachable at the start.
+            _ if sh.daemon_unreachable => DaemonLink::Unreachable,
+            _ => DaemonLink::None,
+        },
+        scope: st
+            .store
+            .remote
+            .as_ref()
+            .map(|r| r.scope.clone())
+            .unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The JSON the daemon and `pageone scope` read keeps its lowercase words.
+    #[test]
+    fn stats_serialise_their_links_and_modes_as_words() {
+        let s = Stats {
+            watch_mode: WatchMode::UffdWp,
+            daemon: DaemonLink::Unreachable,
+            ..Stats::default()
+        };
+        let v: serde_json::Value = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["watch_mode"], "uffd-wp");
+        assert_eq!(v["daemon"], "unreachable");
+        for link in [
+            DaemonLink::None,
+            DaemonLink::Connected,
+            DaemonLink::Lost,
+            DaemonLink::Unreachable,
+        ] {
+            let json = serde_json::to_string(&link).unwrap();
+            assert_eq!(json, format!("\"{link}\""));
+        }
+    }
+}

@@ -1,0 +1,437 @@
+//! The watch: which pages were written since the last period, and which stayed unchanged long
+//! enough to be candidates.
+//!
+//! In the write-protect mode one `PAGEMAP_SCAN` per region returns the pages written since the
+//! last scan and write-protects them again (userfaultfd async write-protection: a write costs one
+//! minor fault in the kernel and nothing in user space); pages are never read to find out whether
+//! they changed. In the checksum mode, a per-page xxh3 checksum is compared instead, as KSM does.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use pageone_sys::{self as sys, uapi::*};
+
+use crate::access::{checksum_changed, Pre, PAGE};
+use crate::candidates::Candidate;
+use crate::config::{Config, WatchMode};
+use crate::state::{Page, PageKind, RegionState, Shared, State};
+use crate::store::Store;
+
+/// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
+/// A `kicked` period counts as a whole one (the caller asked for it).
+pub(crate) fn watch(
+    sh: &Shared,
+    st: &mut State,
+    config: &Config,
+    kicked: bool,
+) -> io::Result<Vec<Candidate>> {
+    let now = Instant::now();
+    // Kept from period to period: allocated afresh, the per-page categories came from new
+    // memory every period (a page fault per 4 KiB).
+    let mut scan = std::mem::take(&mut st.scan);
+    let mut tally = Tally {
+        out: Vec::new(),
+        volatile: 0,
+        unique: 0,
+        all_pages: st.regions.values().map(|r| r.pages.len()).sum(),
+    };
+    let State {
+        regions,
+        pagemap,
+        store,
+        zero,
+        stale_sightings,
+        ..
+    } = st;
+    for r in regions.values_mut() {
+        let step = unchanged_step(r, now, kicked, config);
+        scan_categories(sh.mode, pagemap, r, &mut scan)?;
+        sh.counters
+            .scanned
+            .fetch_add(r.pages.len() as u64, Ordering::Relaxed);
+        let mut w = RegionWatch {
+            sh,
+            config,
+            step,
+            start: r.start,
+            store,
+            zero,
+            stale_sightings,
+            tally: &mut tally,
+        };
+        w.pages(r, &scan.cats);
+    }
+    st.volatile = tally.volatile;
+    st.unshared = tally.unique;
+    // Sized for the largest region (memory a region unregistered since does not keep).
+    let largest = st
+        .regions
+        .values()
+        .map(|r| r.pages.len())
+        .max()
+        .unwrap_or(0);
+    scan.shrink_to(largest);
+    st.scan = scan;
+    Ok(tally.out)
+}
+
+/// The unchanged periods this scan counts for region `r`: one, unless it came less than a period
+/// after the watch was armed (and the period was not kicked).
+fn unchanged_step(r: &mut RegionState, now: Instant, kicked: bool, config: &Config) -> u8 {
+    match r.armed_at {
+        Some(t) if !kicked && now.duration_since(t) < config.merge_period => 0,
+        _ => {
+            r.armed_at = None;
+            1
+        }
+    }
+}
+
+/// Fills `scan.cats` with the categories of region `r`'s pages: bit 0 present, bit 1
+/// file-backed, bit 2 zero pfn, bit 3 written. In the write-protect mode the scans also
+/// write-protect the written pages again.
+fn scan_categories(
+    mode: WatchMode,
+    pagemap: &sys::Pagemap,
+    r: &RegionState,
+    scan: &mut ScanBuffers,
+) -> io::Result<()> {
+    let ScanBuffers {
+        regions: regions_buf,
+        cats,
+        entries,
+    } = scan;
+    let n = r.pages.len();
+    let end = r.start + r.len();
+    cats.clear();
+    cats.resize(n, 0);
+    if mode == WatchMode::UffdWp {
+        regions_buf.clear();
+        if r.merged_ever {
+            // Write-protect scans skip the store mappings merged pages live in, so those are
+            // seen by more scans: which pages are present in the anonymous pieces, and in the
+            // store mappings which are present and file-backed (or written: copy-on-write
+            // broken). Each piece is walked for presence once (see `present_pages`).
+            pagemap.scan(r.start, end, &written_query(), regions_buf)?;
+            pagemap.scan(r.start, end, &present_pages(mode), regions_buf)?;
+            let store_mappings = sys::ScanQuery {
+                category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
+                category_inverted: PAGE_IS_WPALLOWED,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                ..Default::default()
+            };
+            pagemap.scan(r.start, end, &store_mappings, regions_buf)?;
+        } else {
+            // Only anonymous memory: one walk returns every page's categories and
+            // write-protects the written ones again.
+            let all = sys::ScanQuery {
+                flags: PM_SCAN_WP_MATCHING,
+                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
+                ..Default::default()
+            };
+            pagemap.scan(r.start, end, &all, regions_buf)?;
+        }
+        mark_pages(cats, r.start, regions_buf);
+    } else {
+        entries.clear();
+        pagemap.entries(r.start, n, entries)?;
+        for (c, e) in cats.iter_mut().zip(entries.iter()) {
+            if e & PM_PRESENT != 0 {
+                *c |= 1;
+                if e & PM_FILE != 0 {
+                    *c |= 2;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the watch of one period adds up.
+struct Tally {
+    /// The candidates.
+    out: Vec<Candidate>,
+    /// Present pages still changing.
+    volatile: u64,
+    /// Unchanged pages waiting as first sightings.
+    unique: u64,
+    /// Registered pages: room for every candidate is made at once.
+    all_pages: usize,
+}
+
+/// The watch of one region's pages, and what it changes besides them.
+struct RegionWatch<'a> {
+    sh: &'a Shared,
+    config: &'a Config,
+    /// Unchanged periods this scan counts (see `unchanged_step`).
+    step: u8,
+    /// The region's first address.
+    start: usize,
+    store: &'a mut Store,
+    zero: &'a mut u64,
+    stale_sightings: &'a mut usize,
+    tally: &'a mut Tally,
+}
+
+impl RegionWatch<'_> {
+    /// Updates every page of region `r` from its categories `cats`.
+    fn pages(&mut self, r: &mut RegionState, cats: &[u8]) {
+        let wp = self.sh.mode == WatchMode::UffdWp;
+        let pages = r.pages.iter_mut().zip(cats.iter()).zip(r.sums.iter_mut());
+        for (i, ((p, &c), sum)) in pages.enumerate() {
+            // The two cases of almost every page while a merge goes on and after it, decided
+            // without a branch per kind (the kinds of neighbouring pages alternate, so a branch
+            // on each was mispredicted half of the time): a merged page still mapping its copy
+            // (not present, or present and file-backed), and a unique page present, not the zero
+            // page and not written (the write-protect scan tells; checksums are not compared
+            // here). Both are handled below as well; this only skips to the next page.
+            let merged_quiet = (p.kind == PageKind::Merged) & (c & 3 != 1);
+            let unique_quiet = (p.kind == PageKind::Unique) & (c & 0b1101 == 1) & wp;
+            self.tally.unique += u64::from(unique_quiet);
+            if merged_quiet | unique_quiet {
+                continue;
+            }
+            self.page(self.start + i * PAGE, p, sum, c);
+        }
+    }
+
+    /// Updates the page at `addr` (`p`, its checksum `sum`) from its categories `c`.
+    fn page(&mut self, addr: usize, p: &mut Page, sum: &mut u64, c: u8) {
+        let present = c & 1 != 0;
+        match p.kind {
+            PageKind::Merged => {
+                if present && c & 2 == 0 {
+                    // Written since the merge: the kernel gave it a private copy. Merging it
+                    // again costs a freeze, a mapping and another copy-on-write fault if it
+                    // is written again, so each break doubles its wait (to max_backoff).
+                    self.store.drop_ref(p.sid);
+                    p.kind = PageKind::Broken;
+                    p.unchanged = 0;
+                    p.back_off(self.config.max_backoff);
+                    checksum_changed(addr, sum);
+                    self.sh.counters.cow_breaks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            PageKind::Foreign => {
+                // (Not present: not touched since the merge, which maps no page table entry.
+                // Read, it is the old copy all the same.)
+                if present && c & 2 == 0 {
+                    // Written: a private copy now, like a COW-broken page (the replaced
+                    // store kept no count of it).
+                    p.kind = PageKind::Broken;
+                    p.unchanged = 0;
+                    p.back_off(self.config.max_backoff);
+                    checksum_changed(addr, sum);
+                    return;
+                }
+                if self.sh.store_uffd.is_some() {
+                    self.unchanged_in_store_mapping(p, addr);
+                }
+            }
+            PageKind::Broken => {
+                // Private pages in store mappings: watched by checksum (there are few), merged
+                // again through the store mappings' write-protection.
+                if self.sh.store_uffd.is_none() || !present || c & 2 != 0 {
+                    return;
+                }
+                if checksum_changed(addr, sum) {
+                    p.unchanged = 0;
+                    p.writes = p.writes.saturating_add(1).min(self.config.max_backoff);
+                    self.tally.volatile += 1;
+                    return;
+                }
+                self.unchanged_in_store_mapping(p, addr);
+            }
+            PageKind::Zero => {
+                if present && c & 4 == 0 {
+                    p.kind = PageKind::Anon;
+                    *self.zero -= 1;
+                    self.anonymous(addr, p, sum, c);
+                }
+            }
+            PageKind::Unique => self.unique(addr, p, sum, c),
+            PageKind::Anon => self.anonymous(addr, p, sum, c),
+        }
+    }
+
+    /// A page waiting in the first-sighting map: it keeps waiting unless written or released.
+    fn unique(&mut self, addr: usize, p: &mut Page, sum: &mut u64, c: u8) {
+        let present = c & 1 != 0;
+        if present && c & 4 == 0 {
+            if !self.written(addr, sum, c) {
+                self.tally.unique += 1;
+                return;
+            }
+            p.kind = PageKind::Anon;
+            p.unchanged = 0;
+            p.epoch = p.epoch.wrapping_add(1);
+            p.writes = p.writes.saturating_add(1).min(self.config.max_backoff);
+            *self.stale_sightings += 1;
+            self.tally.volatile += 1;
+            return;
+        }
+        p.kind = PageKind::Anon;
+        *self.stale_sightings += 1;
+        self.anonymous(addr, p, sum, c);
+    }
+
+    /// An anonymous page: a candidate once it stayed unchanged long enough, present and not the
+    /// zero page.
+    fn anonymous(&mut self, addr: usize, p: &mut Page, sum: &mut u64, c: u8) {
+        let present = c & 1 != 0;
+        if !present || c & 4 != 0 {
+            p.unchanged = 0;
+            return;
+        }
+        if self.written(addr, sum, c) {
+            p.unchanged = 0;
+            p.epoch = p.epoch.wrapping_add(1);
+            p.writes = p.writes.saturating_add(1).min(self.config.max_backoff);
+            self.tally.volatile += 1;
+            return;
+        }
+        p.unchanged = p.unchanged.saturating_add(self.step);
+        let needed = self.config.merge_periods.max(p.writes);
+        if p.unchanged >= needed {
+            let out = &mut self.tally.out;
+            if out.capacity() == 0 {
+                // Room for every page left at once: a registered range becomes candidates all
+                // together, and growing by doubling would copy and fault in tens of MiB.
+                out.reserve(self.tally.all_pages);
+            }
+            out.push(Candidate::new(self.start, addr, Pre::None));
+        } else {
+            self.tally.volatile += 1;
+        }
+    }
+
+    /// Whether the present page at `addr` was written since the last period: the write-protect
+    /// scan tells, or else its checksum.
+    fn written(&self, addr: usize, sum: &mut u64, c: u8) -> bool {
+        if self.sh.mode == WatchMode::UffdWp {
+            c & 8 != 0
+        } else {
+            checksum_changed(addr, sum)
+        }
+    }
+
+    /// Counts one more unchanged period (as the scan counts) for the page at `addr` in a store
+    /// mapping (COW-broken or on a replaced store): a candidate once it waited long enough, else
+    /// volatile.
+    fn unchanged_in_store_mapping(&mut self, p: &mut Page, addr: usize) {
+        p.unchanged = p.unchanged.saturating_add(self.step);
+        if p.unchanged >= self.config.merge_periods.max(p.writes) {
+            self.tally
+                .out
+                .push(Candidate::new(self.start, addr, Pre::None));
+        } else {
+            self.tally.volatile += 1;
+        }
+    }
+}
+
+/// Present pages, reported with `PAGE_IS_PFNZERO`, and with `PAGE_IS_FILE` where they may be file
+/// pages. Whether a page is a file page costs the kernel a look at the page itself (7x the cost
+/// of a walk that reads page table entries only). In the write-protect mode the mapping tells
+/// instead: registered pieces that are write-protectable (`PAGE_IS_WPALLOWED`, a property of the
+/// mapping) are the anonymous ones, the others are mappings of the store. So in that mode this
+/// walks the anonymous pieces only, and the store mappings are walked apart when needed.
+pub(crate) fn present_pages(mode: WatchMode) -> sys::ScanQuery {
+    if mode == WatchMode::UffdWp {
+        sys::ScanQuery {
+            category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
+            return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO,
+            ..Default::default()
+        }
+    } else {
+        sys::ScanQuery {
+            category_mask: PAGE_IS_PRESENT,
+            return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_FILE,
+            ..Default::default()
+        }
+    }
+}
+
+/// Pages written since the last scan, write-protected again by the same call.
+fn written_query() -> sys::ScanQuery {
+    sys::ScanQuery {
+        flags: PM_SCAN_WP_MATCHING,
+        category_mask: PAGE_IS_WRITTEN,
+        return_mask: PAGE_IS_WRITTEN,
+        ..Default::default()
+    }
+}
+
+/// Adds the scan results `found` (ranges of a region starting at `start`) to the per-page
+/// categories: bit 0 present, bit 1 file-backed, bit 2 zero pfn, bit 3 written.
+fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
+    for pr in found {
+        let mut bits = 0;
+        for (cat, bit) in [
+            (PAGE_IS_PRESENT, 1),
+            (PAGE_IS_FILE, 2),
+            (PAGE_IS_PFNZERO, 4),
+            (PAGE_IS_WRITTEN, 8),
+        ] {
+            if pr.categories & cat != 0 {
+                bits |= bit;
+            }
+        }
+        let (lo, hi) = (pr.start as usize - start, pr.end as usize - start);
+        for c in &mut cats[lo / PAGE..hi / PAGE] {
+            *c |= bits;
+        }
+    }
+}
+
+/// Scratch space of [`watch`]: per-page categories and what the scans return.
+#[derive(Default)]
+pub(crate) struct ScanBuffers {
+    regions: Vec<PageRegion>,
+    cats: Vec<u8>,
+    entries: Vec<u64>,
+}
+
+impl ScanBuffers {
+    /// Gives back room beyond twice what a region of `pages` pages needs.
+    fn shrink_to(&mut self, pages: usize) {
+        if self.cats.capacity() > 2 * pages {
+            self.cats.shrink_to(pages);
+        }
+        if self.entries.capacity() > 2 * pages {
+            self.entries.shrink_to(pages);
+        }
+    }
+
+    /// The memory held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.regions.capacity() * std::mem::size_of::<PageRegion>()
+            + self.cats.capacity()
+            + self.entries.capacity() * std::mem::size_of::<u64>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The watch's scratch keeps its room between periods, but not more than twice what the
+    /// largest region needs.
+    #[test]
+    fn watch_scratch_keeps_room_for_the_largest_region_only() {
+        let mut b = ScanBuffers::default();
+        b.cats.resize(1 << 20, 0);
+        b.entries.resize(1 << 20, 0);
+        b.cats.clear();
+        b.entries.clear();
+        b.shrink_to(1 << 19);
+        assert!(b.cats.capacity() >= 1 << 20 && b.entries.capacity() >= 1 << 20);
+        assert!(b.bytes() >= 9 << 20);
+        b.shrink_to(1000);
+        assert!((1000..1 << 19).contains(&b.cats.capacity()));
+        assert!((1000..1 << 19).contains(&b.entries.capacity()));
+        assert!(b.bytes() < 9 << 19);
+    }
+}
