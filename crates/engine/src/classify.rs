@@ -16,7 +16,7 @@ use std::time::Instant;
 use pageone_index::{KeyId, SdTree};
 use pageone_sync::lock;
 
-use crate::access::{joined, read_page, stable_copy, HashOfHash, Pre, WORDS};
+use crate::access::{classify_bytes, joined, stable_copy, HashOfHash, PageReader, Pre};
 use crate::candidates::{push_candidate, Action, Candidate, CandidateSet};
 use crate::config::Config;
 use crate::pool::Pool;
@@ -191,17 +191,29 @@ fn read_batch(cx: &Ctx<'_>, cands: &[Candidate]) -> Option<FirstRead> {
     let parts_out = cx.pool.map_parts(cx.parts, items, move |lo, items| {
         let mut acts = Vec::with_capacity(items.len());
         let mut hs = Vec::new();
-        let mut buf = Box::new([0u64; WORDS]);
-        for (k, &Item { addr, pre, alone }) in items.iter().enumerate() {
-            // Pages not read ahead are read now, the same way.
-            let pre = match pre {
-                Pre::None => read_page(addr, tree.as_deref(), store_base, &mut buf),
-                Pre::Hash(h) if alone => match &tree {
-                    Some(t) => stable_copy(addr, t, store_base).map_or(Pre::Hash(h), Pre::Stable),
-                    None => Pre::Hash(h),
+        // Pages not read ahead are read now, the same way; a page read ahead and alone in the
+        // batch is read again to look in the tree.
+        let mut pres: Vec<Pre> = items.iter().map(|i| i.pre).collect();
+        let reread = |i: &Item| match i.pre {
+            Pre::None => true,
+            Pre::Hash(_) => i.alone && tree.is_some(),
+            _ => false,
+        };
+        let todo = (0..items.len()).filter(|&k| reread(&items[k]));
+        let mut reader = PageReader::new();
+        let mut next = todo.clone();
+        reader.read_each(todo.map(|k| items[k].addr), |_, bytes| {
+            let k = next.next().expect("one result per page read");
+            pres[k] = match (items[k].pre, bytes) {
+                (_, None) => Pre::None,
+                (Pre::None, Some(b)) => classify_bytes(b, tree.as_deref(), store_base),
+                (p, Some(b)) => match tree.as_deref().and_then(|t| stable_copy(b, t, store_base)) {
+                    Some(id) => Pre::Stable(id),
+                    None => p,
                 },
-                p => p,
             };
+        });
+        for (k, &pre) in pres.iter().enumerate() {
             match pre {
                 Pre::Zero => acts.push(Some(Action::Zero)),
                 Pre::Stable(id) => acts.push(Some(Action::Merge(id))),

@@ -16,7 +16,7 @@ use pageone_index::KeyId;
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
-use crate::access::{live_page_equals, mark_words, PAGE};
+use crate::access::{equals_copy, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
 use crate::classify::Classified;
 use crate::config::Config;
@@ -39,6 +39,8 @@ struct CommitCtx<'a> {
     recycler: Option<Arc<pageone_recycler::Pool>>,
     /// Seconds spent freezing, verifying and replacing, for the log.
     times: [f64; 3],
+    /// Reads COW-broken pages to compare them.
+    reader: PageReader,
 }
 
 /// The parts of the state a run's commit changes, borrowed from the holder of the state lock.
@@ -103,6 +105,7 @@ pub(crate) fn commit(sh: &Shared, pool: &Pool, config: &Config, batch: &Classifi
         budget: VmaBudget::new(budget),
         recycler: lock(&sh.recycler).clone(),
         times: [0.0; 3],
+        reader: PageReader::new(),
     };
     todo.sort_unstable_by_key(|&i| cands[i].addr());
     let t_end = Instant::now();
@@ -343,7 +346,7 @@ fn judge(
 fn still_marked(cx: &CommitCtx<'_>, page: usize, slot: u32, addr: usize) -> bool {
     // SAFETY: `page` is the scratch slot holding the page moved out of the frozen address; only
     // the engine knows the scratch area, so nobody writes it meanwhile.
-    let words = unsafe { mark_words(page) };
+    let words = [0, 1, 2].map(|w| unsafe { std::ptr::read((page as *const u64).add(w)) });
     let ticket = pageone_recycler::Ticket { slot, addr };
     let marked = cx
         .recycler
@@ -429,13 +432,19 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
         return;
     };
     let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
+    // The pages are held still, but read through the kernel all the same (they are the
+    // program's mappings: unmapped meanwhile, a read fails instead of faulting).
+    let reader = &mut cx.reader;
     for (k, v) in verdict.iter_mut().enumerate().take(n) {
         let Some(Action::Merge(sid)) = run.acts[k] else {
             continue;
         };
         if rs.store.refs(sid) >= cx.config.max_sharing {
             rs.store.retire(sid);
-        } else if live_page_equals(start + k * PAGE, rs.store.addr(sid)) {
+        } else if reader
+            .read_one(start + k * PAGE)
+            .is_some_and(|b| equals_copy(b, rs.store.addr(sid)))
+        {
             *v = Some(Action::Merge(sid));
             rs.store.add_ref(sid);
         } else {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use pageone_sync::lock;
 use pageone_sys as sys;
 
-use crate::access::{mark_words, Pre, PAGE};
+use crate::access::{read_words, Pre, PAGE};
 use crate::candidates::{batches_by_content, Action, Candidate, ContentBatches};
 use crate::candidates::{BATCH, REMOTE_BATCH};
 use crate::classify::{classify, Classified, Relook, StoreView};
@@ -505,17 +505,16 @@ fn relook_due(period: u64, offered: bool, skipped: &mut u32) -> bool {
 /// Takes the tickets of pages marked free in `pool` that the engine may release: ANON or UNIQUE
 /// pages of registered regions (merged and COW-broken pages live in store mappings, which a
 /// freeze cannot move). Returns them as candidates in address order with their tickets' slots.
-/// The state lock keeps the regions mapped while their words are read; no run is frozen then
-/// (the period's commits start after this), so a read never waits for the committer.
+/// The words are read through the kernel (a page unmapped meanwhile is no ticket); no run is
+/// frozen then (the period's commits start after this), so a read never waits for the committer.
 fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> Tickets {
     let tickets = pool.claim(MAX_TICKETS, |addr| {
         let (_, _, p) = page_at(&st.regions, addr)?;
         if addr % PAGE != 0 || !matches!(p.kind, PageKind::Anon | PageKind::Unique) {
             return None;
         }
-        // SAFETY: a page of a registered region, mapped while the state lock is held (the
-        // program may write it meanwhile: the commit checks again on frozen bytes).
-        Some(unsafe { mark_words(addr) })
+        // The program may write it meanwhile: the commit checks again on frozen bytes.
+        read_words::<3>(addr)
     });
     let mut out: Vec<(Candidate, u32)> = tickets
         .iter()

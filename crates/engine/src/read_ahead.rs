@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use pageone_sync::lock;
 use pageone_sys::uapi::*;
 
-use crate::access::{read_page, Pre, PAGE, WORDS};
+use crate::access::{classify_bytes, PageReader, Pre, PAGE};
 use crate::candidates::{Candidate, PagePre};
 use crate::config::WatchMode;
 use crate::pool::Pool;
@@ -100,19 +100,18 @@ pub(crate) fn read_ahead(st: &mut State, pool: &Pool, start: usize, end: usize, 
             {
                 return;
             }
-            let mut buf = [0u64; WORDS];
+            let mut reader = PageReader::new();
             let mut res = lock(&out[part]);
-            for r in found
+            let addrs = found
                 .iter()
                 .filter(|r| r.categories & (PAGE_IS_PFNZERO | PAGE_IS_FILE) == 0)
-            {
-                for addr in (r.start as usize..r.end as usize).step_by(PAGE) {
-                    res.push(PagePre::new(
-                        addr,
-                        read_page(addr, tree.as_deref(), store_base, &mut buf),
-                    ));
-                }
-            }
+                .flat_map(|r| (r.start as usize..r.end as usize).step_by(PAGE));
+            reader.read_each(addrs, |addr, bytes| {
+                let pre = bytes.map_or(Pre::None, |b| {
+                    classify_bytes(b, tree.as_deref(), store_base)
+                });
+                res.push(PagePre::new(addr, pre));
+            });
         }),
     );
     st.ahead_jobs.push(AheadJob {

@@ -248,17 +248,13 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize) -> bool {
     }
     let ok = match sys::mmap_anonymous(len) {
         Ok(tmp) => {
-            for w in 0..len / 8 {
-                // SAFETY: the source is mapped and held still (writers block on write-protect),
-                // read with volatile loads as someone else's memory; `tmp` is ours alone.
-                unsafe {
-                    let v = std::ptr::read_volatile((s as *const u64).add(w));
-                    std::ptr::write((tmp as *mut u64).add(w), v);
-                }
-            }
+            // The source is held still (writers block on write-protection) and read through the
+            // kernel, as the program's memory; `tmp` is ours alone, `len` bytes long.
+            // SAFETY: `tmp` is writable for `len` bytes.
+            let copied = unsafe { sys::read_own_memory(tmp, &[(s, len)]) }.ok() == Some(len);
             // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
             // just copied and belongs to the registered region.
-            let moved = unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();
+            let moved = copied && unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();
             if !moved {
                 // SAFETY: `tmp` is ours and nothing refers to it.
                 let _ = unsafe { sys::munmap(tmp, len) };

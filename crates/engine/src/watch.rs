@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use pageone_sys::{self as sys, uapi::*};
 
-use crate::access::{checksum_changed, Pre, PAGE};
+use crate::access::{checksum_changed, PageReader, Pre, PAGE};
 use crate::candidates::Candidate;
 use crate::config::{Config, WatchMode};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
@@ -44,6 +44,7 @@ pub(crate) fn watch(
         stale_sightings,
         ..
     } = st;
+    let mut reader = PageReader::new();
     for r in regions.values_mut() {
         let step = unchanged_step(r, now, kicked, config);
         scan_categories(sh.mode, pagemap, r, &mut scan)?;
@@ -59,6 +60,7 @@ pub(crate) fn watch(
             zero,
             stale_sightings,
             tally: &mut tally,
+            reader: &mut reader,
         };
         w.pages(r, &scan.cats);
     }
@@ -173,6 +175,8 @@ struct RegionWatch<'a> {
     zero: &'a mut u64,
     stale_sightings: &'a mut usize,
     tally: &'a mut Tally,
+    /// Reads pages for their checksums (checksum mode, COW-broken pages).
+    reader: &'a mut PageReader,
 }
 
 impl RegionWatch<'_> {
@@ -210,7 +214,7 @@ impl RegionWatch<'_> {
                     p.kind = PageKind::Broken;
                     p.unchanged = 0;
                     p.back_off(self.config.max_backoff);
-                    checksum_changed(addr, sum);
+                    checksum_changed(self.reader, addr, sum);
                     self.sh.counters.cow_breaks.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -223,7 +227,7 @@ impl RegionWatch<'_> {
                     p.kind = PageKind::Broken;
                     p.unchanged = 0;
                     p.back_off(self.config.max_backoff);
-                    checksum_changed(addr, sum);
+                    checksum_changed(self.reader, addr, sum);
                     return;
                 }
                 if self.sh.store_uffd.is_some() {
@@ -236,7 +240,7 @@ impl RegionWatch<'_> {
                 if self.sh.store_uffd.is_none() || !present || c & 2 != 0 {
                     return;
                 }
-                if checksum_changed(addr, sum) {
+                if checksum_changed(self.reader, addr, sum) {
                     p.unchanged = 0;
                     p.writes = p.writes.saturating_add(1).min(self.config.max_backoff);
                     self.tally.volatile += 1;
@@ -309,11 +313,11 @@ impl RegionWatch<'_> {
 
     /// Whether the present page at `addr` was written since the last period: the write-protect
     /// scan tells, or else its checksum.
-    fn written(&self, addr: usize, sum: &mut u64, c: u8) -> bool {
+    fn written(&mut self, addr: usize, sum: &mut u64, c: u8) -> bool {
         if self.sh.mode == WatchMode::UffdWp {
             c & 8 != 0
         } else {
-            checksum_changed(addr, sum)
+            checksum_changed(self.reader, addr, sum)
         }
     }
 

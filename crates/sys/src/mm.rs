@@ -239,3 +239,54 @@ pub fn set_heap_mmap_threshold(bytes: usize) {
         );
     }
 }
+
+/// Copies the pieces `srcs` (address, length) of this process's own memory, one after another,
+/// into `dst` with `process_vm_readv`: the kernel reads them, so memory another thread writes
+/// meanwhile is never read by this thread, and a piece unmapped meanwhile is an error, not a
+/// fault. Returns the bytes copied: the whole pieces read before the first that could not be.
+///
+/// # Safety
+/// `dst` must be writable for the sum of the pieces' lengths.
+pub unsafe fn read_own_memory(dst: *mut u8, srcs: &[(usize, usize)]) -> io::Result<usize> {
+    let total: usize = srcs.iter().map(|&(_, len)| len).sum();
+    let mut done = 0;
+    for chunk in srcs.chunks(crate::IOV_MAX) {
+        let remote: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&(addr, len)| libc::iovec {
+                iov_base: addr as *mut libc::c_void,
+                iov_len: len,
+            })
+            .collect();
+        let want: usize = chunk.iter().map(|&(_, len)| len).sum();
+        let local = libc::iovec {
+            // SAFETY: within `dst`, by the caller's contract (done < total).
+            iov_base: unsafe { dst.add(done) }.cast(),
+            iov_len: want,
+        };
+        // SAFETY: `local` is writable (caller's contract); the remote pieces are only read by the
+        // kernel, which reports an unmapped one as an error.
+        let r = unsafe {
+            libc::process_vm_readv(
+                libc::getpid(),
+                &local,
+                1,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        };
+        if r < 0 {
+            if done > 0 {
+                return Ok(done);
+            }
+            return Err(io::Error::last_os_error());
+        }
+        done += r as usize;
+        if r as usize != want {
+            break;
+        }
+    }
+    debug_assert!(done <= total);
+    Ok(done)
+}

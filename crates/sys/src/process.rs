@@ -56,6 +56,49 @@ pub fn set_thread_idle_priority() -> io::Result<()> {
     cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } as libc::c_long).map(drop)
 }
 
+/// Puts the calling thread back in the normal class (`SCHED_OTHER`) at its nice value, which an
+/// unprivileged thread may do from `SCHED_IDLE`: for a thread that holds others up for a moment.
+pub fn set_thread_normal_priority() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: param is a live sched_param; pid 0 means the calling thread.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) } as libc::c_long).map(drop)
+}
+
+/// Blocks every signal in the calling thread until the guard is dropped (the previous mask is
+/// restored then). Threads it creates meanwhile start with every signal blocked: signal
+/// handlers of the program never run on them.
+pub fn block_all_signals() -> io::Result<SignalMask> {
+    let mut all = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    let mut old = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    // SAFETY: sigfillset initialises `all`; pthread_sigmask reads it and fills `old`.
+    let r = unsafe {
+        libc::sigfillset(all.as_mut_ptr());
+        libc::pthread_sigmask(libc::SIG_BLOCK, all.as_ptr(), old.as_mut_ptr())
+    };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(SignalMask(unsafe { old.assume_init() }))
+}
+
+/// The signal mask a thread had before [`block_all_signals`]; restored on drop.
+pub struct SignalMask(libc::sigset_t);
+
+impl SignalMask {
+    /// Keeps every signal blocked in this thread for good.
+    pub fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for SignalMask {
+    fn drop(&mut self) {
+        // SAFETY: restores a mask read by pthread_sigmask.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut()) };
+    }
+}
+
 /// The CPU-time clock of one thread, readable from any thread of the process while that thread
 /// has not been joined (`pthread_getcpuclockid`).
 #[derive(Clone, Copy, Debug)]
@@ -111,6 +154,21 @@ pub fn pidfd_exited(pidfd: RawFd, wait: bool) -> io::Result<bool> {
 pub fn on_fork(prepare: extern "C" fn()) -> io::Result<()> {
     // SAFETY: `prepare` is a plain function valid for the life of the program.
     let r = unsafe { libc::pthread_atfork(Some(prepare), None, None) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
+
+/// Runs `prepare` before every `fork` of this process (in the forking thread), then `parent` in
+/// the parent and `child` in the child after it (`pthread_atfork`).
+pub fn at_fork(
+    prepare: extern "C" fn(),
+    parent: extern "C" fn(),
+    child: extern "C" fn(),
+) -> io::Result<()> {
+    // SAFETY: plain functions valid for the life of the program.
+    let r = unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) };
     if r != 0 {
         return Err(io::Error::from_raw_os_error(r));
     }

@@ -23,7 +23,15 @@ pub const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 pub const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
 pub const UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES: u64 = 1 << 1;
 
+pub const UFFD_FEATURE_EVENT_REMAP: u64 = 1 << 2;
+pub const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
+pub const UFFD_FEATURE_EVENT_UNMAP: u64 = 1 << 6;
+
 pub const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+pub const UFFD_EVENT_FORK: u8 = 0x13;
+pub const UFFD_EVENT_REMAP: u8 = 0x14;
+pub const UFFD_EVENT_REMOVE: u8 = 0x15;
+pub const UFFD_EVENT_UNMAP: u8 = 0x16;
 
 /// `include/uapi/asm-generic/socket.h` (Linux 6.5): a pidfd of a Unix socket's peer.
 pub const SO_PEERPIDFD: libc::c_int = 77;
@@ -86,6 +94,55 @@ pub struct UffdMsg {
     pub pf_ptid: u32,
     pub pad: u32,
 }
+
+/// What a [`UffdMsg`] reports, its union read by its event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UffdEvent {
+    /// A thread faulted at `address` (`write`: a write fault; `wp`: on write-protection).
+    PageFault { address: u64, write: bool, wp: bool },
+    /// `[from, from+len)` moved to `[to, to+len)` (`mremap`); the mapping there keeps the
+    /// registration.
+    Remap { from: u64, to: u64, len: u64 },
+    /// The pages of `[start, end)` are about to be dropped (`MADV_DONTNEED`/`MADV_REMOVE`): the
+    /// caller waits until the message is read, then the kernel zaps them.
+    Remove { start: u64, end: u64 },
+    /// `[start, end)` was unmapped (`munmap`, `mmap(MAP_FIXED)` over it, `mremap` shrinking it).
+    Unmap { start: u64, end: u64 },
+    /// Another event (`FORK` is never asked for).
+    Other(u8),
+}
+
+impl UffdMsg {
+    /// The event this message reports.
+    pub fn event(&self) -> UffdEvent {
+        // The union of `struct uffd_msg` starts at byte 8: the page-fault arm's flags, address
+        // and thread id are the remap arm's from, to and len, and the remove arm's start and end.
+        match self.event {
+            UFFD_EVENT_PAGEFAULT => UffdEvent::PageFault {
+                address: self.pf_address,
+                write: self.pf_flags & UFFD_PAGEFAULT_FLAG_WRITE != 0,
+                wp: self.pf_flags & UFFD_PAGEFAULT_FLAG_WP != 0,
+            },
+            UFFD_EVENT_REMAP => UffdEvent::Remap {
+                from: self.pf_flags,
+                to: self.pf_address,
+                len: u64::from(self.pf_ptid) | u64::from(self.pad) << 32,
+            },
+            UFFD_EVENT_REMOVE => UffdEvent::Remove {
+                start: self.pf_flags,
+                end: self.pf_address,
+            },
+            UFFD_EVENT_UNMAP => UffdEvent::Unmap {
+                start: self.pf_flags,
+                end: self.pf_address,
+            },
+            e => UffdEvent::Other(e),
+        }
+    }
+}
+
+pub const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1 << 0;
+pub const UFFD_PAGEFAULT_FLAG_WP: u64 = 1 << 1;
 
 pub const UFFDIO_API: u64 = ioc(IOC_RW, 0xAA, 0x3F, std::mem::size_of::<UffdioApi>());
 pub const UFFDIO_REGISTER: u64 = ioc(IOC_RW, 0xAA, 0x00, std::mem::size_of::<UffdioRegister>());
