@@ -20,8 +20,7 @@ use crate::access::{equals_copy, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
 use crate::classify::Classified;
 use crate::config::Config;
-use crate::freeze::{Freezer, FrozenRun, ProtectedRun, MAX_RUN};
-use crate::pool::Pool;
+use crate::freeze::{Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, MAX_RUN};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
 use crate::store::Store;
 
@@ -32,7 +31,6 @@ const FAULT_AROUND_BYTES: usize = 64 << 10;
 /// What the runs of one batch's commit share.
 struct CommitCtx<'a> {
     sh: &'a Shared,
-    pool: &'a Pool,
     config: &'a Config,
     budget: VmaBudget,
     /// The PPR pool whose marks recycled pages must still hold.
@@ -92,7 +90,7 @@ struct Subrun {
 
 /// Freezes, verifies and replaces runs of the batch's candidates, in address order; `budget` is
 /// the most VMAs the process may have after a merge.
-pub(crate) fn commit(sh: &Shared, pool: &Pool, config: &Config, batch: &Classified, budget: usize) {
+pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: usize) {
     let (cands, actions) = (&batch.cands, &batch.actions);
     let mut todo: Vec<usize> = (0..cands.len()).filter(|&i| actions[i].is_some()).collect();
     if todo.is_empty() {
@@ -100,7 +98,6 @@ pub(crate) fn commit(sh: &Shared, pool: &Pool, config: &Config, batch: &Classifi
     }
     let mut cx = CommitCtx {
         sh,
-        pool,
         config,
         budget: VmaBudget::new(budget),
         recycler: lock(&sh.recycler).clone(),
@@ -139,18 +136,14 @@ fn commit_run(
     let Some(mut rs) = RunState::of(&mut guard, cands[todo[0]].region) else {
         return 1;
     };
-    let mut run = next_run(rs.region, cands, actions, todo);
+    let run = next_run(rs.region, cands, actions, todo);
     if run.in_store {
         commit_broken(cx, &mut rs, &run);
         return run.n;
     }
-    if !within_budget(cx, &mut rs, &mut run) {
+    let Some(plan) = plan_run(cx, &mut rs, &run) else {
         return run.n;
-    }
-    // Freezing and comparing need no state: the period lock keeps the region registered, and
-    // a copy named by this batch stays allocated until the batch is done (only the committer
-    // frees copies during a period).
-    let store_base = rs.store.addr(0);
+    };
     let (scratch, pagemap) = (guard.scratch, guard.pagemap.clone());
     drop(guard);
     let freezer = Freezer {
@@ -159,7 +152,13 @@ fn commit_run(
         scratch,
         pagemap: &pagemap,
     };
-    merge_run(cx, &run, store_base, freezer);
+    map_copies_before_freeze(&plan.acts[..run.n], plan.store_base);
+    let tf = Instant::now();
+    let outcome = merge_frozen(cx, &run, &plan, freezer);
+    cx.times[0] += tf.elapsed().as_secs_f64();
+    outcome.log();
+    let mut guard = lock(&sh.state);
+    record_outcome(cx, &mut guard, &run, &plan, &outcome);
     run.n
 }
 
@@ -197,69 +196,325 @@ fn next_run(
     }
 }
 
-/// Merges that cannot be mapped for want of VMAs are not worth a freeze: they back off now.
-/// Returns whether the run has anything left to do.
-fn within_budget(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &mut Run) -> bool {
-    if cx.budget.allows(rs.vmas, 2) {
-        return true;
-    }
-    let mut limited = 0;
-    for (k, a) in run.acts.iter_mut().enumerate().take(run.n) {
-        if let Some(Action::Merge(_)) = a {
+/// What a run may become, fixed before its freeze under the state lock, so that nothing between
+/// the freeze and the wake takes a lock, allocates or logs (a program thread blocked on the run
+/// may hold the allocator's lock or stderr's): every copy it may map is held by a reference
+/// (none can be freed meanwhile), and the VMAs its mappings may cost are counted already.
+struct Plan {
+    /// Per page: release (`Zero`, `Recycle`), merge onto a copy held for it, or nothing.
+    acts: [Option<Action>; MAX_RUN],
+    /// The store's descriptor and view.
+    fd: i32,
+    store_base: usize,
+    /// The copy the page left of the run maps, if merged: a subrun continuing it coalesces.
+    left: Option<KeyId>,
+    /// VMAs counted for the run's mappings (their worst case).
+    vmas: usize,
+}
+
+/// Plans the run (see [`Plan`]): merges onto copies that are gone or full, or that the VMA budget
+/// cannot afford, are dropped (and the pages back off); a reference is taken on every copy left.
+/// `None` if nothing is left to do.
+fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<Plan> {
+    let mut acts = run.acts;
+    for a in acts.iter_mut().take(run.n) {
+        let Some(Action::Merge(sid)) = *a else {
+            continue;
+        };
+        // Freed since classification named it (the tree can name a copy of an earlier batch that
+        // merged nothing, freed after that batch's commit), or shared by as many pages as allowed.
+        if !rs.store.is_allocated(sid) {
             *a = None;
-            limited += 1;
-            let p = &mut rs.region.pages[run.first_index + k];
-            p.unchanged = 0;
-            p.back_off(cx.config.max_backoff);
+        } else if rs.store.refs(sid) >= cx.config.max_sharing {
+            rs.store.retire(sid);
+            *a = None;
         }
     }
+    let left = run
+        .first_index
+        .checked_sub(1)
+        .map(|i| rs.region.pages[i])
+        .filter(|p| p.kind == PageKind::Merged)
+        .map(|p| p.sid);
+    let vmas = afford(cx, rs, run, &mut acts, left);
+    for a in acts.iter().take(run.n) {
+        if let Some(Action::Merge(sid)) = *a {
+            rs.store.add_ref(sid);
+        }
+    }
+    if acts[..run.n].iter().all(Option::is_none) {
+        return None;
+    }
+    Some(Plan {
+        acts,
+        fd: rs.store.fd(),
+        store_base: rs.store.addr(0),
+        left,
+        vmas,
+    })
+}
+
+/// Keeps the run's merges the VMA budget affords, in address order (a subrun continuing its left
+/// neighbour's mapping costs one VMA, any other two); the others are dropped and their pages back
+/// off. Returns the VMAs counted for the merges kept.
+fn afford(
+    cx: &mut CommitCtx<'_>,
+    rs: &mut RunState<'_>,
+    run: &Run,
+    acts: &mut [Option<Action>; MAX_RUN],
+    left: Option<KeyId>,
+) -> usize {
+    let (mut counted, mut limited, mut k) = (0, 0u64, 0);
+    while k < run.n {
+        let Some((sid, m)) = merge_subrun(&acts[..run.n], k) else {
+            k += 1;
+            continue;
+        };
+        let continues = k == 0 && left.is_some_and(|l| l.wrapping_add(1) == sid);
+        let cost = if continues { 1 } else { 2 };
+        if cx.budget.allows(rs.vmas, cost) {
+            *rs.vmas += cost;
+            counted += cost;
+        } else {
+            for q in k..k + m {
+                acts[q] = None;
+                let p = &mut rs.region.pages[run.first_index + q];
+                p.unchanged = 0;
+                p.back_off(cx.config.max_backoff);
+            }
+            limited += m as u64;
+        }
+        k += m;
+    }
+    // Relaxed: a counter.
     cx.sh
         .counters
         .vma_limited
         .fetch_add(limited, Ordering::Relaxed);
-    !run.acts[..run.n].iter().all(Option::is_none)
+    counted
 }
 
-/// Merges a run of anonymous pages, step by step: freeze, compare, decide, replace, put back,
-/// thaw.
-fn merge_run(cx: &mut CommitCtx<'_>, run: &Run, store_base: usize, freezer: Freezer<'_>) {
-    let acts = &run.acts[..run.n];
-    map_copies_before_freeze(acts, store_base);
-    let tf = Instant::now();
-    // Freeze: from here until `frozen` is dropped, any access to the run blocks in the kernel.
-    // SAFETY: the run is registered memory (the period lock keeps its region registered) that the
-    // engine holds no reference into; the scratch area is empty (discarded after every run) and
-    // only the committer freezes; the fault thread leaves the published run alone.
+/// What became of a frozen run, recorded after its writers were woken.
+struct Outcome {
+    /// Per page: merged onto its copy, released (`Zero`; `Recycle` for a PPR ticket), or put
+    /// back (`None`).
+    verdict: [Option<Action>; MAX_RUN],
+    /// Pages compared unequal to their copy (or no longer zero, or unmarked).
+    mismatches: u64,
+    /// A mapping of copies that failed, to log after the wake.
+    map_error: Option<std::io::Error>,
+    /// Pages the freeze could not put back, to log after the wake.
+    restore: RestoreReport,
+}
+
+impl Outcome {
+    /// Logs what went wrong while the run was frozen (nothing is logged during a freeze).
+    fn log(&self) {
+        if let Some(e) = &self.map_error {
+            tracing::warn!(error = %e, "merge mapping failed; pages are put back");
+        }
+        self.restore.log();
+    }
+}
+
+/// Freezes the run, compares the frozen bytes, maps the copies over the pages equal to theirs,
+/// releases zero pages, puts the others back and wakes the writers: a sequence of system calls
+/// on memory prepared beforehand, at normal priority (writers may be waiting).
+fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>) -> Outcome {
+    let _priority = NormalPriority::enter();
+    // SAFETY: the run is registered memory the engine holds no reference into; the scratch area is
+    // empty (discarded after every run) and only the committer freezes; the fault thread leaves
+    // the published run alone.
     let mut frozen = unsafe { FrozenRun::freeze(freezer, run.start, run.n) };
-    let tv = Instant::now();
-    // Verify on frozen bytes: byte-for-byte, on the workers when the run is long.
-    let jobs = compare_jobs(&frozen, acts, store_base);
-    let equal = verify_pages(cx.pool, cx.config.workers, jobs);
-    let mut guard = lock(&cx.sh.state);
-    let mut rs = RunState::of(&mut guard, run.region)
-        .expect("the period lock keeps regions registered during a commit");
-    let mut verdict = judge(cx, &mut rs, &frozen, acts, &equal);
-    let tr = Instant::now();
-    replace(cx, &mut rs, &mut frozen, run, &mut verdict);
-    settle_unmerged(&mut rs, &mut frozen, run.first_index, &verdict[..run.n]);
-    // Put back every moved page that is not merged or released, and free the originals of merged
-    // and zero pages before the merges can be seen in the stats (whoever reads them may measure
-    // the memory); then let writers in.
-    frozen.restore();
-    drop(guard);
-    let td = Instant::now();
-    drop(frozen);
-    cx.times[0] += (tv - tf).as_secs_f64();
-    cx.times[1] += (tr - tv).as_secs_f64();
-    cx.times[2] += (td - tr).as_secs_f64();
+    let mut out = Outcome {
+        verdict: [None; MAX_RUN],
+        mismatches: 0,
+        map_error: None,
+        restore: RestoreReport::default(),
+    };
+    for k in 0..run.n {
+        let Some(page) = frozen.frozen_page(k) else {
+            continue;
+        };
+        out.verdict[k] = match plan.acts[k] {
+            // SAFETY: `page` is a scratch page holding the page moved out, which only the engine
+            // knows; copies held by the plan stay allocated and unchanged.
+            Some(Action::Zero) if unsafe { page_is_zero(page) } => Some(Action::Zero),
+            Some(Action::Merge(sid))
+                if unsafe { pages_equal(page, plan.store_base + sid as usize * PAGE) } =>
+            {
+                Some(Action::Merge(sid))
+            }
+            Some(Action::Recycle(slot)) if still_marked(cx, page, slot, run.start + k * PAGE) => {
+                Some(Action::Recycle(slot))
+            }
+            None => None,
+            _ => {
+                out.mismatches += 1;
+                None
+            }
+        };
+    }
+    replace_frozen(cx, run, plan, &mut frozen, &mut out);
+    for (k, v) in out.verdict.iter().enumerate().take(run.n) {
+        if matches!(v, Some(Action::Zero | Action::Recycle(_))) {
+            frozen.consume(k);
+        }
+    }
+    out.restore = frozen.restore();
+    out
+}
+
+/// Maps the copies over each subrun of pages judged equal (one mapping per subrun of consecutive
+/// copies); their pages are consumed. A subrun that cannot be mapped is put back.
+fn replace_frozen(
+    cx: &CommitCtx<'_>,
+    run: &Run,
+    plan: &Plan,
+    frozen: &mut FrozenRun<'_>,
+    out: &mut Outcome,
+) {
+    let mut k = 0;
+    while k < run.n {
+        let Some((sid, m)) = merge_subrun(&out.verdict[..run.n], k) else {
+            k += 1;
+            continue;
+        };
+        let addr = run.start + k * PAGE;
+        // SAFETY: the subrun is frozen (its pages are in scratch) and compared equal to its
+        // copies, which the plan holds.
+        match unsafe { map_subrun(plan.fd, addr, sid, m) } {
+            Ok(()) => {
+                (k..k + m).for_each(|q| frozen.consume(q));
+                watch_store_mapping(cx.sh, addr, m);
+            }
+            Err(e) => {
+                out.verdict[k..k + m].fill(None);
+                out.map_error = Some(e);
+            }
+        }
+        k += m;
+    }
+}
+
+/// Records what became of a run whose writers were woken: merged pages, released pages, pages
+/// put back; references the plan took and did not use are given back, and VMAs counted and not
+/// used are uncounted. If the run's region is gone (unregistered or unmapped meanwhile), its
+/// mapped copies are no longer mapped by it.
+fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan, out: &Outcome) {
+    let sh = cx.sh;
+    // Relaxed: counters.
+    sh.counters
+        .mismatches
+        .fetch_add(out.mismatches, Ordering::Relaxed);
+    let used = used_vmas(run, plan, &out.verdict);
+    st.vmas = st.vmas.saturating_sub(plan.vmas - used);
+    let Some(rs) = RunState::of(st, run.region) else {
+        for a in plan.acts.iter().take(run.n) {
+            if let Some(Action::Merge(sid)) = *a {
+                st.store.drop_ref(sid);
+            }
+        }
+        return;
+    };
+    let mut merged = 0;
+    for k in 0..run.n {
+        let Some(p) = rs.region.pages.get_mut(run.first_index + k) else {
+            // The region shrank meanwhile: the page is gone.
+            if let Some(Action::Merge(sid)) = plan.acts[k] {
+                rs.store.drop_ref(sid);
+            }
+            continue;
+        };
+        match (plan.acts[k], out.verdict[k]) {
+            (_, Some(Action::Merge(sid))) => {
+                settle(p, rs.store, sid, true, cx.config.max_backoff);
+                merged += 1;
+            }
+            (Some(Action::Merge(sid)), _) => {
+                rs.store.undo_ref(sid);
+                p.unchanged = 0;
+                p.kind = PageKind::Anon;
+                if out.map_error.is_some() {
+                    p.back_off(cx.config.max_backoff);
+                }
+            }
+            (_, Some(Action::Zero | Action::Recycle(_))) => {
+                p.kind = PageKind::Zero;
+                p.unchanged = 0;
+                *rs.zero += 1;
+            }
+            _ => {
+                p.unchanged = 0;
+                p.kind = PageKind::Anon;
+            }
+        }
+        if let Some(Action::Recycle(slot)) = out.verdict[k] {
+            lock(&sh.recycled_slots).push(slot);
+            sh.counters.recycled.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    if merged > 0 {
+        rs.region.merged_ever = true;
+        sh.counters.merges.fetch_add(merged, Ordering::Relaxed);
+    }
+}
+
+/// The VMAs the run's mappings cost: as [`afford`] counted them, for the subruns mapped.
+fn used_vmas(run: &Run, plan: &Plan, verdict: &[Option<Action>; MAX_RUN]) -> usize {
+    let (mut used, mut k) = (0, 0);
+    while k < run.n {
+        let Some((sid, m)) = merge_subrun(&verdict[..run.n], k) else {
+            k += 1;
+            continue;
+        };
+        let continues = k == 0 && plan.left.is_some_and(|l| l.wrapping_add(1) == sid);
+        used += if continues { 1 } else { 2 };
+        k += m;
+    }
+    used
+}
+
+/// Whether the frozen page at `page`, moved from `addr`, still holds the PPR mark of the ticket
+/// of `slot` (then it is released).
+fn still_marked(cx: &CommitCtx<'_>, page: usize, slot: u32, addr: usize) -> bool {
+    // SAFETY: `page` is the scratch slot holding the page moved out of the frozen address; only
+    // the engine knows the scratch area, so nobody writes it meanwhile.
+    let words = [0, 1, 2].map(|w| unsafe { std::ptr::read((page as *const u64).add(w)) });
+    let ticket = pageone_recycler::Ticket { slot, addr };
+    cx.recycler
+        .as_ref()
+        .is_some_and(|p| p.is_marked(&ticket, words))
+}
+
+/// Whether the page at `page` is all zero.
+///
+/// # Safety
+/// `page` is a mapped page nobody writes during the call.
+unsafe fn page_is_zero(page: usize) -> bool {
+    // SAFETY: by the caller's contract.
+    let f = unsafe { std::slice::from_raw_parts(page as *const u8, PAGE) };
+    f.iter().all(|&b| b == 0)
+}
+
+/// Whether the pages at `a` and `b` hold the same bytes.
+///
+/// # Safety
+/// Both are mapped pages nobody writes during the call.
+unsafe fn pages_equal(a: usize, b: usize) -> bool {
+    // SAFETY: by the caller's contract.
+    unsafe {
+        std::slice::from_raw_parts(a as *const u8, PAGE)
+            == std::slice::from_raw_parts(b as *const u8, PAGE)
+    }
 }
 
 /// The copies are read through the store's view to be compared: mapped now, before the freeze, by
 /// reading one page of each aligned 64 KiB of the view (a read fault maps the pages of the file
 /// around it, that much by Linux's default `fault_around_bytes`), instead of faulting during the
 /// compare with the run frozen. Cheaper than `MADV_POPULATE_READ`, which walks every page, and
-/// than reading every page (measured: docs/benchmarks.md). Pages left unmapped fault in during
-/// the compare, as before.
+/// than reading every page (measured: docs/benchmarks/history.md). Pages left unmapped fault in
+/// during the compare, as before.
 fn map_copies_before_freeze(acts: &[Option<Action>], store_base: usize) {
     let mut k = 0;
     while k < acts.len() {
@@ -272,9 +527,8 @@ fn map_copies_before_freeze(acts: &[Option<Action>], store_base: usize) {
             store_base + (sid as usize + m) * PAGE,
         );
         while at < end {
-            // SAFETY: a copy named by this batch stays allocated until the batch is done
-            // (see `commit_run`) and lies in the view, a read-only mapping of the store; volatile,
-            // as the bytes are another process's to publish.
+            // SAFETY: a copy the plan holds stays allocated and lies in the view, a read-only
+            // mapping of the store; volatile, as the bytes are another process's to publish.
             unsafe { std::ptr::read_volatile(at as *const u64) };
             at = (at / FAULT_AROUND_BYTES + 1) * FAULT_AROUND_BYTES;
         }
@@ -282,141 +536,14 @@ fn map_copies_before_freeze(acts: &[Option<Action>], store_base: usize) {
     }
 }
 
-/// What [`verify_pages`] compares for each page of the frozen run.
-fn compare_jobs(
-    frozen: &FrozenRun<'_>,
-    acts: &[Option<Action>],
-    store_base: usize,
-) -> Vec<(usize, usize)> {
-    (0..acts.len())
-        .map(|k| match (frozen.frozen_page(k), acts[k]) {
-            (None, _) => (0, 0),
-            (Some(f), Some(Action::Zero)) => (f, 0),
-            (Some(f), Some(Action::Merge(sid))) => (f, store_base + sid as usize * PAGE),
-            // Checked in `judge` on the mark's three words.
-            (Some(_), Some(Action::Recycle(_)) | None) => (0, 0),
-        })
-        .collect()
-}
-
-/// What becomes of each page of the frozen run: released (`Zero`), merged onto its copy
-/// (`Merge`, the reference counted now so that the sharing limit holds within the run), or put
-/// back (`None`).
-fn judge(
-    cx: &CommitCtx<'_>,
-    rs: &mut RunState<'_>,
-    frozen: &FrozenRun<'_>,
-    acts: &[Option<Action>],
-    equal: &[bool],
-) -> [Option<Action>; MAX_RUN] {
-    let mut verdict = [None; MAX_RUN];
-    for (k, v) in verdict.iter_mut().enumerate().take(acts.len()) {
-        let Some(page) = frozen.frozen_page(k) else {
-            continue;
-        };
-        *v = match acts[k] {
-            Some(Action::Zero) if equal[k] => Some(Action::Zero),
-            // Freed since classification named it (the tree can name a copy of an earlier
-            // batch that merged nothing, freed after that batch's commit): mapping it would
-            // map a page the store punches or reuses.
-            Some(Action::Merge(sid)) if !rs.store.is_allocated(sid) => None,
-            Some(Action::Merge(sid)) if rs.store.refs(sid) >= cx.config.max_sharing => {
-                rs.store.retire(sid);
-                None
-            }
-            Some(Action::Merge(sid)) if equal[k] => Some(Action::Merge(sid)),
-            // Released like a zero page; without its mark (unmarked since), put back.
-            Some(Action::Recycle(slot)) => {
-                still_marked(cx, page, slot, frozen.start() + k * PAGE).then_some(Action::Zero)
-            }
-            _ => {
-                cx.sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
-                None
-            }
-        };
-        if let Some(Action::Merge(sid)) = *v {
-            rs.store.add_ref(sid);
-        }
-    }
-    verdict
-}
-
-/// Whether the frozen page at `page`, moved from `addr`, still holds the PPR mark of the ticket
-/// of `slot` (then it is released, and counted).
-fn still_marked(cx: &CommitCtx<'_>, page: usize, slot: u32, addr: usize) -> bool {
-    // SAFETY: `page` is the scratch slot holding the page moved out of the frozen address; only
-    // the engine knows the scratch area, so nobody writes it meanwhile.
-    let words = [0, 1, 2].map(|w| unsafe { std::ptr::read((page as *const u64).add(w)) });
-    let ticket = pageone_recycler::Ticket { slot, addr };
-    let marked = cx
-        .recycler
-        .as_ref()
-        .is_some_and(|p| p.is_marked(&ticket, words));
-    if marked {
-        lock(&cx.sh.recycled_slots).push(slot);
-        cx.sh.counters.recycled.fetch_add(1, Ordering::Relaxed);
-    }
-    marked
-}
-
-/// Replaces the pages judged equal: one mapping per subrun of consecutive copies. Mapped pages
-/// are consumed; the pages of a subrun that could not be mapped are put back.
-fn replace(
-    cx: &mut CommitCtx<'_>,
-    rs: &mut RunState<'_>,
-    frozen: &mut FrozenRun<'_>,
-    run: &Run,
-    verdict: &mut [Option<Action>; MAX_RUN],
-) {
-    let mut k = 0;
-    while k < run.n {
-        let Some((sid, m)) = merge_subrun(&verdict[..run.n], k) else {
-            k += 1;
-            continue;
-        };
-        let index = run.first_index + k;
-        let coalesces = index > 0 && {
-            let left = rs.region.pages[index - 1];
-            left.kind == PageKind::Merged && left.sid.wrapping_add(1) == sid
-        };
-        let cost = if coalesces { 1 } else { 2 };
-        // SAFETY: the subrun is frozen (its pages are in scratch) and compared equal to its
-        // copies.
-        let ok = unsafe { map_copies(cx, rs, Subrun { index, sid, m }, cost) };
-        if ok {
-            (k..k + m).for_each(|q| frozen.consume(q));
-        } else {
-            verdict[k..k + m].fill(None);
-        }
-        k += m;
-    }
-}
-
-/// Records what became of the run's pages that were not merged: released zero pages (consumed),
-/// and pages put back (anonymous again).
-fn settle_unmerged(
-    rs: &mut RunState<'_>,
-    frozen: &mut FrozenRun<'_>,
-    first_index: usize,
-    verdict: &[Option<Action>],
-) {
-    for (k, v) in verdict.iter().enumerate() {
-        let p = &mut rs.region.pages[first_index + k];
-        match v {
-            Some(Action::Zero) => {
-                frozen.consume(k);
-                p.kind = PageKind::Zero;
-                p.unchanged = 0;
-                *rs.zero += 1;
-            }
-            Some(Action::Merge(_)) => {}
-            // (A verdict is never Recycle: a recycled page's is Zero.)
-            None | Some(Action::Recycle(_)) => {
-                p.unchanged = 0;
-                p.kind = PageKind::Anon;
-            }
-        }
-    }
+/// Maps copies `sid..sid + m` of the store `fd` privately over the `m` pages at `addr`.
+///
+/// # Safety
+/// The pages at `addr` are held still and equal their copies, so replacing the mapping discards
+/// nothing.
+unsafe fn map_subrun(fd: i32, addr: usize, sid: KeyId, m: usize) -> std::io::Result<()> {
+    // SAFETY: by the caller's contract.
+    unsafe { sys::mmap_private_fixed(addr as *mut u8, m * PAGE, fd, sid as u64 * PAGE as u64) }
 }
 
 /// Merges a run of COW-broken pages again. They live in store mappings, which `UFFDIO_MOVE` cannot
@@ -428,9 +555,11 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
     let Some(u2) = &sh.store_uffd else { return };
     let (start, n) = (run.start, run.n);
     // `None`: some page is not in a write-protectable mapping; the run is left alone this time.
+    let _priority = NormalPriority::enter();
     let Some(mut held) = ProtectedRun::protect(u2, start, n) else {
         return;
     };
+    let mut map_error = None;
     let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
     // The pages are held still, but read through the kernel all the same (they are the
     // program's mappings: unmapped meanwhile, a read fails instead of faulting).
@@ -461,54 +590,49 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
         let index = run.first_index + k;
         // SAFETY: the subrun's pages are write-protected with writers blocked and equal their
         // copies (compared above).
-        if unsafe { map_copies(cx, rs, Subrun { index, sid, m }, 2) } {
-            (k..k + m).for_each(|q| held.mark_replaced(q));
+        match unsafe { map_copies(cx, rs, Subrun { index, sid, m }, 2) } {
+            Ok(true) => (k..k + m).for_each(|q| held.mark_replaced(q)),
+            Ok(false) => {}
+            Err(e) => map_error = Some(e),
         }
         k += m;
     }
     // Dropping `held` lets writers in: it un-protects what was not replaced, then wakes everyone
     // who waited on the run.
+    drop(held);
+    if let Some(e) = map_error {
+        tracing::warn!(error = %e, "merge mapping failed; pages are put back");
+    }
 }
 
 /// Maps copies `sid..sid + m` over the `m` pages of the run's region from page `index` on, if the
 /// VMA budget has room for `cost` more VMAs, and settles every page either way (merged, or its
-/// reference taken back and the page backed off). Returns whether the copies were mapped.
+/// reference taken back and the page backed off). Returns whether the copies were mapped, and
+/// the error of a mapping that failed (to log once the pages are let go).
 ///
 /// # Safety
 ///
-/// The caller holds the pages still (moved out, or write-protected with writers blocked) and has
-/// compared them equal to their copies, so replacing the mapping discards nothing.
+/// The caller holds the pages still (write-protected with writers blocked) and has compared them
+/// equal to their copies, so replacing the mapping discards nothing.
 unsafe fn map_copies(
     cx: &mut CommitCtx<'_>,
     rs: &mut RunState<'_>,
     sub: Subrun,
     cost: usize,
-) -> bool {
+) -> Result<bool, std::io::Error> {
     let Subrun { index, sid, m } = sub;
     let sh = cx.sh;
     let addr = rs.region.start + index * PAGE;
-    let ok = if !cx.budget.allows(rs.vmas, cost) {
+    let mapped = if !cx.budget.allows(rs.vmas, cost) {
         sh.counters
             .vma_limited
             .fetch_add(m as u64, Ordering::Relaxed);
-        false
+        Ok(false)
     } else {
         // SAFETY: the pages are held still and equal their copies (this function's contract).
-        match unsafe {
-            sys::mmap_private_fixed(
-                addr as *mut u8,
-                m * PAGE,
-                rs.store.fd(),
-                sid as u64 * PAGE as u64,
-            )
-        } {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(error = %e, "merge mapping failed; pages are put back");
-                false
-            }
-        }
+        unsafe { map_subrun(rs.store.fd(), addr, sid, m) }.map(|()| true)
     };
+    let ok = matches!(mapped, Ok(true));
     for q in 0..m {
         settle(
             &mut rs.region.pages[index + q],
@@ -524,16 +648,15 @@ unsafe fn map_copies(
         sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
         watch_store_mapping(sh, addr, m);
     }
-    ok
+    mapped
 }
 
 /// Registers a new mapping of the store with the store mappings' userfaultfd, so that its pages
-/// can be frozen for a new merge if they are COW-broken later. Failing only costs that.
+/// can be frozen for a new merge if they are COW-broken later. Failing only costs that (the page
+/// is not merged again after a copy-on-write break).
 fn watch_store_mapping(sh: &Shared, addr: usize, pages: usize) {
     if let Some(u) = &sh.store_uffd {
-        if let Err(e) = u.register(addr, pages * PAGE, UFFDIO_REGISTER_MODE_WP) {
-            tracing::debug!(error = %e, "store mapping not write-protectable; it will not be re-merged");
-        }
+        let _ = u.register(addr, pages * PAGE, UFFDIO_REGISTER_MODE_WP);
     }
 }
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the
@@ -590,44 +713,6 @@ impl VmaBudget {
         }
         *vmas + cost <= self.budget
     }
-}
-
-/// Compares frozen pages: `(frozen, copy)` pairs, `copy == 0` meaning "is it all zero?", and
-/// `frozen == 0` meaning "not moved" (false). Long runs are split over the workers.
-fn verify_pages(pool: &Pool, workers: usize, jobs: Vec<(usize, usize)>) -> Vec<bool> {
-    fn check(frozen: usize, copy: usize) -> bool {
-        if frozen == 0 {
-            return false;
-        }
-        // SAFETY: `frozen` is a scratch page holding a page moved in by the committer, which waits
-        // for this check; only the engine knows the scratch area, so nobody writes it meanwhile.
-        let f = unsafe { std::slice::from_raw_parts(frozen as *const u8, PAGE) };
-        if copy == 0 {
-            return f.iter().all(|&b| b == 0);
-        }
-        // SAFETY: `copy` is a published stable copy: the store is written only before
-        // publication, so it is immutable while referenced here.
-        let c = unsafe { std::slice::from_raw_parts(copy as *const u8, PAGE) };
-        f == c
-    }
-    let parts = workers.clamp(1, pool.size());
-    if jobs.len() < 64 || parts == 1 {
-        return jobs.iter().map(|&(f, c)| check(f, c)).collect();
-    }
-    let n = jobs.len();
-    let mut equal: Vec<bool> = pool
-        .map_parts(parts, Arc::new(jobs), |_, jobs| {
-            jobs.iter().map(|&(f, c)| check(f, c)).collect::<Vec<_>>()
-        })
-        .into_iter()
-        .flatten()
-        .flatten()
-        .collect();
-    // A part that did not report (a bug) verifies nothing: nothing is merged.
-    if equal.len() != n {
-        equal = vec![false; n];
-    }
-    equal
 }
 
 /// The subrun of merges at `k`: its first copy and its length, as long as the copies follow each

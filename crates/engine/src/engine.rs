@@ -131,6 +131,11 @@ impl Engine {
         let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).map_err(EngineError::Map)? as usize;
         uffd.register(scratch, MAX_RUN * PAGE, reg_mode)
             .map_err(EngineError::Uffd)?;
+        // A child of a fork must not share the frozen pages held there: moving them back would
+        // fail (a page shared with a child cannot move).
+        // SAFETY: MADV_DONTFORK changes no contents of the engine's own scratch area.
+        unsafe { sys::madvise(scratch as *mut u8, MAX_RUN * PAGE, libc::MADV_DONTFORK) }
+            .map_err(EngineError::Map)?;
         // A second context, without async write-protection: its write faults block until the
         // engine un-protects, which is how a COW-broken page is held still while compared.
         let store_uffd = sys::Uffd::open(UFFD_FEATURE_WP_HUGETLBFS_SHMEM)
@@ -162,8 +167,13 @@ impl Engine {
         Self::spawn(shared, config_workers)
     }
 
-    /// Starts the fault thread, the workers, the committer and the engine thread.
+    /// Starts the fault thread, the workers, the committer and the engine thread, with every
+    /// signal blocked: the program's signal handlers never run on them (a handler touching
+    /// registered memory would block the thread that answers faults, or the committer on its own
+    /// frozen run).
     fn spawn(shared: Arc<Shared>, workers: usize) -> Result<Self, EngineError> {
+        // Threads inherit the mask of the thread creating them; the caller's is restored below.
+        let _mask = sys::block_all_signals().map_err(EngineError::Thread)?;
         let s = shared.clone();
         let fault_thread = std::thread::Builder::new()
             .name("pageone-faults".into())
@@ -175,10 +185,10 @@ impl Engine {
         // at most one batch ahead (bounded copies in flight, and frees feed the next copies).
         let (to_committer, batches) = std::sync::mpsc::sync_channel(0);
         let engine_pool = pool.clone();
-        let (s, p) = (shared.clone(), pool.clone());
+        let s = shared.clone();
         let commit_thread = std::thread::Builder::new()
             .name("pageone-commit".into())
-            .spawn(move || commit_loop(&s, &p, batches))
+            .spawn(move || commit_loop(&s, batches))
             .map_err(EngineError::Thread)?;
         let s = shared.clone();
         let engine_thread = std::thread::Builder::new()

@@ -179,11 +179,6 @@ impl<'a> FrozenRun<'a> {
         }
     }
 
-    /// The run's first address.
-    pub(crate) fn start(&self) -> usize {
-        self.start
-    }
-
     /// Where page `k`'s frozen bytes are, if it moved: its scratch slot. Only the engine knows
     /// the scratch area, so nobody writes them while the run is frozen.
     pub(crate) fn frozen_page(&self, k: usize) -> Option<usize> {
@@ -199,40 +194,141 @@ impl<'a> FrozenRun<'a> {
 
     /// Puts back every moved page that was not consumed, then discards the scratch area (the
     /// originals of merged and released pages). The run stays frozen, its writers blocked, until
-    /// the guard is dropped. Done once; dropping the guard does it if the commit did not.
-    pub(crate) fn restore(&mut self) {
+    /// the guard is dropped. Done once; dropping the guard does it if the commit did not. Returns
+    /// what could not be put back, to log once the writers are woken (nothing is logged while
+    /// they wait).
+    ///
+    /// A page is put back where it was (`UFFDIO_MOVE`); if the kernel refuses that (the program
+    /// changed the mapping's protection or locked it meanwhile, or the page is shared with a
+    /// child), its bytes are copied back instead (`UFFDIO_COPY`). Only a page whose mapping is
+    /// gone (the program unmapped it: the kernel finds no registered mapping there) is dropped,
+    /// with the mapping it belonged to. While the kernel holds moves back for an unmapping or
+    /// `MADV_DONTNEED` whose event the fault thread has not read yet (`EAGAIN`), it waits.
+    pub(crate) fn restore(&mut self) -> RestoreReport {
+        let mut report = RestoreReport::default();
         if self.restored {
-            return;
+            return report;
         }
         self.restored = true;
         for k in (0..self.n).filter(|&k| self.moved[k] && !self.consumed[k]) {
-            let addr = self.start + k * PAGE;
-            // SAFETY: scratch slot k holds the page moved out of this frozen address, which is
-            // still empty (the fault thread does not fill frozen pages).
-            let r = unsafe {
-                self.uffd.move_pages(
-                    addr,
-                    self.scratch + k * PAGE,
-                    PAGE,
-                    UFFDIO_MOVE_MODE_DONTWAKE,
-                )
-            };
-            if let Err(e) = r {
-                eprintln!("pageone: a frozen page could not be put back at {addr:#x}: {e}");
-                tracing::error!(error = %e, addr, "a frozen page could not be put back");
+            match put_back(self.uffd, self.start + k * PAGE, self.scratch + k * PAGE) {
+                PutBack::Moved => {}
+                PutBack::Copied => report.copied += 1,
+                PutBack::Gone => report.gone += 1,
+                PutBack::Failed(e) => {
+                    report.failed += 1;
+                    report.error = Some((self.start + k * PAGE, e));
+                }
             }
         }
         // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
         let _ =
             unsafe { sys::madvise(self.scratch as *mut u8, self.n * PAGE, libc::MADV_DONTNEED) };
+        report
     }
 }
 
 impl Drop for FrozenRun<'_> {
     fn drop(&mut self) {
-        self.restore();
+        // On an early return or a panic the report is logged here, after the wake.
+        let report = self.restore();
         self.range.clear();
         let _ = self.uffd.wake(self.start, self.n * PAGE);
+        report.log();
+    }
+}
+
+/// How a frozen page went back.
+enum PutBack {
+    Moved,
+    Copied,
+    /// Its mapping is gone: nothing to put back into.
+    Gone,
+    Failed(std::io::Error),
+}
+
+/// Puts the frozen page in scratch slot `slot` back at `addr` (see [`FrozenRun::restore`]).
+fn put_back(uffd: &sys::Uffd, addr: usize, slot: usize) -> PutBack {
+    let mut waited = 0u32;
+    loop {
+        // SAFETY: `slot` holds the page moved out of the frozen address `addr`, which is still
+        // empty (the fault thread does not fill frozen pages).
+        let moved = unsafe { uffd.move_pages(addr, slot, PAGE, UFFDIO_MOVE_MODE_DONTWAKE) };
+        let e = match moved {
+            Ok(_) => return PutBack::Moved,
+            Err(e) => e,
+        };
+        if e.raw_os_error() == Some(libc::EAGAIN) {
+            // An unmapping or MADV_DONTNEED is under way in the program and its event unread:
+            // the fault thread reads it within a poll. Bounded only by that thread's progress.
+            waited += 1;
+            std::thread::sleep(std::time::Duration::from_micros(
+                50 * u64::from(waited.min(20)),
+            ));
+            continue;
+        }
+        // SAFETY: `slot` is a mapped scratch page of PAGE bytes nobody else writes.
+        let copied = unsafe { uffd.copy(addr, slot as *const u8, PAGE) };
+        return match copied {
+            Ok(()) => PutBack::Copied,
+            Err(c) if c.raw_os_error() == Some(libc::EAGAIN) => continue,
+            // No registered mapping at `addr` any more (ENOENT: none; EINVAL: not ours).
+            Err(c) if matches!(c.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => {
+                PutBack::Gone
+            }
+            Err(c) => PutBack::Failed(c),
+        };
+    }
+}
+
+/// What [`FrozenRun::restore`] could not do as usual.
+#[derive(Default, Debug)]
+pub(crate) struct RestoreReport {
+    /// Pages copied back instead of moved.
+    pub(crate) copied: usize,
+    /// Pages whose mapping the program removed meanwhile.
+    pub(crate) gone: usize,
+    /// Pages that could not be put back at all, and the last error.
+    pub(crate) failed: usize,
+    pub(crate) error: Option<(usize, std::io::Error)>,
+}
+
+impl RestoreReport {
+    /// Logs it (after the wake).
+    pub(crate) fn log(&self) {
+        if self.copied + self.gone > 0 {
+            tracing::debug!(
+                copied = self.copied,
+                gone = self.gone,
+                "frozen pages copied back, or dropped with their mapping"
+            );
+        }
+        if let Some((addr, e)) = &self.error {
+            eprintln!(
+                "pageone: {} frozen page(s) could not be put back, the last at {addr:#x}: {e}",
+                self.failed
+            );
+            tracing::error!(error = %e, addr, failed = self.failed, "frozen pages could not be put back");
+        }
+    }
+}
+
+/// Runs the calling thread in the normal scheduling class until dropped, then puts it back in
+/// `SCHED_IDLE`: a thread holding writers up (a frozen or write-protected run) must not wait
+/// behind busy threads of normal priority while they wait for it. Only for the engine's threads,
+/// which run at idle priority otherwise.
+pub(crate) struct NormalPriority(());
+
+impl NormalPriority {
+    pub(crate) fn enter() -> Self {
+        let _ = sys::set_thread_normal_priority();
+        NormalPriority(())
+    }
+}
+
+impl Drop for NormalPriority {
+    fn drop(&mut self) {
+        let _ = sys::set_thread_idle_priority();
     }
 }
 
@@ -447,6 +543,37 @@ mod tests {
         assert!(!t.is_frozen(1));
         assert!((0..3).all(|k| t.intact(k, k as u8 + 1)));
         assert_eq!(t.present(t.scratch, 3), [false; 3]);
+    }
+
+    /// The program changed the frozen pages' mapping while they were out: made it read-only,
+    /// locked it (without populating), or unmapped part of it. Moving the pages back is then
+    /// refused by the kernel (protections or locking differ from the scratch area's, or nothing is
+    /// mapped): the read-only and locked pages are copied back with their bytes; only the pages
+    /// whose mapping is gone are dropped with it.
+    #[test]
+    fn pages_come_back_after_their_mapping_changed_while_frozen() {
+        let t = Frozen::new(6);
+        let mut run = t.freeze();
+        let at = |k: usize| (t.region + k * PAGE) as *mut libc::c_void;
+        // SAFETY: pages of this test's region, which hold no references.
+        unsafe {
+            assert_eq!(libc::mprotect(at(0), 2 * PAGE, libc::PROT_READ), 0);
+            assert_eq!(
+                libc::syscall(libc::SYS_mlock2, at(2), 2 * PAGE, libc::MLOCK_ONFAULT),
+                0
+            );
+            assert_eq!(libc::munmap(at(4), PAGE), 0);
+        }
+        let report = run.restore();
+        drop(run);
+        assert_eq!((report.copied, report.gone, report.failed), (4, 1, 0));
+        assert!(
+            (0..4).all(|k| t.intact(k, k as u8 + 1)),
+            "no page lost its bytes"
+        );
+        assert!(t.intact(5, 6));
+        // SAFETY: as above.
+        unsafe { libc::munlock(at(2), 2 * PAGE) };
     }
 
     #[test]

@@ -89,11 +89,15 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
             pool,
             committer: &committer,
         };
-        idle = if locked_period(&cx, kicked) {
-            0
-        } else {
-            idle.saturating_add(1)
-        };
+        // A panic in a period (a bug) costs that period's work, not the engine: every freeze
+        // was let go while unwinding.
+        let busy =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| locked_period(&cx, kicked)))
+                .unwrap_or_else(|_| {
+                    tracing::error!("a merge period panicked; memory is unchanged");
+                    true
+                });
+        idle = if busy { 0 } else { idle.saturating_add(1) };
         {
             *lock(&sh.periods) += 1;
             sh.period_cv.notify_all();
@@ -193,7 +197,7 @@ fn sleep_out_period(sh: &Shared, t0: Instant, period: Duration, idle: &mut u32) 
 
 /// The committer thread: commits batches in the order the classifier sends them, while the
 /// classifier works on the next one.
-pub(crate) fn commit_loop(sh: &Shared, pool: &Pool, batches: Receiver<ToCommitter>) {
+pub(crate) fn commit_loop(sh: &Shared, batches: Receiver<ToCommitter>) {
     let _ = sys::set_thread_idle_priority();
     sh.count_cpu_of_this_thread();
     while let Ok(msg) = batches.recv() {
@@ -204,7 +208,14 @@ pub(crate) fn commit_loop(sh: &Shared, pool: &Pool, batches: Receiver<ToCommitte
                 budget,
             } => {
                 let t0 = Instant::now();
-                commit(sh, pool, &config, &batch, budget);
+                // A panic in a commit (a bug) loses that batch's merges, not the committer: the
+                // frozen run's guard has let its writers go while unwinding.
+                let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    commit(sh, &config, &batch, budget)
+                }));
+                if committed.is_err() {
+                    tracing::error!("a commit panicked; its batch is not merged");
+                }
                 let mut st = lock(&sh.state);
                 for id in batch.new_copies {
                     st.store.free_unmapped(id);
