@@ -44,10 +44,12 @@
 //!   so no thread waits for another: every retry follows another thread's successful CAS (lock-free).
 //!
 //! **Reclamation.** Unlinked nodes are freed, and leaf keys released to the caller, only after an epoch
-//! grace period (crossbeam-epoch). Generations in edges make a recycled node unmistakable even to a
-//! stale CAS (no ABA). Representatives are hints validated by generation (seqlock) and repaired on use;
-//! the seqlock covers the leaf's word copies too (they are written before the leaf is published and
-//! never change while it is allocated).
+//! grace period (crossbeam-epoch; a loom model of it under loom). Generations in edges make a recycled
+//! node unmistakable even to a stale CAS (no ABA). A node's generation is bumped by the thread that
+//! unlinks it, *before* the grace period starts, so the hints that outlive the unlink (representatives,
+//! entry handles) are refused from then on, and a reader that accepted one before the bump is waited
+//! for like any reader of the unlinked node: no node is reused, and no key released, under a thread
+//! that may still read it (see the `reclaim` module). Representatives are repaired on use.
 //!
 //! **Shared memory.** Nodes hold ids, never pointers, and every id read goes through a bounds-checked
 //! arena lookup, so the same layout can be placed in a memfd mapped by several processes; that version
