@@ -41,7 +41,17 @@
 //!   content; the remover CASes the DEL flag onto the leaf's edge (the linearisation point), then the
 //!   parent is spliced out by freezing the sibling edge (FROZEN) and swinging the grandparent edge to
 //!   the sibling. Any mutating walk that meets a flagged node helps finish the splice before going on,
-//!   so no thread waits for another: every retry follows another thread's successful CAS (lock-free).
+//!   so no thread waits for another.
+//!
+//! **Progress.** Lookups ([`SdTree::lookup`], [`SdTree::candidate`]) are wait-free: one descent,
+//! at most one node per key bit, never restarted. An insert attempt fails only because another
+//! thread's CAS changed its path (or a removal on it is being finished, which the next attempt
+//! helps); after [`INSERT_ATTEMPTS`] failures in a row it returns [`IndexError::Contended`], which
+//! the caller handles like any failed insert. Removals are lock-free but not bounded: each retry
+//! also follows another thread's change on the path to the leaf (an insert above it, the splice
+//! of a neighbour), so some operation always completes, but a removal has no honest way to give
+//! up (it must neither report a stored entry absent nor leave its key unreleased). Without
+//! concurrent changes to that path, a removal takes two walks.
 //!
 //! **Reclamation.** Unlinked nodes are freed, and leaf keys released to the caller, only after an epoch
 //! grace period (crossbeam-epoch; a loom model of it under loom). Generations in edges make a recycled
@@ -65,7 +75,9 @@ mod reclaim;
 mod tree;
 
 pub use key::{Key, KeyId, KeySource, WordKey, MAX_KEY_BYTES};
-pub use tree::{Entry, IndexError, Insert, OpStats, SdTree, DEFAULT_ROUTE_BITS, MAX_ROUTE_BITS};
+pub use tree::{
+    Entry, IndexError, Insert, OpStats, SdTree, DEFAULT_ROUTE_BITS, INSERT_ATTEMPTS, MAX_ROUTE_BITS,
+};
 
 #[cfg(all(test, not(loom)))]
 mod tests;

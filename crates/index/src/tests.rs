@@ -300,3 +300,84 @@ fn misses_decided_in_the_leaf_copies_read_no_stored_key() {
     let w0 = pages[17].iter().position(|&b| b != 0).unwrap() / 8;
     assert_eq!(tree.source().1.load(Ordering::Relaxed), 512 - w0 - 2);
 }
+
+/// Reading key 1's last word (which happens once per attempt of its insert, at the leaf that ends
+/// the walk, before the publishing CAS) inserts the next of keys `2..`, which land exactly on the
+/// edge that walk ended at: every attempt of the insert fails while they last.
+struct Interfering {
+    keys: Vec<Vec<u8>>,
+    tree: std::sync::OnceLock<std::sync::Weak<SdTree<Interfering>>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl KeySource for Interfering {
+    fn word(&self, id: KeyId, i: usize) -> u64 {
+        use std::sync::atomic::Ordering;
+        if id == 1 && i == self.keys[1].len() / 8 - 1 {
+            // Relaxed: one thread.
+            let k = 2 + self.next.fetch_add(1, Ordering::Relaxed);
+            if let (Some(t), true) = (
+                self.tree.get().and_then(std::sync::Weak::upgrade),
+                k < self.keys.len(),
+            ) {
+                assert!(t.insert_or_get(k as KeyId).unwrap().inserted());
+            }
+        }
+        self.keys[id as usize].as_slice().word(i)
+    }
+}
+
+#[test]
+fn an_insert_gives_up_after_its_attempts_and_the_tree_stays_whole() {
+    use std::sync::atomic::Ordering;
+    const LEN: usize = 64;
+    const EXTRA: usize = 5;
+    // Non-zero bytes throughout; key 1 flips the last bit, key 2 + k flips bit 16 + k (each one
+    // deeper on key 0's side of the previous one, where key 1's walk ends).
+    let base: Vec<u8> = (0..LEN)
+        .map(|i| 0x80 | (i as u8).wrapping_mul(29))
+        .collect();
+    let flip = |bit: usize| {
+        let mut k = base.clone();
+        k[bit / 8] ^= 0x80 >> (bit % 8);
+        k
+    };
+    let mut keys = vec![base.clone(), flip(LEN * 8 - 1)];
+    let interferers = crate::INSERT_ATTEMPTS as usize + EXTRA;
+    keys.extend((0..interferers).map(|k| flip(16 + k)));
+    let tree = std::sync::Arc::new(
+        SdTree::new(
+            Interfering {
+                keys: keys.clone(),
+                tree: Default::default(),
+                next: Default::default(),
+            },
+            LEN,
+        )
+        .unwrap(),
+    );
+    tree.source()
+        .tree
+        .set(std::sync::Arc::downgrade(&tree))
+        .unwrap();
+    assert!(tree.insert_or_get(0).unwrap().inserted());
+    let (r, stats) = tree.insert_or_get_with_stats(1);
+    assert_eq!(r, Err(crate::IndexError::Contended(crate::INSERT_ATTEMPTS)));
+    assert_eq!(stats.retries, crate::INSERT_ATTEMPTS);
+    let done = tree.source().next.load(Ordering::Relaxed);
+    assert_eq!(
+        done,
+        crate::INSERT_ATTEMPTS as usize,
+        "one interferer per attempt"
+    );
+    assert_eq!(tree.lookup(keys[1].as_slice()), None);
+    // The interference runs out EXTRA attempts into the next insert, which then succeeds.
+    let (r, stats) = tree.insert_or_get_with_stats(1);
+    assert!(r.unwrap().inserted());
+    assert_eq!(stats.retries, EXTRA as u32);
+    tree.check_invariants().unwrap();
+    assert_eq!(tree.len(), keys.len());
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(tree.lookup(k.as_slice()).map(|e| e.key()), Some(i as KeyId));
+    }
+}

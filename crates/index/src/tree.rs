@@ -21,6 +21,12 @@ pub const DEFAULT_ROUTE_BITS: u32 = 8;
 /// Most route bits [`SdTree::with_route_bits`] accepts.
 pub const MAX_ROUTE_BITS: u32 = 12;
 
+/// Attempts [`SdTree::insert_or_get`] makes before it reports [`IndexError::Contended`]. An attempt
+/// fails only when another thread changed the path to where the key belongs (its CAS succeeded,
+/// or a removal on the path is being finished), so this many failures in a row mean the key's
+/// neighbourhood is being rewritten faster than one walk: the caller may try again later.
+pub const INSERT_ATTEMPTS: u32 = 64;
+
 /// A zeroed edge table. Outside loom it comes from `alloc_zeroed`, so a large table's untouched
 /// pages stay uncommitted (the kernel's zero page) until an edge in them is written.
 #[cfg(not(loom))]
@@ -65,6 +71,11 @@ pub enum IndexError {
     /// Every node of the arena is in use.
     #[error("the index arena is full ({0} nodes)")]
     Full(usize),
+    /// Every attempt of an insert was undone by other threads changing the same path.
+    #[error(
+        "the insert gave up after {0} attempts, each undone by another thread's change on its path"
+    )]
+    Contended(u32),
 }
 
 /// Handle to an entry stored in the tree. It names the entry itself, not its content, so removing it
@@ -261,7 +272,12 @@ impl<S: KeySource> SdTree<S> {
         // Allocated at most once and reused across retries; freed directly if never published.
         let mut leaf: Option<(u32, u64)> = None;
         let mut node: Option<(u32, u64)> = None;
+        let mut attempts = 0;
         let result = loop {
+            if attempts == INSERT_ATTEMPTS {
+                break Err(IndexError::Contended(attempts));
+            }
+            attempts += 1;
             let mut cur = Cursor::new(&key);
             let walk = self.walk(&mut cur, &mut stats, Some(&guard), true);
             stats.query_bytes += cur.loads * 8;
