@@ -1,9 +1,12 @@
 //! `pageone bench sdtree`: the SD tree against a KSM-style memcmp-ordered tree and a hash index.
 //!
-//! Keys are 4 KiB pages of the seed's two kinds (see [`crate::dedup::fill_page`]): "easy" (a
-//! random 8-byte value at offset 0, the rest zero) and "hard" (the same value at a random offset in
-//! 0..252). `keys` distinct pages are inserted, then present keys (hits) and absent keys of the
-//! same kind (misses) are looked up in a shuffled order, with 1 and 2 threads. Baselines:
+//! Keys are 4 KiB pages of two kinds: "easy", the seed's (a random 8-byte value at offset 0, the
+//! rest zero; see [`crate::dedup::fill_page`]), and "hard" (`fill_hard_key`): pages of random
+//! non-zero bytes in 16 groups, each page identical to the others of its group for its first 2 to
+//! 4 KiB and differing only after that, so that telling keys apart means reading kilobytes of
+//! shared prefix (no zero run to skip, no difference in the first words). `keys` distinct pages are
+//! inserted, then present keys (hits) and absent keys of the same kind (misses) are looked up in a
+//! shuffled order, with 1 and 2 threads. Baselines:
 //!
 //! * memcmp tree: a `BTreeMap` ordered by the page bytes (every node visit compares from byte 0,
 //!   as KSM's red-black trees do), behind a `RwLock` for two threads (readers share the lock, which
@@ -38,9 +41,13 @@ impl KeySet {
     pub fn new(data: Data, present: usize, absent: usize) -> Self {
         let n = present + absent;
         let mut words = vec![0u64; n * WORDS];
+        let groups = HardGroups::new();
         for (i, page) in words.chunks_mut(WORDS).enumerate() {
-            // SAFETY: `page` is 4096 bytes of a buffer this function owns.
-            unsafe { fill_page(page.as_mut_ptr().cast(), data, i as u64) };
+            match data {
+                // SAFETY: `page` is 4096 bytes of a buffer this function owns.
+                Data::Easy => unsafe { fill_page(page.as_mut_ptr().cast(), data, i as u64) },
+                Data::Hard => fill_hard_key(page, &groups, i as u64),
+            }
         }
         Self {
             words,
@@ -53,6 +60,69 @@ impl KeySet {
         let w = &self.words[id * WORDS..(id + 1) * WORDS];
         // SAFETY: 512 initialised u64s are 4096 initialised bytes; u8 has no alignment needs.
         unsafe { std::slice::from_raw_parts(w.as_ptr().cast(), PAGE) }
+    }
+}
+
+/// Groups of hard keys.
+const HARD_GROUPS: usize = 16;
+/// Prefix lengths a hard key shares with its group: 2048, 2112, ..., 4032 bytes.
+const HARD_PREFIXES: u64 = 32;
+
+/// SplitMix64: a seeded, stateless generator, so every run sees the same keys.
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Eight random non-zero bytes from seed `x`.
+fn nonzero_bytes(x: u64) -> [u8; 8] {
+    splitmix(x)
+        .to_le_bytes()
+        .map(|b| if b == 0 { 0x5A } else { b })
+}
+
+/// The page each group of hard keys shares a prefix of: random non-zero bytes.
+struct HardGroups(Vec<[u8; PAGE]>);
+
+impl HardGroups {
+    fn new() -> Self {
+        Self(
+            (0..HARD_GROUPS as u64)
+                .map(|g| {
+                    let mut page = [0u8; PAGE];
+                    for (w, b) in page.chunks_mut(8).enumerate() {
+                        b.copy_from_slice(&nonzero_bytes((g << 32) | w as u64));
+                    }
+                    page
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Writes hard key `i` into `page` (512 words): its group's page for the first `2048 + 64k`
+/// bytes (`k` random below 32), then bytes of its own: random and non-zero, the first one
+/// different from the group's, the last eight naming `i` (a nibble each, `0x80 | nibble`), so
+/// every key is distinct and non-zero throughout.
+fn fill_hard_key(page: &mut [u64], groups: &HardGroups, i: u64) {
+    let group = &groups.0[(splitmix(i ^ 0xA5A5) % HARD_GROUPS as u64) as usize];
+    let shared = 2048 + 64 * (splitmix(i ^ 0x5A5A) % HARD_PREFIXES) as usize;
+    let mut bytes = [0u8; PAGE];
+    bytes[..shared].copy_from_slice(&group[..shared]);
+    for (w, b) in bytes.chunks_mut(8).enumerate().skip(shared / 8) {
+        b.copy_from_slice(&nonzero_bytes(splitmix(i) ^ w as u64));
+    }
+    if bytes[shared] == group[shared] {
+        bytes[shared] = !group[shared] | 1;
+    }
+    for (k, b) in bytes[PAGE - 8..].iter_mut().enumerate() {
+        *b = 0x80 | ((i >> (4 * k)) & 0xF) as u8;
+    }
+    for (w, b) in page.iter_mut().zip(bytes.chunks(8)) {
+        // The page's bytes in memory order, as `KeySet::bytes` and `SetKeys` read them.
+        *w = u64::from_ne_bytes(b.try_into().expect("8 bytes"));
     }
 }
 
@@ -303,22 +373,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn keys_have_the_seed_shapes() {
+    fn keys_have_their_shapes() {
+        let lcp = |a: &[u8], b: &[u8]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
         for data in [Data::Easy, Data::Hard] {
-            let s = KeySet::new(data, 64, 16);
+            let s = KeySet::new(data, 160, 40);
             let mut seen = std::collections::HashSet::new();
-            for id in 0..80 {
+            for id in 0..200 {
                 let b = s.bytes(id);
-                let first = b.iter().position(|&x| x != 0).expect("nonzero key");
-                let last = b.iter().rposition(|&x| x != 0).unwrap();
-                assert!(
-                    last - first < 8 && last < 260,
-                    "{data} key {id} spans {first}..={last}"
-                );
-                if data == Data::Easy {
-                    assert!(first < 8);
-                }
                 assert!(seen.insert(b.to_vec()), "duplicate key");
+                if data == Data::Easy {
+                    let first = b.iter().position(|&x| x != 0).expect("nonzero key");
+                    let last = b.iter().rposition(|&x| x != 0).unwrap();
+                    assert!(
+                        first < 8 && last - first < 8,
+                        "easy key {id} spans {first}..={last}"
+                    );
+                    continue;
+                }
+                assert!(b.iter().all(|&x| x != 0), "hard key {id} has a zero byte");
+                // 200 keys in 16 groups: every key has group mates, and shares 2 to 4 KiB with
+                // the closest one (and never the bytes that name it).
+                let shared = (0..200)
+                    .filter(|&o| o != id)
+                    .map(|o| lcp(b, s.bytes(o)))
+                    .max()
+                    .unwrap();
+                assert!(
+                    (2048..PAGE - 8).contains(&shared),
+                    "hard key {id} shares {shared} bytes"
+                );
             }
         }
     }

@@ -60,13 +60,18 @@ impl Drop for StoreFile {
 }
 
 impl StoreFile {
-    /// Reads word `i` (big-endian) of copy `id`.
+    /// Reads word `i` (big-endian) of copy `id`; 0 for a word outside the store (the index never
+    /// asks for one, but a bug must not become a read outside the mapping).
     fn word(&self, id: KeyId, i: usize) -> u64 {
         debug_assert!(id < self.capacity && i < PAGE / 8);
+        if id >= self.capacity || i >= PAGE / 8 {
+            return 0;
+        }
         let p = (self.base + id as usize * PAGE + i * 8) as *const u64;
-        // SAFETY: `id < capacity` keeps p inside the live shared mapping, 8-aligned. Volatile because
-        // the mapping is shared memory: a copy is immutable while published, but the compiler must
-        // not assume anything about memory another process may map.
+        // SAFETY: `id < capacity` and `i < PAGE / 8`, checked above, keep p inside the live shared
+        // mapping, 8-aligned. Volatile because the mapping is shared memory: a copy is immutable
+        // while published, but the compiler must not assume anything about memory another process
+        // may map.
         u64::from_be(unsafe { std::ptr::read_volatile(p) })
     }
 }

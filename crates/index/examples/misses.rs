@@ -12,7 +12,7 @@ use rand::SeedableRng;
 
 const WORDS: usize = 512;
 
-/// The benchmark's generator (crates/bench/src/dedup.rs), so the keys are the same bytes.
+/// The benchmark's easy keys (crates/bench/src/dedup.rs, `fill_page`).
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 12;
     x ^= x << 25;
@@ -20,21 +20,59 @@ fn mix(mut x: u64) -> u64 {
     x.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
+/// The benchmark's hard keys (crates/bench/src/sdtree.rs, `fill_hard_key`): 16 groups of
+/// non-zero pages that share their first 2048 + 64k bytes (k < 32) with their group.
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn nonzero_bytes(x: u64) -> [u8; 8] {
+    splitmix(x)
+        .to_le_bytes()
+        .map(|b| if b == 0 { 0x5A } else { b })
+}
+
+fn hard_key(groups: &[[u8; 4096]], bytes: &mut [u8], i: u64) {
+    let group = &groups[(splitmix(i ^ 0xA5A5) % groups.len() as u64) as usize];
+    let shared = 2048 + 64 * (splitmix(i ^ 0x5A5A) % 32) as usize;
+    bytes[..shared].copy_from_slice(&group[..shared]);
+    for (w, b) in bytes.chunks_mut(8).enumerate().skip(shared / 8) {
+        b.copy_from_slice(&nonzero_bytes(splitmix(i) ^ w as u64));
+    }
+    if bytes[shared] == group[shared] {
+        bytes[shared] = !group[shared] | 1;
+    }
+    for (k, b) in bytes[4096 - 8..].iter_mut().enumerate() {
+        *b = 0x80 | ((i >> (4 * k)) & 0xF) as u8;
+    }
+}
+
 fn keys(hard: bool, n: usize) -> Vec<u64> {
+    let groups: Vec<[u8; 4096]> = (0..16u64)
+        .map(|g| {
+            let mut page = [0u8; 4096];
+            for (w, b) in page.chunks_mut(8).enumerate() {
+                b.copy_from_slice(&nonzero_bytes((g << 32) | w as u64));
+            }
+            page
+        })
+        .collect();
     let mut words = vec![0u64; n * WORDS];
     for (i, page) in words.chunks_mut(WORDS).enumerate() {
         let i = i as u64;
-        let v = mix(i.wrapping_add(0x9E37_79B9_7F4A_7C15)) | 1;
-        let v = (v & !0xFFFF_FFFF) | i;
-        let off = if hard {
-            (mix(i ^ 0xABCD) % 253) as usize
-        } else {
-            0
-        };
         let bytes: &mut [u8] =
             // SAFETY: a u64 slice viewed as bytes, same length in bytes, u8 has no alignment needs.
             unsafe { std::slice::from_raw_parts_mut(page.as_mut_ptr().cast(), WORDS * 8) };
-        bytes[off..off + 8].copy_from_slice(&v.to_le_bytes());
+        if hard {
+            hard_key(&groups, bytes, i);
+            continue;
+        }
+        let v = mix(i.wrapping_add(0x9E37_79B9_7F4A_7C15)) | 1;
+        let v = (v & !0xFFFF_FFFF) | i;
+        bytes[..8].copy_from_slice(&v.to_le_bytes());
     }
     words
 }

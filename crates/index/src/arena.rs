@@ -5,7 +5,12 @@
 //! several processes (the chunk directory would then hold file offsets instead of pointers, and a walker
 //! bounds-checks each id, which [`Arena::node`] already does). Nodes come from a bump allocator over
 //! lazily allocated chunks and from a free list; the free list is a Treiber stack whose head carries a
-//! tag incremented on every change, so a stale head can never be swapped back in (no ABA).
+//! tag incremented on every change, so a stale head can never be swapped back in (no ABA). Its CAS
+//! loops are lock-free: a CAS fails only because another thread's push or pop succeeded.
+//!
+//! A node's life: allocated (private until a CAS publishes it), linked, unlinked by one CAS and at
+//! once [`invalidate`](Arena::invalidate)d (its generation bumped), then after a grace period
+//! [`free`](Arena::free)d, and allocated again under the new generation.
 
 use crate::primitive::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
@@ -113,7 +118,10 @@ impl Arena {
     /// The node's fields are left for the caller to initialise before publishing it.
     pub(crate) fn alloc(&self) -> Option<(u32, u64)> {
         if let Some(id) = self.pop_free() {
-            let gen = self.node(id).meta.load(Ordering::Relaxed) & GEN_MASK; // written by this thread's pop path's predecessor `free`, ordered by the free-list head Acquire
+            // Relaxed: the last write of `meta` (`invalidate`, or the initialisation of a node
+            // never published) happens before the `free` that pushed the node, whose Release CAS
+            // our pop acquired.
+            let gen = self.node(id).meta.load(Ordering::Relaxed) & GEN_MASK;
             return Some((id, gen));
         }
         let id = self.bump();
@@ -170,19 +178,42 @@ impl Arena {
         }
     }
 
-    /// Returns node `id` to the free list and bumps its generation, so every edge or representative
-    /// still naming the old generation is recognisably stale. The caller guarantees no thread can
-    /// reach the node any more (grace period passed, or it was never published).
+    /// Marks node `id`, just unlinked, as no longer the node its edges and hints name: bumps its
+    /// generation, keeping the leaf flag and critical bit that walkers still inside it read. From
+    /// then on a generation check (representatives, entry handles) refuses it. Called exactly once,
+    /// by the thread whose CAS unlinked the node, before that thread defers the node's [`free`];
+    /// see [`crate::reclaim`] for why a reader that passed the check before the bump is safe.
+    ///
+    /// [`free`]: Arena::free
+    pub(crate) fn invalidate(&self, id: u32) {
+        let node = self.node(id);
+        // Relaxed load: `meta` was last written when the node was initialised, by this thread or
+        // before the publishing CAS that the unlinking CAS of this thread read.
+        let meta = node.meta.load(Ordering::Relaxed);
+        let gen = ((meta & GEN_MASK) + 1) & GEN_MASK;
+        // Relaxed: readers that see the new generation only refuse the node, so nothing is
+        // published with it. Its ordering before the free is the reclamation's: it is sequenced
+        // before `Guard::defer`, whose SeqCst fence makes a later reader see it (`Fd` in
+        // `reclaim`), and before the deferred free, which a later allocator reads it after.
+        node.meta.store((meta & !GEN_MASK) | gen, Ordering::Relaxed);
+    }
+
+    /// Returns node `id` to the free list. The caller guarantees that no thread can reach it any
+    /// more: either it was never published, or it was [`invalidate`](Arena::invalidate)d when it
+    /// was unlinked and a grace period has passed since. Leaves `meta` (and so the generation the
+    /// next allocation gets) alone: a node that was published already carries a new generation,
+    /// and one that never was is named by no edge.
     pub(crate) fn free(&self, id: u32) {
         let node = self.node(id);
-        let gen = node.meta.load(Ordering::Relaxed) & GEN_MASK;
-        // Release: a representative check that reads the new generation also sees the node as freed.
-        node.meta.store((gen + 1) & GEN_MASK, Ordering::Release);
         let mut head = self.free.load(Ordering::Acquire);
         loop {
-            node.a.store(head & 0xffff_ffff, Ordering::Relaxed); // published by the Release CAS below
+            // Relaxed: published by the Release CAS below. No reader of the tree reads `a` of a
+            // free node: a reader that accepted the node as allocated finished before this free
+            // (see `invalidate`), and one that loads the new generation refuses it first.
+            node.a.store(head & 0xffff_ffff, Ordering::Relaxed);
             let new = (((head >> 32) + 1) << 32) | id as u64;
-            // Release pairs with the Acquire in `pop_free`, publishing the link and the new generation.
+            // Release pairs with the Acquire in `pop_free`, publishing the link (and the generation
+            // written before the grace period) to the next allocator of this node.
             match self
                 .free
                 .compare_exchange_weak(head, new, Ordering::Release, Ordering::Acquire)

@@ -10,8 +10,14 @@ pub const MAX_KEY_BYTES: usize = 4096;
 ///
 /// `word(id, i)` returns bytes `[8i, 8i + 8)` of key `id` as a big-endian `u64`, with bytes past the
 /// key's end reading as zero. A stored key must not change while it is in the tree; the tree never
-/// reads it after it has called [`KeySource::release`] for it. Implementations that read memory another
-/// thread or process may write must use volatile or atomic reads, never a `&[u8]`.
+/// reads it through an entry after it has called [`KeySource::release`] for that entry. Implementations
+/// that read memory another thread or process may write must use volatile or atomic reads, never a
+/// `&[u8]`.
+///
+/// The tree asks only for ids it holds and for `i` below the key's word count, but an
+/// implementation must stay memory-safe for any arguments: check the bounds in release builds too
+/// (returning any value, e.g. 0, for an id or word that does not exist), so that a bug anywhere
+/// cannot become a read outside the keys' storage.
 pub trait KeySource: Send + Sync + 'static {
     /// Word `i` of key `id`.
     fn word(&self, id: KeyId, i: usize) -> u64;

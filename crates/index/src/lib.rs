@@ -41,13 +41,25 @@
 //!   content; the remover CASes the DEL flag onto the leaf's edge (the linearisation point), then the
 //!   parent is spliced out by freezing the sibling edge (FROZEN) and swinging the grandparent edge to
 //!   the sibling. Any mutating walk that meets a flagged node helps finish the splice before going on,
-//!   so no thread waits for another: every retry follows another thread's successful CAS (lock-free).
+//!   so no thread waits for another.
+//!
+//! **Progress.** Lookups ([`SdTree::lookup`], [`SdTree::candidate`]) are wait-free: one descent,
+//! at most one node per key bit, never restarted. An insert attempt fails only because another
+//! thread's CAS changed its path (or a removal on it is being finished, which the next attempt
+//! helps); after [`INSERT_ATTEMPTS`] failures in a row it returns [`IndexError::Contended`], which
+//! the caller handles like any failed insert. Removals are lock-free but not bounded: each retry
+//! also follows another thread's change on the path to the leaf (an insert above it, the splice
+//! of a neighbour), so some operation always completes, but a removal has no honest way to give
+//! up (it must neither report a stored entry absent nor leave its key unreleased). Without
+//! concurrent changes to that path, a removal takes two walks.
 //!
 //! **Reclamation.** Unlinked nodes are freed, and leaf keys released to the caller, only after an epoch
-//! grace period (crossbeam-epoch). Generations in edges make a recycled node unmistakable even to a
-//! stale CAS (no ABA). Representatives are hints validated by generation (seqlock) and repaired on use;
-//! the seqlock covers the leaf's word copies too (they are written before the leaf is published and
-//! never change while it is allocated).
+//! grace period (crossbeam-epoch; a loom model of it under loom). Generations in edges make a recycled
+//! node unmistakable even to a stale CAS (no ABA). A node's generation is bumped by the thread that
+//! unlinks it, *before* the grace period starts, so the hints that outlive the unlink (representatives,
+//! entry handles) are refused from then on, and a reader that accepted one before the bump is waited
+//! for like any reader of the unlinked node: no node is reused, and no key released, under a thread
+//! that may still read it (see the `reclaim` module). Representatives are repaired on use.
 //!
 //! **Shared memory.** Nodes hold ids, never pointers, and every id read goes through a bounds-checked
 //! arena lookup, so the same layout can be placed in a memfd mapped by several processes; that version
@@ -63,7 +75,9 @@ mod reclaim;
 mod tree;
 
 pub use key::{Key, KeyId, KeySource, WordKey, MAX_KEY_BYTES};
-pub use tree::{Entry, IndexError, Insert, OpStats, SdTree, DEFAULT_ROUTE_BITS, MAX_ROUTE_BITS};
+pub use tree::{
+    Entry, IndexError, Insert, OpStats, SdTree, DEFAULT_ROUTE_BITS, INSERT_ATTEMPTS, MAX_ROUTE_BITS,
+};
 
 #[cfg(all(test, not(loom)))]
 mod tests;

@@ -112,6 +112,48 @@ proptest! {
     }
 }
 
+/// 4 KiB keys that share a random non-zero prefix of 2 KiB or more: each is one random page with
+/// an 8-byte window from the small alphabet at a random offset near the end (often the same offset,
+/// so that keys also share the bytes around it and the trie below the prefix is deep).
+fn shared_prefix_pool() -> impl Strategy<Value = Vec<Vec<u8>>> {
+    let window = proptest::collection::vec(
+        prop_oneof![Just(0u8), Just(1), Just(0x80), Just(0xff), any::<u8>()],
+        8,
+    );
+    let at = prop_oneof![2048usize..4096, 4080usize..4096, Just(4090usize)];
+    (
+        proptest::collection::vec(1u8..=255, 4096),
+        proptest::collection::vec((at, window), 1..40),
+    )
+        .prop_map(|(base, windows)| {
+            windows
+                .into_iter()
+                .map(|(at, window)| {
+                    let mut k = base.clone();
+                    for (b, w) in k[at..].iter_mut().zip(window) {
+                        *b = w;
+                    }
+                    k
+                })
+                .collect()
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn matches_btreemap_model_on_pages_with_long_shared_prefixes(
+        route_bits in prop_oneof![Just(0u32), Just(crate::DEFAULT_ROUTE_BITS)],
+        (pool, ops) in shared_prefix_pool().prop_flat_map(|pool| {
+            let n = pool.len();
+            (Just(pool), proptest::collection::vec(op_strategy(n), 0..200))
+        })
+    ) {
+        run_model(4096, route_bits, pool, ops)?;
+    }
+}
+
 #[test]
 fn rejects_bad_key_lengths() {
     assert!(SdTree::new(VecSource(vec![]), 0).is_err());
@@ -299,4 +341,156 @@ fn misses_decided_in_the_leaf_copies_read_no_stored_key() {
     assert_eq!(stats.query_bytes, 4096);
     let w0 = pages[17].iter().position(|&b| b != 0).unwrap() / 8;
     assert_eq!(tree.source().1.load(Ordering::Relaxed), 512 - w0 - 2);
+}
+
+/// Reading key 1's last word (which happens once per attempt of its insert, at the leaf that ends
+/// the walk, before the publishing CAS) inserts the next of keys `2..`, which land exactly on the
+/// edge that walk ended at: every attempt of the insert fails while they last.
+struct Interfering {
+    keys: Vec<Vec<u8>>,
+    tree: std::sync::OnceLock<std::sync::Weak<SdTree<Interfering>>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl KeySource for Interfering {
+    fn word(&self, id: KeyId, i: usize) -> u64 {
+        use std::sync::atomic::Ordering;
+        if id == 1 && i == self.keys[1].len() / 8 - 1 {
+            // Relaxed: one thread.
+            let k = 2 + self.next.fetch_add(1, Ordering::Relaxed);
+            if let (Some(t), true) = (
+                self.tree.get().and_then(std::sync::Weak::upgrade),
+                k < self.keys.len(),
+            ) {
+                assert!(t.insert_or_get(k as KeyId).unwrap().inserted());
+            }
+        }
+        self.keys[id as usize].as_slice().word(i)
+    }
+}
+
+#[test]
+fn an_insert_gives_up_after_its_attempts_and_the_tree_stays_whole() {
+    use std::sync::atomic::Ordering;
+    const LEN: usize = 64;
+    const EXTRA: usize = 5;
+    // Non-zero bytes throughout; key 1 flips the last bit, key 2 + k flips bit 16 + k (each one
+    // deeper on key 0's side of the previous one, where key 1's walk ends).
+    let base: Vec<u8> = (0..LEN)
+        .map(|i| 0x80 | (i as u8).wrapping_mul(29))
+        .collect();
+    let flip = |bit: usize| {
+        let mut k = base.clone();
+        k[bit / 8] ^= 0x80 >> (bit % 8);
+        k
+    };
+    let mut keys = vec![base.clone(), flip(LEN * 8 - 1)];
+    let interferers = crate::INSERT_ATTEMPTS as usize + EXTRA;
+    keys.extend((0..interferers).map(|k| flip(16 + k)));
+    let tree = std::sync::Arc::new(
+        SdTree::new(
+            Interfering {
+                keys: keys.clone(),
+                tree: Default::default(),
+                next: Default::default(),
+            },
+            LEN,
+        )
+        .unwrap(),
+    );
+    tree.source()
+        .tree
+        .set(std::sync::Arc::downgrade(&tree))
+        .unwrap();
+    assert!(tree.insert_or_get(0).unwrap().inserted());
+    let (r, stats) = tree.insert_or_get_with_stats(1);
+    assert_eq!(r, Err(crate::IndexError::Contended(crate::INSERT_ATTEMPTS)));
+    assert_eq!(stats.retries, crate::INSERT_ATTEMPTS);
+    let done = tree.source().next.load(Ordering::Relaxed);
+    assert_eq!(
+        done,
+        crate::INSERT_ATTEMPTS as usize,
+        "one interferer per attempt"
+    );
+    assert_eq!(tree.lookup(keys[1].as_slice()), None);
+    // The interference runs out EXTRA attempts into the next insert, which then succeeds.
+    let (r, stats) = tree.insert_or_get_with_stats(1);
+    assert!(r.unwrap().inserted());
+    assert_eq!(stats.retries, EXTRA as u32);
+    tree.check_invariants().unwrap();
+    assert_eq!(tree.len(), keys.len());
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(tree.lookup(k.as_slice()).map(|e| e.key()), Some(i as KeyId));
+    }
+}
+
+/// 4 KiB pages in `groups` groups: each group's pages are one random page of non-zero bytes
+/// except for 8 bytes from a random offset in 2048..4088, so they share their first 2 to 4 KiB
+/// (non-zero: no zero run to skip) with every page of the group and differ only near the end.
+pub(crate) fn shared_prefix_pages(n: usize, groups: usize, seed: u64) -> Vec<Vec<u8>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let bases: Vec<Vec<u8>> = (0..groups)
+        .map(|_| (0..4096).map(|_| rng.gen_range(1..=255u8)).collect())
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut pages = Vec::with_capacity(n);
+    while pages.len() < n {
+        let mut p = bases[rng.gen_range(0..groups)].clone();
+        let at = rng.gen_range(2048..4088);
+        p[at] ^= rng.gen_range(1..=255u8); // differs from the group's page here
+        for b in &mut p[at + 1..at + 8] {
+            *b = rng.gen();
+        }
+        if seen.insert(p.clone()) {
+            pages.push(p);
+        }
+    }
+    pages
+}
+
+#[test]
+fn pages_with_long_shared_prefixes_are_read_once_and_misses_stop_past_the_shared_prefix() {
+    let pages = shared_prefix_pages(3_000, 4, 31);
+    let probes = shared_prefix_pages(1_000, 4, 32);
+    let tree = SdTree::new(VecSource(pages.clone()), 4096).unwrap();
+    for i in 0..pages.len() {
+        assert!(tree.insert_or_get(i as KeyId).unwrap().inserted());
+    }
+    tree.check_invariants().unwrap();
+    for (i, p) in pages.iter().enumerate().step_by(7) {
+        let (hit, stats) = tree.lookup_with_stats(p.as_slice());
+        assert_eq!(hit.map(|e| e.key()), Some(i as KeyId));
+        assert_eq!(stats.query_bytes, 4096, "a hit reads the whole query, once");
+    }
+    // The longest prefix a probe shares with a stored page is shared with a sorted neighbour.
+    let mut sorted = pages.clone();
+    sorted.sort();
+    let lcp = |a: &[u8], b: &[u8]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let mut misses = 0;
+    for p in &probes {
+        let at = sorted.partition_point(|s| s < p);
+        let shared = [at.checked_sub(1), Some(at)]
+            .into_iter()
+            .flatten()
+            .filter_map(|j| sorted.get(j))
+            .map(|s| lcp(s, p))
+            .max()
+            .unwrap();
+        let (hit, stats) = tree.lookup_with_stats(p.as_slice());
+        if shared == 4096 {
+            assert!(hit.is_some());
+            continue;
+        }
+        assert!(hit.is_none());
+        misses += 1;
+        // Every word up to the first byte no stored page shares, and at most one more.
+        let bound = (shared / 8 + 2) * 8;
+        assert!(
+            stats.query_bytes as usize <= bound && stats.query_bytes as usize > shared,
+            "miss sharing {shared} bytes read {} bytes",
+            stats.query_bytes
+        );
+    }
+    assert!(misses > 990);
 }

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use crate::arena::{Arena, Node, GEN_MASK, META_LEAF};
 use crate::key::{Key, KeyId, KeySource, StoredKey, MAX_KEY_BYTES};
-use crate::primitive::{fence, AtomicU64, AtomicUsize, Ordering};
-use crate::reclaim::{self, Guard};
+use crate::primitive::{AtomicU64, AtomicUsize, Ordering};
+use crate::reclaim::{Domain, Guard};
 
 /// Edge flag: the leaf this edge points to is logically deleted; the edge never changes again.
 const DEL: u64 = 1 << 63;
@@ -20,6 +20,12 @@ const ID_MASK: u64 = 0xffff_ffff;
 pub const DEFAULT_ROUTE_BITS: u32 = 8;
 /// Most route bits [`SdTree::with_route_bits`] accepts.
 pub const MAX_ROUTE_BITS: u32 = 12;
+
+/// Attempts [`SdTree::insert_or_get`] makes before it reports [`IndexError::Contended`]. An attempt
+/// fails only when another thread changed the path to where the key belongs (its CAS succeeded,
+/// or a removal on the path is being finished), so this many failures in a row mean the key's
+/// neighbourhood is being rewritten faster than one walk: the caller may try again later.
+pub const INSERT_ATTEMPTS: u32 = 64;
 
 /// A zeroed edge table. Outside loom it comes from `alloc_zeroed`, so a large table's untouched
 /// pages stay uncommitted (the kernel's zero page) until an edge in them is written.
@@ -65,6 +71,11 @@ pub enum IndexError {
     /// Every node of the arena is in use.
     #[error("the index arena is full ({0} nodes)")]
     Full(usize),
+    /// Every attempt of an insert was undone by other threads changing the same path.
+    #[error(
+        "the insert gave up after {0} attempts, each undone by another thread's change on its path"
+    )]
+    Contended(u32),
 }
 
 /// Handle to an entry stored in the tree. It names the entry itself, not its content, so removing it
@@ -169,6 +180,8 @@ struct Walk<'t> {
 
 struct Inner<S> {
     arena: Arena,
+    /// Defers frees and key releases until no pinned thread can read them.
+    reclaim: Domain,
     /// The static upper level: one root edge per position of a key's first set bit (the last one for
     /// the all-zero key) and value of the `route_bits` bits after it, at `position << route_bits | value`.
     roots: Box<[AtomicU64]>,
@@ -208,6 +221,7 @@ impl<S: KeySource> SdTree<S> {
         let key_bits = (key_len * 8) as u32;
         let inner = Inner {
             arena: Arena::new(),
+            reclaim: Domain::new(),
             roots: zeroed_edges((key_bits as usize + 1) << route_bits),
             route_bits,
             source,
@@ -248,8 +262,8 @@ impl<S: KeySource> SdTree<S> {
 
     /// [`SdTree::insert_or_get`], also reporting what it cost.
     pub fn insert_or_get_with_stats(&self, id: KeyId) -> (Result<Insert, IndexError>, OpStats) {
-        let guard = reclaim::pin();
         let inner = &*self.inner;
+        let guard = inner.reclaim.pin();
         let key = StoredKey {
             source: &inner.source,
             id,
@@ -258,7 +272,12 @@ impl<S: KeySource> SdTree<S> {
         // Allocated at most once and reused across retries; freed directly if never published.
         let mut leaf: Option<(u32, u64)> = None;
         let mut node: Option<(u32, u64)> = None;
+        let mut attempts = 0;
         let result = loop {
+            if attempts == INSERT_ATTEMPTS {
+                break Err(IndexError::Contended(attempts));
+            }
+            attempts += 1;
             let mut cur = Cursor::new(&key);
             let walk = self.walk(&mut cur, &mut stats, Some(&guard), true);
             stats.query_bytes += cur.loads * 8;
@@ -353,7 +372,7 @@ impl<S: KeySource> SdTree<S> {
 
     /// [`SdTree::lookup`], also reporting what it cost.
     pub fn lookup_with_stats<K: Key + ?Sized>(&self, key: &K) -> (Option<Entry>, OpStats) {
-        let _guard = reclaim::pin();
+        let _guard = self.inner.reclaim.pin();
         key.prefetch(256);
         let mut stats = OpStats::default();
         let mut cur = Cursor::new(key);
@@ -370,7 +389,7 @@ impl<S: KeySource> SdTree<S> {
     /// the leaf that a lookup would compare in full. For callers that compare the whole key
     /// themselves anyway (the engine does, faster, on frozen bytes); `None` means absent.
     pub fn candidate<K: Key + ?Sized>(&self, key: &K) -> Option<Entry> {
-        let _guard = reclaim::pin();
+        let _guard = self.inner.reclaim.pin();
         key.prefetch(256);
         let mut stats = OpStats::default();
         let mut cur = Cursor::new(key);
@@ -385,12 +404,15 @@ impl<S: KeySource> SdTree<S> {
     /// stale handle). The key's storage is handed back through [`KeySource::release`] after a grace
     /// period. The entry is found by walking with its own stored key, which must not have changed.
     pub fn remove(&self, entry: Entry) -> bool {
-        let guard = reclaim::pin();
         let inner = &*self.inner;
+        let guard = inner.reclaim.pin();
         let target = make_edge(entry.node, entry.gen as u64);
         {
             let n = inner.arena.node(entry.node);
-            let meta = n.meta.load(Ordering::Acquire); // pairs with the Release generation bump in Arena::free
+            // Relaxed, loaded while pinned: the handle's generation, still there, means the leaf
+            // was not yet unlinked, so its key is not released before we unpin and the walks
+            // below may read it (see `reclaim`). A changed one means it was removed already.
+            let meta = n.meta.load(Ordering::Relaxed);
             if meta & GEN_MASK != entry.gen as u64 || meta & META_LEAF == 0 {
                 return false;
             }
@@ -459,7 +481,7 @@ impl<S: KeySource> SdTree<S> {
     /// A weakly consistent snapshot of the stored entries (entries inserted or removed concurrently
     /// may or may not appear).
     pub fn entries(&self) -> Vec<Entry> {
-        let _guard = reclaim::pin();
+        let _guard = self.inner.reclaim.pin();
         let mut out = Vec::with_capacity(self.len());
         let mut stack = Vec::new();
         for root in self.inner.roots.iter() {
@@ -563,19 +585,32 @@ impl<S: KeySource> SdTree<S> {
         if crit < min_crit || crit >= inner.key_bits {
             return Err(format!("critical bit {crit} out of order (min {min_crit})"));
         }
-        let start = leaves.len();
-        for dir in 0..2 {
-            let before = leaves.len();
+        // By induction the leaves below each child agree on every bit before the child's critical
+        // bit, which is after ours: comparing one leaf of each side (and the representative with
+        // one of them) checks all of them, in time linear in the tree instead of in its depth.
+        let mut first = [0; 2];
+        for (dir, first) in first.iter_mut().enumerate() {
+            *first = leaves.len();
             self.check_subtree(n.c[dir].load(Ordering::Acquire), crit + 1, w0, leaves)?;
-            for &k in &leaves[before..] {
-                let key = StoredKey {
-                    source: &inner.source,
-                    id: k,
-                };
-                let mut cur = Cursor::new(&key);
-                if cur.bit(crit) != dir {
-                    return Err(format!("key {k} on side {dir} of bit {crit}"));
-                }
+        }
+        let [k0, k1] = first.map(|i| leaves[i]);
+        let key = StoredKey {
+            source: &inner.source,
+            id: k0,
+        };
+        let mut cur = Cursor::new(&key);
+        if let Some(x) = inner.mismatch(&mut cur, |w| inner.source.word(k1, w), 0, crit) {
+            return Err(format!(
+                "keys {k0} and {k1} on the two sides of bit {crit} differ at {x}"
+            ));
+        }
+        for (k, dir) in [(k0, 0), (k1, 1)] {
+            let key = StoredKey {
+                source: &inner.source,
+                id: k,
+            };
+            if Cursor::new(&key).bit(crit) != dir {
+                return Err(format!("key {k} on side {dir} of bit {crit}"));
             }
         }
         let rep = n.a.load(Ordering::Acquire);
@@ -583,18 +618,11 @@ impl<S: KeySource> SdTree<S> {
         let rep_meta = rep_node.meta.load(Ordering::Acquire);
         if rep_meta & GEN_MASK == edge_gen(rep) && rep_meta & META_LEAF != 0 {
             let rep_key = rep_node.a.load(Ordering::Relaxed) as KeyId;
-            for &k in &leaves[start..] {
-                let key = StoredKey {
-                    source: &inner.source,
-                    id: k,
-                };
-                let mut cur = Cursor::new(&key);
-                let stored = |w| inner.source.word(rep_key, w);
-                if let Some(x) = inner.mismatch(&mut cur, stored, 0, crit) {
-                    return Err(format!(
-                        "key {k} differs from representative {rep_key} at {x} < {crit}"
-                    ));
-                }
+            let stored = |w| inner.source.word(rep_key, w);
+            if let Some(x) = inner.mismatch(&mut cur, stored, 0, crit) {
+                return Err(format!(
+                    "key {k0} differs from representative {rep_key} at {x} < {crit}"
+                ));
             }
         }
         Ok(())
@@ -619,7 +647,7 @@ impl<S: KeySource> SdTree<S> {
         &'t self,
         cur: &mut Cursor<'_, K>,
         stats: &mut OpStats,
-        helper: Option<&Guard>,
+        helper: Option<&Guard<'_>>,
         verify_leaf: bool,
     ) -> Option<Walk<'t>> {
         let inner = &*self.inner;
@@ -643,7 +671,9 @@ impl<S: KeySource> SdTree<S> {
             }
             stats.nodes += 1;
             let n = inner.arena.node(edge_id(e));
-            // A node's meta is immutable while it is reachable; ordered by the edge load above.
+            // Relaxed: the edge load above acquired the node's initialisation, and its leaf flag
+            // and critical bit never change while it is allocated (unlinking bumps only the
+            // generation, which walks ignore); it is not freed before we unpin.
             let meta = n.meta.load(Ordering::Relaxed);
             if meta & META_LEAF != 0 {
                 if let (Some(guard), None) = (helper, up) {
@@ -707,9 +737,9 @@ impl<S: KeySource> SdTree<S> {
 
     /// Compares query bits `[from, to)` with node `n`'s representative key.
     ///
-    /// The representative is a hint, not a reference kept alive by reclamation: it is validated by
-    /// generation before and after the comparison (a seqlock), and replaced by a leaf found below `n` if
-    /// it was freed. Any leaf ever below `n` shares `n`'s prefix, so a live one is a valid witness.
+    /// The representative is a hint, not an edge that keeps its leaf linked: it is accepted only if
+    /// the leaf still has the hint's generation, and replaced by a leaf found below `n` if not. Any
+    /// leaf ever below `n` shares `n`'s prefix, so a leaf of that generation is a valid witness.
     fn segment_mismatch<K: Key + ?Sized>(
         &self,
         n: &Node,
@@ -719,32 +749,35 @@ impl<S: KeySource> SdTree<S> {
         to: u32,
     ) -> Option<u32> {
         let inner = &*self.inner;
-        let rep = n.a.load(Ordering::Acquire); // pairs with the Release publishing the node or a new rep
+        // Acquire pairs with the AcqRel CAS below that installed a repaired representative (its
+        // author had acquired the leaf's publication); the first one was written before the CAS
+        // that published `n`, which the edge load that led here acquired. Either way the leaf's
+        // initialisation happens before what we read of it.
+        let rep = n.a.load(Ordering::Acquire);
         let leaf = inner.arena.node(edge_id(rep));
-        let meta = leaf.meta.load(Ordering::Acquire); // pairs with the Release generation bump in Arena::free
+        // Relaxed, loaded while pinned: the hint's generation, still there, means the leaf was not
+        // yet unlinked (its generation is bumped first), so it is not freed, nor its key released,
+        // before we unpin (see `reclaim`): its key id, word copies and key bytes stay the ones
+        // of this generation while we read them. No re-check is needed after the reads.
+        let meta = leaf.meta.load(Ordering::Relaxed);
         if meta & GEN_MASK == edge_gen(rep) && meta & META_LEAF != 0 {
             let key = leaf.a.load(Ordering::Relaxed) as KeyId;
-            let diff = inner.mismatch(cur, |w| inner.leaf_word(leaf, key, w0, w), from, to);
-            // Orders the key and copy reads above before the generation re-check (seqlock read side).
-            fence(Ordering::Acquire);
-            if leaf.meta.load(Ordering::Relaxed) == meta {
-                return diff;
-            }
+            return inner.mismatch(cur, |w| inner.leaf_word(leaf, key, w0, w), from, to);
         }
         // Stale representative: any leaf reachable below `n` now is protected by our pin.
         let mut e = n.c[0].load(Ordering::Acquire);
-        let (m, key, fresh) = loop {
+        let m = loop {
             let m = inner.arena.node(edge_id(e));
-            let meta = m.meta.load(Ordering::Relaxed);
-            if meta & META_LEAF != 0 {
-                break (
-                    m,
-                    m.a.load(Ordering::Relaxed) as KeyId,
-                    make_edge(edge_id(e), meta & GEN_MASK),
-                );
+            // Relaxed: as in `walk`, the leaf flag is fixed while the node is allocated.
+            if m.meta.load(Ordering::Relaxed) & META_LEAF != 0 {
+                break m;
             }
             e = m.c[0].load(Ordering::Acquire);
         };
+        let key = m.a.load(Ordering::Relaxed) as KeyId;
+        // The edge's generation, never the node's: a leaf unlinked since we read the edge already
+        // carries the generation of its next allocation, which must not validate this hint.
+        let fresh = e & !FLAGS;
         // Best effort; a failure means another thread installed a fresh one.
         let _ =
             n.a.compare_exchange(rep, fresh, Ordering::AcqRel, Ordering::Relaxed);
@@ -754,7 +787,7 @@ impl<S: KeySource> SdTree<S> {
     /// Splices out the node behind `up_edge` (stored at `up_loc`), one of whose children is a deleted
     /// leaf: freezes the other child's edge so no insert can change it, then swings `up_loc` to it.
     /// Any thread may do this; exactly one CAS succeeds and that thread retires the two nodes.
-    fn splice(&self, up_loc: &AtomicU64, up_edge: u64, guard: &Guard) -> bool {
+    fn splice(&self, up_loc: &AtomicU64, up_edge: u64, guard: &Guard<'_>) -> bool {
         if up_edge & FLAGS != 0 {
             return false;
         }
@@ -792,19 +825,33 @@ impl<S: KeySource> SdTree<S> {
         }
     }
 
-    /// Frees an unlinked node after a grace period, then releases a leaf's key to the caller.
-    fn retire(&self, e: u64, guard: &Guard) {
+    /// Retires the node behind `e`, which this thread's CAS just unlinked: invalidates it at once,
+    /// so that hints naming it are refused from now on, then frees it after a grace period and
+    /// releases a leaf's key to the caller (see `reclaim` for why that order keeps every reader
+    /// that accepted the node safe).
+    fn retire(&self, e: u64, guard: &Guard<'_>) {
         let inner = Arc::clone(&self.inner);
         let id = edge_id(e);
         let n = inner.arena.node(id);
+        // Relaxed: fixed since the node's initialisation, which our unlinking CAS acquired.
         let meta = n.meta.load(Ordering::Relaxed);
         let key = (meta & META_LEAF != 0).then(|| n.a.load(Ordering::Relaxed) as KeyId);
+        inner.arena.invalidate(id);
         guard.defer(move || {
             inner.arena.free(id);
             if let Some(k) = key {
                 inner.source.release(k);
             }
         });
+    }
+}
+
+/// Under loom, the tree's own reclamation domain holds deferred frees that hold the tree: run
+/// them when the last handle goes (no thread can be pinned on the tree then).
+#[cfg(loom)]
+impl<S: KeySource> Drop for SdTree<S> {
+    fn drop(&mut self) {
+        self.inner.reclaim.drain();
     }
 }
 
