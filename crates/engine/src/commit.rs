@@ -276,8 +276,8 @@ fn afford(
             *rs.vmas += cost;
             counted += cost;
         } else {
+            acts[k..k + m].fill(None);
             for q in k..k + m {
-                acts[q] = None;
                 let p = &mut rs.region.pages[run.first_index + q];
                 p.unchanged = 0;
                 p.back_off(cx.config.max_backoff);
@@ -336,13 +336,12 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
         let Some(page) = frozen.frozen_page(k) else {
             continue;
         };
+        // `page` is a scratch page holding the page moved out, which only the engine knows;
+        // copies held by the plan stay allocated and unchanged.
         out.verdict[k] = match plan.acts[k] {
-            // SAFETY: `page` is a scratch page holding the page moved out, which only the engine
-            // knows; copies held by the plan stay allocated and unchanged.
+            // SAFETY: as said above.
             Some(Action::Zero) if unsafe { page_is_zero(page) } => Some(Action::Zero),
-            Some(Action::Merge(sid))
-                if unsafe { pages_equal(page, plan.store_base + sid as usize * PAGE) } =>
-            {
+            Some(Action::Merge(sid)) if frozen_equals_copy(page, plan, sid) => {
                 Some(Action::Merge(sid))
             }
             Some(Action::Recycle(slot)) if still_marked(cx, page, slot, run.start + k * PAGE) => {
@@ -495,6 +494,13 @@ unsafe fn page_is_zero(page: usize) -> bool {
     // SAFETY: by the caller's contract.
     let f = unsafe { std::slice::from_raw_parts(page as *const u8, PAGE) };
     f.iter().all(|&b| b == 0)
+}
+
+/// Whether the frozen page at `page` (a scratch page only the engine knows) equals copy `sid`,
+/// which the plan holds (allocated and unchanged).
+fn frozen_equals_copy(page: usize, plan: &Plan, sid: KeyId) -> bool {
+    // SAFETY: both are mapped pages nobody writes during the call (see above).
+    unsafe { pages_equal(page, plan.store_base + sid as usize * PAGE) }
 }
 
 /// Whether the pages at `a` and `b` hold the same bytes.
