@@ -418,7 +418,8 @@ impl Grouping {
                         && st
                             .regions
                             .get(&c.region)
-                            .is_some_and(|r| r.pages[c.index()].kind == PageKind::Foreign);
+                            .and_then(|r| r.pages.get(c.index()))
+                            .is_some_and(|p| p.kind == PageKind::Foreign);
                     if foreign && !grouped {
                         self.first.insert(h, (i, true));
                         self.groups.push(i);
@@ -473,8 +474,11 @@ impl Grouping {
         for (&h, &(i, grouped)) in &self.first {
             if !grouped {
                 let c = &self.cands[i as usize];
-                if let Some(r) = st.regions.get_mut(&c.region) {
-                    let p = &mut r.pages[c.index()];
+                let page = st
+                    .regions
+                    .get_mut(&c.region)
+                    .and_then(|r| r.pages.get_mut(c.index()));
+                if let Some(p) = page {
                     p.unchanged = 0;
                     if !p.kind.in_store_mapping() {
                         p.kind = PageKind::Unique;

@@ -20,6 +20,8 @@ use crate::access::{equals_copy, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
 use crate::classify::Classified;
 use crate::config::Config;
+use crate::changes::{Change, Fate};
+use crate::layout::holding_still;
 use crate::freeze::{Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, MAX_RUN};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
 use crate::store::Store;
@@ -132,10 +134,16 @@ fn commit_run(
     todo: &[usize],
 ) -> usize {
     let sh = cx.sh;
+    // Before the state lock: the program's mapping changes take that one while covered.
+    let _still = holding_still();
     let mut guard = lock(&sh.state);
     let Some(mut rs) = RunState::of(&mut guard, cands[todo[0]].region) else {
         return 1;
     };
+    // The region may have shrunk since the watch (the program unmapped part of it).
+    if cands[todo[0]].index() >= rs.region.pages.len() {
+        return 1;
+    }
     let run = next_run(rs.region, cands, actions, todo);
     if run.in_store {
         commit_broken(cx, &mut rs, &run);
@@ -151,6 +159,7 @@ fn commit_run(
         range: &sh.frozen,
         scratch,
         pagemap: &pagemap,
+        changes: &sh.changes,
     };
     map_copies_before_freeze(&plan.acts[..run.n], plan.store_base);
     let tf = Instant::now();
@@ -178,6 +187,7 @@ fn next_run(
         && n < MAX_RUN
         && cands[todo[n]].region == first.region
         && cands[todo[n]].index() == first.index() + n
+        && cands[todo[n]].index() < region.pages.len()
         && in_store(n) == run_in_store
     {
         n += 1;
@@ -322,16 +332,24 @@ impl Outcome {
 /// on memory prepared beforehand, at normal priority (writers may be waiting).
 fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>) -> Outcome {
     let _priority = NormalPriority::enter();
-    // SAFETY: the run is registered memory the engine holds no reference into; the scratch area is
-    // empty (discarded after every run) and only the committer freezes; the fault thread leaves
-    // the published run alone.
-    let mut frozen = unsafe { FrozenRun::freeze(freezer, run.start, run.n) };
     let mut out = Outcome {
         verdict: [None; MAX_RUN],
         mismatches: 0,
         map_error: None,
         restore: RestoreReport::default(),
     };
+    let log = lock(&cx.sh.changes);
+    if log.touches(run.start..run.start + run.n * PAGE) {
+        // The program changed the run's mapping since the period's watch: its state is stale
+        // until the engine applies the change; nothing is frozen.
+        return out;
+    }
+    // SAFETY: the run is registered memory the engine holds no reference into (no recorded change
+    // touches it, and the log is held: see the `changes` module); the scratch area is empty
+    // (discarded after every run) and only the committer freezes; the fault thread leaves the
+    // published run alone.
+    let mut frozen = unsafe { FrozenRun::freeze(freezer, &log, run.start, run.n) };
+    drop(log);
     for k in 0..run.n {
         let Some(page) = frozen.frozen_page(k) else {
             continue;
@@ -354,6 +372,19 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
             }
         };
     }
+    // Changes the program made while the run was frozen (reported by the kernel, recorded by
+    // the fault thread) are applied by the put-back: such pages are neither merged nor
+    // released. The mappings about to be made are announced (their reports are the engine's).
+    let mut log = lock(&cx.sh.changes);
+    for (k, v) in out.verdict.iter_mut().enumerate().take(run.n) {
+        if v.is_some() && frozen.fate(&log, k) != Fate::Kept {
+            *v = None;
+        }
+    }
+    for_each_subrun(&out.verdict[..run.n], |k, _, m| {
+        log.expect(mapping_change(run.start + k * PAGE, m));
+    });
+    drop(log);
     replace_frozen(cx, run, plan, &mut frozen, &mut out);
     for (k, v) in out.verdict.iter().enumerate().take(run.n) {
         if matches!(v, Some(Action::Zero | Action::Recycle(_))) {
@@ -388,11 +419,35 @@ fn replace_frozen(
                 watch_store_mapping(cx.sh, addr, m);
             }
             Err(e) => {
+                lock(&cx.sh.changes).unexpect(mapping_change(addr, m));
                 out.verdict[k..k + m].fill(None);
                 out.map_error = Some(e);
             }
         }
         k += m;
+    }
+}
+
+/// Calls `f(k, sid, m)` for each subrun of merges in `acts` (`m` pages from `k`, copies from
+/// `sid`).
+fn for_each_subrun(acts: &[Option<Action>], mut f: impl FnMut(usize, KeyId, usize)) {
+    let mut k = 0;
+    while k < acts.len() {
+        let Some((sid, m)) = merge_subrun(acts, k) else {
+            k += 1;
+            continue;
+        };
+        f(k, sid, m);
+        k += m;
+    }
+}
+
+/// How the kernel reports mapping `m` copies over the pages at `addr`: the old mapping there is
+/// unmapped.
+fn mapping_change(addr: usize, m: usize) -> Change {
+    Change::Unmap {
+        start: addr,
+        end: addr + m * PAGE,
     }
 }
 

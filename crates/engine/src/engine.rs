@@ -52,7 +52,12 @@ impl Watch {
     /// for, async write-protection (to watch for writes) when the kernel has both.
     fn open(config: &Config) -> Result<Self, EngineError> {
         let want_wp = config.watch != WatchMode::Checksum;
+        // The events: every change to registered memory the program makes, whatever makes it
+        // (see the `changes` module).
         let wanted = UFFD_FEATURE_MOVE
+            | UFFD_FEATURE_EVENT_UNMAP
+            | UFFD_FEATURE_EVENT_REMAP
+            | UFFD_FEATURE_EVENT_REMOVE
             | if want_wp {
                 UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED
             } else {
@@ -119,6 +124,7 @@ impl Engine {
 
     pub(crate) fn start(config: Config) -> Result<Self, EngineError> {
         config.validate()?;
+        crate::layout::watch_forks().map_err(EngineError::Thread)?;
         let Watch {
             uffd,
             mode,
@@ -152,6 +158,7 @@ impl Engine {
             period_lock: Mutex::new(()),
             config: Mutex::new(config),
             frozen: FrozenRange::default(),
+            changes: Mutex::default(),
             stop: AtomicBool::new(false),
             stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
             periods: Mutex::new(0),

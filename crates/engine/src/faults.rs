@@ -1,5 +1,8 @@
-//! The fault thread: answers missing faults in registered memory that are not frozen pages (first
-//! touches, released zero pages) with the shared zero page.
+//! The fault thread: reads everything the kernel reports on the userfaultfd of registered memory.
+//! Changes the program made to registered memory (unmappings, moves, dropped pages) are recorded
+//! in the change log, under its lock, as they are read (see the `changes` module); missing faults
+//! that are not frozen pages (first touches, released zero pages) are answered with the shared
+//! zero page.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -8,9 +11,13 @@ use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::{PAGE, WORDS};
+use crate::changes::{Change, ChangeLog};
 use crate::state::Shared;
 
-/// Answers missing faults that are not frozen pages with the zero page.
+/// Messages read in one go, under the change log's lock.
+const READ_AT_ONCE: usize = 64;
+
+/// Reads and answers the context's messages until the engine stops.
 pub(crate) fn fault_loop(sh: &Shared) {
     sh.count_cpu_of_this_thread();
     let fds = [
@@ -24,34 +31,65 @@ pub(crate) fn fault_loop(sh: &Shared) {
         if sys::poll_readable(&fds, 100).is_err() {
             std::thread::sleep(Duration::from_millis(1));
         }
-        while let Ok(Some(msg)) = sh.uffd.read_event() {
-            if msg.event != UFFD_EVENT_PAGEFAULT {
-                continue;
+        while read_some(sh) == READ_AT_ONCE {}
+    }
+}
+
+/// Reads up to [`READ_AT_ONCE`] messages under the change log's lock, records the changes and
+/// answers the faults; returns how many it read.
+fn read_some(sh: &Shared) -> usize {
+    let mut log = lock(&sh.changes);
+    let mut faults = [0usize; READ_AT_ONCE];
+    let (mut read, mut nfaults) = (0, 0);
+    while read < READ_AT_ONCE {
+        let Ok(Some(msg)) = sh.uffd.read_event() else {
+            break;
+        };
+        read += 1;
+        match msg.event() {
+            UffdEvent::PageFault { address, .. } => {
+                faults[nfaults] = address as usize & !(PAGE - 1);
+                nfaults += 1;
             }
-            let addr = msg.pf_address as usize & !(PAGE - 1);
-            let gate = sh.frozen.gate();
-            if gate.is_frozen(addr) {
-                continue; // The committer wakes it after replacing the page.
-            }
-            // A first touch or a released zero page: map the shared zero page. A write-protect
-            // marker (async watching of an unpopulated page) makes that fail with EEXIST: clear
-            // it and retry, or as a last resort install a zeroed page. Other errors (EEXIST
-            // because the page came back, ENOENT because the address is now a merged mapping)
-            // only need the wake.
-            static ZEROS: [u64; WORDS] = [0; WORDS];
-            let r = match sh.uffd.zeropage(addr, PAGE) {
-                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                    let _ = sh.uffd.writeprotect(addr, PAGE, false);
-                    sh.uffd.zeropage(addr, PAGE).or_else(|_| {
-                        // SAFETY: ZEROS is a static page of zeros.
-                        unsafe { sh.uffd.copy(addr, ZEROS.as_ptr().cast(), PAGE) }
-                    })
+            e => {
+                if let Some(c) = Change::of(e) {
+                    log.record(c);
                 }
-                r => r,
-            };
-            if r.is_err() {
-                let _ = sh.uffd.wake(addr, PAGE);
             }
         }
+    }
+    // Faults are answered after the changes read with them are recorded: one at an address an
+    // `mremap` of the frozen run moved is a frozen page too.
+    for &addr in &faults[..nfaults] {
+        answer_fault(sh, &log, addr);
+    }
+    read
+}
+
+/// Answers a missing fault at `addr`: left to the committer if it is a frozen page (it wakes it
+/// after the replacement), else the shared zero page.
+fn answer_fault(sh: &Shared, log: &ChangeLog, addr: usize) {
+    let gate = sh.frozen.gate();
+    if gate.is_frozen(addr, log) {
+        return;
+    }
+    // A first touch or a released zero page: map the shared zero page. A write-protect marker
+    // (async watching of an unpopulated page) makes that fail with EEXIST: clear it and retry, or
+    // as a last resort install a zeroed page. Other errors (EEXIST because the page came back,
+    // ENOENT because the address is now a merged mapping, EAGAIN while a change's event waits to
+    // be read: the faulting thread retries) only need the wake.
+    static ZEROS: [u64; WORDS] = [0; WORDS];
+    let r = match sh.uffd.zeropage(addr, PAGE) {
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            let _ = sh.uffd.writeprotect(addr, PAGE, false);
+            sh.uffd.zeropage(addr, PAGE).or_else(|_| {
+                // SAFETY: ZEROS is a static page of zeros.
+                unsafe { sh.uffd.copy(addr, ZEROS.as_ptr().cast(), PAGE) }
+            })
+        }
+        r => r,
+    };
+    if r.is_err() {
+        let _ = sh.uffd.wake(addr, PAGE);
     }
 }

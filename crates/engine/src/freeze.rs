@@ -13,13 +13,14 @@
 //!
 //! Either way a writer waits for one run at most, also when the commit returns early or panics.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
+use crate::changes::{Change, ChangeLog, Fate};
 
 /// Longest run frozen at once: bounds how long a writer can be blocked and the scratch size.
 pub(crate) const MAX_RUN: usize = 512;
@@ -30,6 +31,9 @@ pub(crate) struct FrozenRange {
     /// The run, packed by [`pack_run`] into one word so the fault thread never sees half of an
     /// update.
     word: AtomicU64,
+    /// The change log's mark when the run was frozen: changes recorded after it may have moved
+    /// the run's pages (see [`Gate::is_frozen`]).
+    mark: AtomicUsize,
     /// Makes "is it frozen?" and "fill it" one step for the fault thread: a freeze cannot start
     /// between them (else a page moved out just after the check would get a zero page, and the
     /// frozen contents could not be put back).
@@ -46,9 +50,12 @@ impl FrozenRange {
         }
     }
 
-    /// Publishes the run `[start, start + n*PAGE)`, before any of its pages moves.
-    fn publish(&self, start: usize, n: usize) {
+    /// Publishes the run `[start, start + n*PAGE)`, before any of its pages moves, with the change
+    /// log's mark.
+    fn publish(&self, start: usize, n: usize, mark: usize) {
         let _gate = lock(&self.gate);
+        // Relaxed: read under the gate, like the word below.
+        self.mark.store(mark, Ordering::Relaxed);
         // SeqCst pairs with the fault thread's load (`Gate::is_frozen`): the range is visible
         // before any page moves.
         self.word.store(pack_run(start, n), Ordering::SeqCst);
@@ -68,12 +75,19 @@ pub(crate) struct Gate<'a> {
 }
 
 impl Gate<'_> {
-    /// Whether `addr` is in the frozen run.
-    pub(crate) fn is_frozen(&self, addr: usize) -> bool {
+    /// Whether `addr` is a page of the frozen run: in it, or moved there from it by a change
+    /// recorded in `log` since the freeze (an `mremap` of the run while it is frozen moves its
+    /// empty addresses: the run's pages go back there).
+    pub(crate) fn is_frozen(&self, addr: usize, log: &ChangeLog) -> bool {
         // Pairs with the committer's SeqCst stores around a freeze: a fault on a page moved
         // out is reported after the move, which follows the store of the frozen range.
         let (fs, fe) = unpack_run(self.range.word.load(Ordering::SeqCst));
-        addr >= fs && addr < fe
+        if fs == fe {
+            return false;
+        }
+        // Relaxed: written under the gate, which is held.
+        let at = log.origin_since(addr, self.range.mark.load(Ordering::Relaxed));
+        at >= fs && at < fe
     }
 }
 
@@ -95,6 +109,9 @@ pub(crate) struct Freezer<'a> {
     pub(crate) range: &'a FrozenRange,
     pub(crate) scratch: usize,
     pub(crate) pagemap: &'a sys::Pagemap,
+    /// The changes the kernel reported (see the `changes` module): consulted before pages go
+    /// back.
+    pub(crate) changes: &'a Mutex<ChangeLog>,
 }
 
 /// A run of anonymous pages moved out into the scratch area: page `k` is in scratch slot `k`.
@@ -104,11 +121,17 @@ pub(crate) struct Freezer<'a> {
 pub(crate) struct FrozenRun<'a> {
     uffd: &'a sys::Uffd,
     range: &'a FrozenRange,
+    changes: &'a Mutex<ChangeLog>,
+    /// The change log's mark at the freeze.
+    mark: usize,
     scratch: usize,
     start: usize,
     n: usize,
     moved: [bool; MAX_RUN],
     consumed: [bool; MAX_RUN],
+    /// Where a page went back when the program moved its mapping meanwhile (else 0): its
+    /// writers are woken there.
+    moved_to: [usize; MAX_RUN],
     /// Whether the pages were put back and the scratch area discarded already.
     restored: bool,
 }
@@ -116,6 +139,9 @@ pub(crate) struct FrozenRun<'a> {
 impl<'a> FrozenRun<'a> {
     /// Freezes the `n` pages from `start`: publishes the run, then moves its pages into scratch
     /// slots `0..n`. Until the guard is dropped, any access to the run blocks in the kernel.
+    /// `log` is the change log, locked by the caller, who checked that no change it records
+    /// touches the run: while it is held, the kernel refuses to move a page of a mapping made
+    /// since an unrecorded change (see the `changes` module).
     ///
     /// # Safety
     ///
@@ -123,21 +149,30 @@ impl<'a> FrozenRun<'a> {
     /// and the engine holds no reference into it; the scratch area is empty (discarded after every
     /// run) and no other run is frozen; missing faults in the run are left unanswered while it is
     /// published.
-    pub(crate) unsafe fn freeze(f: Freezer<'a>, start: usize, n: usize) -> Self {
+    pub(crate) unsafe fn freeze(f: Freezer<'a>, log: &ChangeLog, start: usize, n: usize) -> Self {
         assert!(n <= MAX_RUN, "a run of {n} pages exceeds the scratch area");
-        f.range.publish(start, n);
+        let mark = log.mark();
+        f.range.publish(start, n, mark);
         let mut run = FrozenRun {
             uffd: f.uffd,
             range: f.range,
+            changes: f.changes,
+            mark,
             scratch: f.scratch,
             start,
             n,
             moved: [false; MAX_RUN],
             consumed: [false; MAX_RUN],
+            moved_to: [0; MAX_RUN],
             restored: false,
         };
         run.move_out(f.pagemap);
         run
+    }
+
+    /// What changes recorded since the freeze did to page `k` (`log` is the change log, locked).
+    pub(crate) fn fate(&self, log: &ChangeLog, k: usize) -> Fate {
+        log.fate_since(self.start + k * PAGE, self.mark)
     }
 
     fn move_out(&mut self, pagemap: &sys::Pagemap) {
@@ -210,20 +245,61 @@ impl<'a> FrozenRun<'a> {
             return report;
         }
         self.restored = true;
+        let mut log = lock(self.changes);
         for k in (0..self.n).filter(|&k| self.moved[k] && !self.consumed[k]) {
-            match put_back(self.uffd, self.start + k * PAGE, self.scratch + k * PAGE) {
-                PutBack::Moved => {}
-                PutBack::Copied => report.copied += 1,
-                PutBack::Gone => report.gone += 1,
-                PutBack::Failed(e) => {
-                    report.failed += 1;
-                    report.error = Some((self.start + k * PAGE, e));
+            let slot = self.scratch + k * PAGE;
+            loop {
+                let to = match self.fate(&log, k) {
+                    Fate::Gone => {
+                        report.gone += 1;
+                        break;
+                    }
+                    // The program dropped it meanwhile: it stays empty and reads zeros.
+                    Fate::Zeroed(_) => {
+                        report.zeroed += 1;
+                        break;
+                    }
+                    Fate::Kept => self.start + k * PAGE,
+                    Fate::Moved(to) => {
+                        self.moved_to[k] = to;
+                        to
+                    }
+                };
+                match put_back(self.uffd, to, slot) {
+                    PutBack::Moved => {}
+                    PutBack::Copied => report.copied += 1,
+                    PutBack::Gone => report.gone += 1,
+                    PutBack::Failed(e) => {
+                        report.failed += 1;
+                        report.error = Some((to, e));
+                    }
+                    PutBack::Again => {
+                        // A change is under way and its event unread: let the fault thread read
+                        // and record it, then look at the page's fate again.
+                        drop(log);
+                        report.waits += 1;
+                        let wait = 50 * u64::from(report.waits.min(20));
+                        std::thread::sleep(std::time::Duration::from_micros(wait));
+                        log = lock(self.changes);
+                        continue;
+                    }
                 }
+                break;
             }
         }
+        // Discarding the scratch area is reported like the program's MADV_DONTNEED: announced.
+        let discard = Change::Remove {
+            start: self.scratch,
+            end: self.scratch + self.n * PAGE,
+        };
+        log.expect(discard);
+        drop(log);
         // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
-        let _ =
+        let done =
             unsafe { sys::madvise(self.scratch as *mut u8, self.n * PAGE, libc::MADV_DONTNEED) };
+        if done.is_err() {
+            lock(self.changes).unexpect(discard);
+        }
         report
     }
 }
@@ -234,6 +310,9 @@ impl Drop for FrozenRun<'_> {
         let report = self.restore();
         self.range.clear();
         let _ = self.uffd.wake(self.start, self.n * PAGE);
+        for &to in self.moved_to.iter().take(self.n).filter(|&&to| to != 0) {
+            let _ = self.uffd.wake(to, PAGE);
+        }
         report.log();
     }
 }
@@ -244,40 +323,31 @@ enum PutBack {
     Copied,
     /// Its mapping is gone: nothing to put back into.
     Gone,
+    /// Refused for now: a change is under way in the program and its event unread (`EAGAIN`).
+    Again,
     Failed(std::io::Error),
 }
 
 /// Puts the frozen page in scratch slot `slot` back at `addr` (see [`FrozenRun::restore`]).
 fn put_back(uffd: &sys::Uffd, addr: usize, slot: usize) -> PutBack {
-    let mut waited = 0u32;
-    loop {
-        // SAFETY: `slot` holds the page moved out of the frozen address `addr`, which is still
-        // empty (the fault thread does not fill frozen pages).
-        let moved = unsafe { uffd.move_pages(addr, slot, PAGE, UFFDIO_MOVE_MODE_DONTWAKE) };
-        let e = match moved {
-            Ok(_) => return PutBack::Moved,
-            Err(e) => e,
-        };
-        if e.raw_os_error() == Some(libc::EAGAIN) {
-            // An unmapping or MADV_DONTNEED is under way in the program and its event unread:
-            // the fault thread reads it within a poll. Bounded only by that thread's progress.
-            waited += 1;
-            std::thread::sleep(std::time::Duration::from_micros(
-                50 * u64::from(waited.min(20)),
-            ));
-            continue;
-        }
-        // SAFETY: `slot` is a mapped scratch page of PAGE bytes nobody else writes.
-        let copied = unsafe { uffd.copy(addr, slot as *const u8, PAGE) };
-        return match copied {
-            Ok(()) => PutBack::Copied,
-            Err(c) if c.raw_os_error() == Some(libc::EAGAIN) => continue,
-            // No registered mapping at `addr` any more (ENOENT: none; EINVAL: not ours).
-            Err(c) if matches!(c.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => {
-                PutBack::Gone
-            }
-            Err(c) => PutBack::Failed(c),
-        };
+    // SAFETY: `slot` holds the page moved out of the frozen address `addr` (or where the program
+    // moved that address since), which is still empty (the fault thread does not fill frozen
+    // pages).
+    let moved = unsafe { uffd.move_pages(addr, slot, PAGE, UFFDIO_MOVE_MODE_DONTWAKE) };
+    let e = match moved {
+        Ok(_) => return PutBack::Moved,
+        Err(e) => e,
+    };
+    if e.raw_os_error() == Some(libc::EAGAIN) {
+        return PutBack::Again;
+    }
+    // SAFETY: `slot` is a mapped scratch page of PAGE bytes nobody else writes.
+    match unsafe { uffd.copy(addr, slot as *const u8, PAGE) } {
+        Ok(()) => PutBack::Copied,
+        Err(c) if c.raw_os_error() == Some(libc::EAGAIN) => PutBack::Again,
+        // No registered mapping at `addr` any more (ENOENT: none; EINVAL: not ours).
+        Err(c) if matches!(c.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => PutBack::Gone,
+        Err(c) => PutBack::Failed(c),
     }
 }
 
@@ -288,6 +358,10 @@ pub(crate) struct RestoreReport {
     pub(crate) copied: usize,
     /// Pages whose mapping the program removed meanwhile.
     pub(crate) gone: usize,
+    /// Pages the program dropped (`MADV_DONTNEED`) meanwhile: left empty.
+    pub(crate) zeroed: usize,
+    /// Times a put-back waited for an event to be read.
+    pub(crate) waits: u32,
     /// Pages that could not be put back at all, and the last error.
     pub(crate) failed: usize,
     pub(crate) error: Option<(usize, std::io::Error)>,
@@ -296,10 +370,11 @@ pub(crate) struct RestoreReport {
 impl RestoreReport {
     /// Logs it (after the wake).
     pub(crate) fn log(&self) {
-        if self.copied + self.gone > 0 {
+        if self.copied + self.gone + self.zeroed > 0 {
             tracing::debug!(
                 copied = self.copied,
                 gone = self.gone,
+                zeroed = self.zeroed,
                 "frozen pages copied back, or dropped with their mapping"
             );
         }
@@ -407,6 +482,7 @@ mod tests {
     struct Frozen {
         uffd: sys::Uffd,
         range: FrozenRange,
+        changes: Mutex<ChangeLog>,
         pagemap: sys::Pagemap,
         region: usize,
         scratch: usize,
@@ -434,6 +510,7 @@ mod tests {
             Frozen {
                 uffd,
                 range: FrozenRange::default(),
+                changes: Mutex::default(),
                 pagemap: sys::Pagemap::open().unwrap(),
                 region,
                 scratch,
@@ -447,10 +524,12 @@ mod tests {
                 range: &self.range,
                 scratch: self.scratch,
                 pagemap: &self.pagemap,
+                changes: &self.changes,
             };
+            let log = lock(&self.changes);
             // SAFETY: the region and the scratch area are registered above and only this test
             // uses them; nothing answers missing faults.
-            unsafe { FrozenRun::freeze(f, self.region, self.n) }
+            unsafe { FrozenRun::freeze(f, &log, self.region, self.n) }
         }
 
         fn present(&self, addr: usize, n: usize) -> Vec<bool> {
@@ -469,7 +548,9 @@ mod tests {
         }
 
         fn is_frozen(&self, k: usize) -> bool {
-            self.range.gate().is_frozen(self.region + k * PAGE)
+            self.range
+                .gate()
+                .is_frozen(self.region + k * PAGE, &lock(&self.changes))
         }
     }
 

@@ -72,6 +72,7 @@
 
 mod access;
 mod candidates;
+mod changes;
 mod classify;
 mod commit;
 mod config;
@@ -79,6 +80,7 @@ mod engine;
 mod error;
 mod faults;
 mod freeze;
+mod layout;
 mod period;
 mod pool;
 pub mod proto;
@@ -94,6 +96,7 @@ mod watch;
 
 pub use config::{Builder, Config, WatchMode};
 pub use engine::{Engine, Region};
+pub use layout::{changing_mappings, MappingChange};
 pub use error::{DaemonError, EngineError};
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;

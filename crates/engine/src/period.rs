@@ -20,6 +20,7 @@ use crate::candidates::{BATCH, REMOTE_BATCH};
 use crate::classify::{classify, Classified, Relook, StoreView};
 use crate::commit::commit;
 use crate::config::Config;
+use crate::layout::apply_changes;
 use crate::pool::Pool;
 use crate::read_ahead::use_read_ahead;
 use crate::rejoin::Rejoin;
@@ -120,6 +121,7 @@ struct PeriodCtx<'a> {
 fn locked_period(cx: &PeriodCtx<'_>, kicked: bool) -> bool {
     let sh = cx.sh;
     let _period = lock(&sh.period_lock);
+    apply_changes(sh, &mut lock(&sh.state));
     // Merges, copy-on-write breaks and zero pages released so far.
     let activity = || {
         let c = &sh.counters;

@@ -186,9 +186,10 @@ pub(crate) fn use_read_ahead(sh: &Shared, cands: &mut [Candidate], wait: bool) {
             continue;
         };
         used[bi] += 1;
-        let fresh = regions.get(&c.region).is_some_and(|r| {
-            r.pages[c.index()].kind == PageKind::Anon && r.pages[c.index()].epoch == 0
-        });
+        let fresh = regions
+            .get(&c.region)
+            .and_then(|r| r.pages.get(c.index()))
+            .is_some_and(|p| p.kind == PageKind::Anon && p.epoch == 0);
         let stale =
             matches!(pre, Pre::Stable(id) if store.reallocated_since(id, b.allocation_mark));
         if fresh && !stale {

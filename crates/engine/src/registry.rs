@@ -11,6 +11,7 @@ use pageone_sys::{self as sys, uapi::*};
 use crate::access::PAGE;
 use crate::config::WatchMode;
 use crate::error::EngineError;
+use crate::layout::apply_changes;
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
@@ -26,6 +27,7 @@ pub(crate) fn register(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result
     let _period = lock(&sh.period_lock);
     let maps = sys::self_mappings().map_err(EngineError::Map)?;
     let mut st = lock(&sh.state);
+    apply_changes(sh, &mut st);
     let unmergeable = registrable(&st, &maps, a, end)?;
     watch_pieces(sh, a..end, &unmergeable)?;
     if sh.mode == WatchMode::UffdWp {
@@ -163,6 +165,7 @@ pub(crate) fn unregister(sh: &Shared, a: usize, len: usize) -> Result<(), Engine
     let end = a.saturating_add(len);
     let _period = lock(&sh.period_lock);
     let mut st = lock(&sh.state);
+    apply_changes(sh, &mut st);
     let keys: Vec<usize> = st.regions.range(a..end).map(|(&k, _)| k).collect();
     if keys.is_empty() {
         return Err(EngineError::NotRegistered { addr: a, len });

@@ -13,6 +13,7 @@ use pageone_sync::lock;
 use pageone_sys as sys;
 
 use crate::access::PAGE;
+use crate::changes::ChangeLog;
 use crate::config::{Config, WatchMode};
 use crate::freeze::FrozenRange;
 use crate::read_ahead::{AheadBlock, AheadJob};
@@ -181,6 +182,10 @@ pub(crate) struct Shared {
     /// The run currently frozen, as the fault thread sees it: it leaves faults there to the
     /// committer, which wakes them after the replacement.
     pub(crate) frozen: FrozenRange,
+    /// Changes to registered memory reported by the kernel and not applied to the regions yet
+    /// (see the `changes` module). Lock order: the state lock, the change log, the frozen range's
+    /// gate.
+    pub(crate) changes: Mutex<ChangeLog>,
     pub(crate) stop: AtomicBool,
     pub(crate) stop_fd: std::os::fd::OwnedFd,
     /// Periods completed, with a condvar for `wait_periods`.

@@ -1,0 +1,244 @@
+//! The layout of registered memory as the engine keeps it: regions cut where the program unmapped,
+//! moved or dropped part of them, and the changes the kernel reported applied to them (see the
+//! `changes` module). Only bookkeeping: the mappings themselves were changed by the program.
+
+use std::cell::RefCell;
+use std::ops::Range;
+use std::sync::{Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use pageone_sync::lock;
+use pageone_sys as sys;
+
+use crate::access::PAGE;
+use crate::changes::Change;
+use crate::read_ahead::forget_read_ahead;
+use crate::state::{PageKind, RegionState, Shared, State};
+
+/// Held shared by whatever changes the program's mappings of registered memory (the shim around
+/// `munmap`, `mremap`, `mmap(MAP_FIXED)`, `mprotect`, `mlock` and `madvise`; `fork`), and
+/// exclusively by the committer for each run it holds still: such a change waits for the run
+/// (one run at most), and no run starts while it is under way. One for the process: runs of all
+/// engines and changes of all threads.
+static LAYOUT: RwLock<()> = RwLock::new(());
+
+/// A change of the program's mappings of registered memory under way (see [`changing_mappings`]).
+#[must_use = "the change is covered only while the guard lives"]
+pub struct MappingChange(Option<RwLockReadGuard<'static, ()>>);
+
+thread_local! {
+    /// Guards this thread holds (only the outermost holds the lock: a writer waiting between two
+    /// shared acquisitions of one thread would otherwise deadlock it).
+    static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Drop for MappingChange {
+    fn drop(&mut self) {
+        DEPTH.with(|d| d.set(d.get() - 1));
+    }
+}
+
+/// Covers a change the caller is about to make to mappings of registered memory (`munmap`,
+/// `mremap`, `mmap(MAP_FIXED)` over it, `mprotect`, `mlock`, `madvise`): it waits until no run
+/// is held still by an engine of this process and keeps new runs from starting until the guard is
+/// dropped. The `LD_PRELOAD` shim does this for unmodified programs; without it, such a change is
+/// learnt from the kernel's reports (see `docs/DESIGN.md`). Guards nest within a thread; the
+/// engine's own calls that change mappings (`Engine::unregister`, `Engine::discard`) take one.
+pub fn changing_mappings() -> MappingChange {
+    let outer = DEPTH.with(|d| {
+        d.set(d.get() + 1);
+        d.get() == 1
+    });
+    MappingChange(outer.then(|| LAYOUT.read().unwrap_or_else(|e| e.into_inner())))
+}
+
+/// Held by the committer while a run is frozen or write-protected.
+pub(crate) fn holding_still() -> RwLockWriteGuard<'static, ()> {
+    LAYOUT.write().unwrap_or_else(|e| e.into_inner())
+}
+
+thread_local! {
+    /// The guard the forking thread holds across `fork` (see [`watch_forks`]).
+    static FORKING: RefCell<Option<MappingChange>> = const { RefCell::new(None) };
+}
+
+extern "C" fn before_fork() {
+    FORKING.with(|f| *f.borrow_mut() = Some(changing_mappings()));
+}
+
+extern "C" fn after_fork() {
+    FORKING.with(|f| drop(f.borrow_mut().take()));
+}
+
+/// Makes `fork` wait for a run held still and hold new ones off until it returns: a child copies
+/// the parent's memory as it is, and a frozen page is not in it (the child would read it empty).
+/// Installed once per process.
+pub(crate) fn watch_forks() -> std::io::Result<()> {
+    static ONCE: Once = Once::new();
+    let mut r = Ok(());
+    ONCE.call_once(|| r = sys::at_fork(before_fork, after_fork, after_fork));
+    r
+}
+
+/// Takes the pages of `range` out of the regions: the parts of a region outside it stay
+/// registered as regions of their own; the parts inside are returned, in address order.
+pub(crate) fn cut(st: &mut State, range: Range<usize>) -> Vec<RegionState> {
+    let keys: Vec<usize> = st
+        .regions
+        .range(..range.end)
+        .filter(|(_, r)| r.start + r.len() > range.start)
+        .map(|(&k, _)| k)
+        .collect();
+    let mut out = Vec::with_capacity(keys.len());
+    for k in keys {
+        let mut r = st.regions.remove(&k).expect("listed above");
+        let end = r.start + r.len();
+        if end > range.end {
+            let right = split_off(&mut r, range.end);
+            st.regions.insert(right.start, right);
+        }
+        if r.start < range.start {
+            let mid = split_off(&mut r, range.start);
+            st.regions.insert(r.start, r);
+            out.push(mid);
+        } else {
+            out.push(r);
+        }
+    }
+    out
+}
+
+/// Splits region `r` at `at` (page-aligned, inside it): `r` keeps the pages below, the region
+/// returned holds the others.
+fn split_off(r: &mut RegionState, at: usize) -> RegionState {
+    let i = (at - r.start) / PAGE;
+    RegionState {
+        start: at,
+        pages: r.pages.split_off(i),
+        merged_ever: r.merged_ever,
+        armed_at: r.armed_at,
+        sums: r.sums.split_off(i.min(r.sums.len())),
+    }
+}
+
+/// Forgets the pages of `piece`, whose mappings are gone: the copies they mapped lose a
+/// reference, released zero pages are no longer counted, first sightings of them go stale.
+pub(crate) fn forget_pages(st: &mut State, piece: &RegionState) {
+    for p in &piece.pages {
+        match p.kind {
+            PageKind::Merged => st.store.drop_ref(p.sid),
+            PageKind::Zero => st.zero -= 1,
+            PageKind::Unique => st.stale_sightings += 1,
+            PageKind::Anon | PageKind::Broken | PageKind::Foreign => {}
+        }
+    }
+}
+
+/// Applies the changes the kernel reported and the engine has not applied yet to the regions
+/// (the caller holds the state lock: lock order state, then change log).
+pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
+    let changes = lock(&sh.changes).take();
+    if changes.is_empty() {
+        return;
+    }
+    // Read-ahead results name addresses that may have changed.
+    forget_read_ahead(st);
+    for c in changes {
+        match c {
+            Change::Unmap { start, end } => {
+                for piece in cut(st, start..end) {
+                    forget_pages(st, &piece);
+                }
+            }
+            Change::Remap { from, to, len } => moved(st, from, to, len),
+            Change::Remove { start, end } => dropped(st, start..end),
+        }
+    }
+    st.store.punch_pending();
+}
+
+/// `[from, from+len)` moved to `to`, its pages with it (and its registration: the kernel keeps
+/// it when reporting moves). Whatever was registered at `to` was unmapped (reported before).
+fn moved(st: &mut State, from: usize, to: usize, len: usize) {
+    for piece in cut(st, to..to + len) {
+        forget_pages(st, &piece);
+    }
+    for mut piece in cut(st, from..from + len) {
+        piece.start = piece.start - from + to;
+        for p in &mut piece.pages {
+            if p.kind == PageKind::Unique {
+                // Its first sighting names the old address.
+                p.kind = PageKind::Anon;
+                p.unchanged = 0;
+                st.stale_sightings += 1;
+            }
+        }
+        st.regions.insert(piece.start, piece);
+    }
+}
+
+/// The pages of `range` were dropped (`MADV_DONTNEED`): anonymous ones read zeros now; pages in
+/// mappings of the store read their copy again (a private file mapping reads the file).
+fn dropped(st: &mut State, range: Range<usize>) {
+    let State {
+        regions,
+        store,
+        stale_sightings,
+        ..
+    } = st;
+    for r in regions.values_mut() {
+        let (lo, hi) = (r.start.max(range.start), (r.start + r.len()).min(range.end));
+        if lo >= hi {
+            continue;
+        }
+        for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
+            match p.kind {
+                PageKind::Anon | PageKind::Unique => {
+                    if p.kind == PageKind::Unique {
+                        *stale_sightings += 1;
+                    }
+                    p.kind = PageKind::Anon;
+                    p.unchanged = 0;
+                    p.epoch = p.epoch.wrapping_add(1);
+                }
+                // Written after its merge, the page dropped its private copy: it maps the copy
+                // again, counted again if the store still holds it.
+                PageKind::Broken if store.is_allocated(p.sid) => {
+                    store.add_ref(p.sid);
+                    p.kind = PageKind::Merged;
+                    p.unchanged = 0;
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Page;
+
+    fn region(start: usize, n: usize) -> RegionState {
+        RegionState {
+            start,
+            pages: (0..n)
+                .map(|i| Page {
+                    epoch: i as u8,
+                    ..Page::default()
+                })
+                .collect(),
+            merged_ever: false,
+            armed_at: None,
+            sums: vec![0; n],
+        }
+    }
+
+    #[test]
+    fn splitting_keeps_every_page_in_order() {
+        let mut r = region(10 * PAGE, 8);
+        let right = split_off(&mut r, 13 * PAGE);
+        assert_eq!((r.start, r.pages.len(), r.sums.len()), (10 * PAGE, 3, 3));
+        assert_eq!((right.start, right.pages.len()), (13 * PAGE, 5));
+        assert_eq!(right.pages[0].epoch, 3);
+    }
+}
