@@ -51,7 +51,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use pageone_engine::proto::{self, ProtoError, Reply, Request};
+use pageone_proto::{self as proto, ProtoError, Reply, Request};
 use pageone_sys as sys;
 
 const PAGE: usize = sys::PAGE_SIZE;
@@ -636,7 +636,7 @@ fn free_slots(sc: &Scope, mut dead: Vec<u32>) {
         return;
     }
     dead.sort_unstable();
-    pageone_engine::punch_runs(sc.fd.as_raw_fd(), &dead);
+    proto::store::punch_runs(sc.fd.as_raw_fd(), &dead);
     // Reused from the end: lowest first, so new copies come in runs.
     dead.reverse();
     lock(&sc.state).reuse(dead);

@@ -53,16 +53,16 @@
 
 mod engine;
 mod pool;
-pub mod proto;
 mod remote;
 mod store;
 
 use std::time::Duration;
 
 pub use engine::{Engine, Region};
+/// The wire protocol with `pageone daemon` (its own crate, shared with the daemon).
+pub use pageone_proto as proto;
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;
-pub use store::punch_runs;
 
 /// How written pages are detected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -1,14 +1,4 @@
-//! The wire protocol between engines (clients) and `pageone daemon`.
-//!
-//! Frames on a Unix stream socket: `u32 length` (little-endian, of what follows), `u32 tag`, body.
-//! Every request gets exactly one reply. Bodies are fixed-size records behind counts, so a decoder
-//! checks one bound per frame; a frame over [`MAX_FRAME`] or with inconsistent counts is an error
-//! and ends the connection. Two frames carry a descriptor (`SCM_RIGHTS`): `Hello` (the read end
-//! of the client's pipe, into which it `vmsplice`s the pages a copy request names) and `Welcome`
-//! (the scope's store, re-opened read-only for the client).
-//!
-//! The daemon trusts nothing a client says: it hashes the bytes it copied itself, clients can only
-//! release their own holds, and every merge is verified by the client on frozen bytes anyway.
+//! Frames, requests and replies.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
