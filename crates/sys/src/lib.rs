@@ -14,7 +14,10 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+mod access;
 pub mod uapi;
+
+pub use access::*;
 
 use uapi::*;
 
