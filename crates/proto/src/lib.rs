@@ -16,3 +16,13 @@ pub mod store;
 mod wire;
 
 pub use wire::*;
+
+/// The environment variable `name`, unless this process runs in secure-execution mode
+/// (set-user-ID, set-group-ID or file capabilities: `AT_SECURE`), whose environment is its
+/// caller's to choose: then every `PAGEONE_*` setting (and the runtime directory) is ignored.
+pub fn setting(name: &str) -> Option<std::ffi::OsString> {
+    if pageone_sys::secure_execution() {
+        return None;
+    }
+    std::env::var_os(name).filter(|v| !v.is_empty())
+}
