@@ -10,8 +10,14 @@
 //! The daemon trusts nothing a client says: it hashes the bytes it copied itself, clients can only
 //! release their own holds, and every merge is verified by the client on frozen bytes anyway.
 //!
-//! [`store`] describes the store file both ends share: slot `n` is the page at `n * 4096`.
+//! Over a cap of the daemon (store pages, report size, requests in flight), a request gets
+//! [`Reply::OverCap`]: the client goes on with fewer merges, nothing else changes.
+//!
+//! [`store`] describes the store file both ends share (slot `n` is the page at `n * 4096`) and
+//! how it is protected; [`auth`] which daemon a client trusts; [`socket`] where sockets live.
 
+pub mod auth;
+pub mod socket;
 pub mod store;
 mod wire;
 
