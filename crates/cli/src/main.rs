@@ -1,6 +1,7 @@
 //! The `pageone` command: a thin binary over the engine and benchmark libraries.
 
 mod demo;
+mod probe;
 mod run;
 mod scope;
 
@@ -64,6 +65,9 @@ enum Command {
     /// (Tests and benchmarks) one process of seed data under an engine that joins the daemon.
     #[command(hide = true)]
     ScopeClient(scope::ClientOptions),
+    /// (Tests) what a client of another user, or a hostile one, can do to a daemon.
+    #[command(hide = true)]
+    ScopeProbe(probe::ProbeOptions),
     /// Benchmarks, each next to its baseline in the same run.
     Bench {
         #[command(subcommand)]
@@ -155,6 +159,7 @@ fn main() -> Result<()> {
             std::process::exit(code);
         }
         Command::ScopeClient(options) => scope::client(options),
+        Command::ScopeProbe(options) => probe::run(options),
         Command::Bench {
             which: Bench::Sdtree { quick, runs, json },
         } => bench_sdtree(quick, runs, json),
