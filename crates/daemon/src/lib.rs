@@ -47,6 +47,8 @@
 //! requests), `contents` (its index of contents and notes), `status`.
 
 mod contents;
+#[cfg(feature = "harness")]
+pub mod harness;
 mod limits;
 mod listen;
 mod scope;
@@ -169,5 +171,11 @@ impl Inner {
             started: Instant::now(),
             socket,
         }
+    }
+
+    /// Every scope, for checks (the fuzz harness).
+    #[cfg(feature = "harness")]
+    fn all_scopes(&self) -> Vec<Arc<Scope>> {
+        pageone_sync::lock(&self.scopes).values().cloned().collect()
     }
 }
