@@ -60,7 +60,8 @@ fn as_nobody(cmd: &mut Command) -> &mut Command {
     cmd.uid(NOBODY).gid(NOBODY).env_remove("XDG_RUNTIME_DIR")
 }
 
-struct Daemon(Child);
+/// A daemon, killed and its socket removed when dropped.
+struct Daemon(Child, PathBuf);
 
 impl Daemon {
     fn start_with(path: &Path, args: &[&str], nobody: bool) -> Self {
@@ -78,7 +79,7 @@ impl Daemon {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Daemon(child)
+        Daemon(child, path.to_path_buf())
     }
     fn start(path: &Path, args: &[&str]) -> Self {
         Self::start_with(path, args, false)
@@ -89,6 +90,7 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        let _ = std::fs::remove_file(&self.1);
     }
 }
 
