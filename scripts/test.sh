@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pageone test suite. Installs what it needs, then runs formatting, lints,
-# unit/property/integration tests (debug and release), and the loom models.
+# unit/property/integration tests (debug and release), the loom models and a minute of fuzzing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,6 +40,7 @@ step() { printf '\n=== %s\n' "$*"; }
 
 step "format"
 cargo fmt --all -- --check
+(cd fuzz && cargo fmt -- --check)
 
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -57,5 +58,8 @@ python3 tests/qemu/run.py
 step "loom models of the SD tree's lock-free races and of PPR's mark/recycle race"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target-loom LOOM_MAX_PREEMPTIONS=3 \
     cargo test -p pageone-index -p pageone-recycler --test loom --release --locked
+
+step "fuzzing: the frame decoder and the daemon's request handling (60 s; scripts/fuzz.sh N for longer)"
+bash scripts/fuzz.sh 60
 
 step "all tests passed"

@@ -3,6 +3,7 @@
 
 mod bench;
 mod demo;
+mod probe;
 mod run;
 mod scope;
 
@@ -38,15 +39,7 @@ enum Command {
         hard: bool,
     },
     /// Share stable copies between the processes of each scope (foreground).
-    Daemon {
-        /// Socket path [default: $PAGEONE_SOCKET, /run/pageone/pageone.sock for root,
-        /// $XDG_RUNTIME_DIR/pageone.sock otherwise].
-        #[arg(long)]
-        socket: Option<std::path::PathBuf>,
-        /// Exit when the last client has left (a private daemon of one process tree).
-        #[arg(long)]
-        exit_when_idle: bool,
-    },
+    Daemon(scope::DaemonOptions),
     /// Run a command with pageone answering its madvise(MADV_MERGEABLE) / PR_SET_MEMORY_MERGE.
     Run {
         /// Scope (tenant) for the command's processes [default: $PAGEONE_SCOPE or "default"].
@@ -71,6 +64,9 @@ enum Command {
     /// (Tests and benchmarks) one process of seed data under an engine that joins the daemon.
     #[command(hide = true)]
     ScopeClient(scope::ClientOptions),
+    /// (Tests) what a client of another user, or a hostile one, can do to a daemon.
+    #[command(hide = true)]
+    ScopeProbe(probe::ProbeOptions),
     /// Benchmarks, each next to its baseline in the same run: runs `pageone-bench ARGS...`
     /// (built with `cargo build --release -p pageone-bench`).
     #[command(disable_help_flag = true)]
@@ -96,16 +92,14 @@ fn main() -> Result<()> {
             workers,
             hard,
         } => demo::run(mib, copies, workers, hard),
-        Command::Daemon {
-            socket,
-            exit_when_idle,
-        } => scope::daemon(socket, exit_when_idle),
+        Command::Daemon(options) => scope::daemon(options),
         Command::Status { socket, json } => scope::status(socket, json),
         Command::Run { scope, daemon, cmd } => {
             let code = run::run(scope, daemon, cmd)?;
             std::process::exit(code);
         }
         Command::ScopeClient(options) => scope::client(options),
+        Command::ScopeProbe(options) => probe::run(options),
         Command::Bench { args } => bench::run(args),
     }
 }

@@ -1,18 +1,54 @@
 //! `pageone run`: runs a command under the `LD_PRELOAD` shim, sharing through a daemon.
 
 use std::ffi::OsString;
-use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command};
 
 use anyhow::{bail, Context, Result};
+use pageone_engine::proto::{self, socket::PrivateDir};
 
 use crate::scope;
 
+/// A daemon for one command's process tree: it listens in a fresh 0700 directory of this user
+/// (nobody else can reach or replace its socket), and is stopped, its directory removed, when
+/// this is dropped.
+struct PrivateDaemon {
+    child: Child,
+    dir: PrivateDir,
+}
+
+impl PrivateDaemon {
+    /// In `$XDG_RUNTIME_DIR`, else the temporary directory.
+    fn start() -> Result<Self> {
+        let parent = proto::setting("XDG_RUNTIME_DIR")
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+            .unwrap_or_else(std::env::temp_dir);
+        let dir = PrivateDir::new(&parent, "pageone-run-")
+            .context("could not make a private directory for the daemon")?;
+        let child = scope::spawn_daemon(&dir.socket())?;
+        Ok(Self { child, dir })
+    }
+}
+
+impl Drop for PrivateDaemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // (`dir` goes next, with the socket in it.)
+    }
+}
+
+/// The default daemon's socket, if a daemon this process trusts answers there.
+fn default_daemon() -> Option<PathBuf> {
+    let path = scope::socket_or_default(None).ok()?;
+    scope::connect_trusted(&path).ok().map(|_| path)
+}
+
 /// The shim: `$PAGEONE_PRELOAD`, else `libpageone_preload.so` next to this executable.
 fn preload_library() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("PAGEONE_PRELOAD") {
+    if let Some(p) = proto::setting("PAGEONE_PRELOAD") {
         return Ok(p.into());
     }
     let exe = std::env::current_exe().context("cannot find this executable")?;
@@ -36,18 +72,13 @@ pub fn run(scope_name: Option<String>, daemon: Option<PathBuf>, cmd: Vec<OsStrin
     // The given daemon, else one already serving the default socket, else a private one for this
     // process tree (stopped when the command exits).
     let mut private = None;
-    let socket = match daemon {
+    let socket = match daemon.or_else(default_daemon) {
         Some(s) => s,
         None => {
-            let default = scope::socket_or_default(None);
-            if UnixStream::connect(&default).is_ok() {
-                default
-            } else {
-                let s =
-                    std::env::temp_dir().join(format!("pageone-run-{}.sock", std::process::id()));
-                private = Some(scope::spawn_daemon(&s)?);
-                s
-            }
+            let p = PrivateDaemon::start()?;
+            let s = p.dir.socket();
+            private = Some(p);
+            s
         }
     };
     let mut preload = OsString::from(&lib);
@@ -63,15 +94,30 @@ pub fn run(scope_name: Option<String>, daemon: Option<PathBuf>, cmd: Vec<OsStrin
         c.env("PAGEONE_SCOPE", s);
     }
     let status = c.status();
-    if let Some(mut d) = private {
-        let _ = d.kill();
-        let _ = d.wait();
-        let _ = std::fs::remove_file(&socket);
-    }
+    drop(private);
     let status = status.with_context(|| format!("could not run {}", program.to_string_lossy()))?;
     Ok(match (status.code(), status.signal()) {
         (Some(code), _) => code,
         (None, Some(sig)) => 128 + sig,
         _ => 1,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `pageone run` uses the daemon it started only if that process is what answers: a socket
+    /// answered by anyone else (here, this test) is refused.
+    #[test]
+    fn a_daemon_that_is_not_our_child_is_refused() {
+        let dir = PrivateDir::new(&std::env::temp_dir(), "pageone-run-test-").unwrap();
+        let socket = dir.socket();
+        let _impostor = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let mut child = Command::new("sleep").arg("10").spawn().unwrap();
+        let e = scope::wait_for_own_daemon(&socket, &mut child).unwrap_err();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(e.to_string().contains("not by the daemon started"), "{e}");
+    }
 }

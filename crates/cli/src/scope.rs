@@ -15,15 +15,50 @@ use pageone_sys as sys;
 
 const PAGE: usize = 4096;
 
-pub fn socket_or_default(socket: Option<PathBuf>) -> PathBuf {
-    socket
-        .or_else(|| std::env::var_os("PAGEONE_SOCKET").map(Into::into))
-        .unwrap_or_else(proto::default_socket)
+/// The socket given, else `$PAGEONE_SOCKET`, else the default one (none without
+/// `$XDG_RUNTIME_DIR` unless root: never a directory others share).
+pub fn socket_or_default(socket: Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(s) = socket.or_else(|| proto::setting("PAGEONE_SOCKET").map(Into::into)) {
+        return Ok(s);
+    }
+    Ok(proto::socket::default_socket()?)
 }
 
-pub fn daemon(socket: Option<PathBuf>, exit_when_idle: bool) -> Result<()> {
-    let mut config = DaemonConfig::new(socket_or_default(socket));
-    config.exit_when_idle = exit_when_idle;
+/// Options of `pageone daemon`.
+#[derive(clap::Args)]
+pub struct DaemonOptions {
+    /// Socket path [default: $PAGEONE_SOCKET, else $XDG_RUNTIME_DIR/pageone.sock, else
+    /// /run/pageone/pageone.sock for root]. Its directory must be reachable without symbolic
+    /// links and writable only by root or this user (or sticky); the socket is 0666 for root
+    /// and the `pageone` user (every local user may connect; scopes and caps are per user),
+    /// 0600 otherwise.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Exit when the last client has left (a private daemon of one process tree).
+    #[arg(long)]
+    pub exit_when_idle: bool,
+    /// What keeps scopes apart besides their names: `uid`, or `cgroup` (uid and cgroups, so
+    /// that same-user processes of different cgroups, e.g. guests of different tenants under
+    /// one libvirt user, never share).
+    #[arg(long, default_value = "uid")]
+    pub scope_by: pageone_daemon::ScopeBy,
+    /// A cap, as NAME=VALUE (repeatable). Names: connections, connections-per-uid,
+    /// pages-per-uid, pages-per-client, notes, notes-per-uid, notes-per-client, report-bytes,
+    /// in-flight-per-uid, hello-timeout-ms, idle-timeout-ms, frame-timeout-ms.
+    #[arg(long = "limit", value_name = "NAME=VALUE")]
+    pub limits: Vec<String>,
+}
+
+pub fn daemon(o: DaemonOptions) -> Result<()> {
+    let mut config = DaemonConfig::new(socket_or_default(o.socket)?);
+    config.exit_when_idle = o.exit_when_idle;
+    config.scope_by = o.scope_by;
+    for l in &o.limits {
+        let Some((name, value)) = l.split_once('=') else {
+            bail!("a limit is NAME=VALUE, not {l:?}");
+        };
+        config.limits.set(name, value).map_err(anyhow::Error::msg)?;
+    }
     // The daemon's tables grow and shrink with what its clients note and share: big ones get
     // their own mappings so that shrinking them gives the memory back.
     pageone_sys::set_heap_mmap_threshold(128 << 10);
@@ -32,10 +67,19 @@ pub fn daemon(socket: Option<PathBuf>, exit_when_idle: bool) -> Result<()> {
     d.run().context("the daemon stopped serving")
 }
 
-pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
-    let path = socket_or_default(socket);
-    let sock = UnixStream::connect(&path)
+/// Connects to the daemon at `path`, if it is one this process trusts (root, this user, or the
+/// system daemon's user).
+pub fn connect_trusted(path: &std::path::Path) -> Result<UnixStream> {
+    let sock = UnixStream::connect(path)
         .with_context(|| format!("no pageone daemon answers at {}", path.display()))?;
+    proto::auth::check_daemon(&sock)
+        .with_context(|| format!("refusing the daemon at {}", path.display()))?;
+    Ok(sock)
+}
+
+pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
+    let path = socket_or_default(socket)?;
+    let sock = connect_trusted(&path)?;
     let (reply, _) = proto::call(&sock, &Request::Status, None)?;
     let Reply::Text(text) = reply else {
         bail!("the daemon answered out of protocol");
@@ -46,12 +90,24 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "pageone daemon pid {} on {} (up {} s), its own memory {:.1} MiB",
+        "pageone daemon pid {} on {} (up {} s), scopes by {}{}",
         v["pid"],
         v["socket"],
         v["uptime_secs"],
-        v["anonymous_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+        v["scope_by"],
+        v["anonymous_bytes"]
+            .as_f64()
+            .map_or(String::new(), |b| format!(
+                ", its own memory {:.1} MiB",
+                b / 1048576.0
+            )),
     );
+    for u in v["users"].as_array().into_iter().flatten() {
+        println!(
+            "uid {}: {} connections, {} store pages, {} notes, {} requests in flight",
+            u["uid"], u["connections"], u["store_pages"], u["notes"], u["requests_in_flight"]
+        );
+    }
     for s in v["scopes"].as_array().into_iter().flatten() {
         println!(
             "scope {}: {} clients, pages shared {}, sharing {}, zero {}, saved {:.1} MiB, \
@@ -67,6 +123,12 @@ pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
             s["store_resident_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
             s["noted_first_sightings"],
         );
+        if let Some(cg) = s["cgroup"].as_str() {
+            println!("  cgroup {cg}");
+        }
+        if s["clients_not_listed"].as_u64() > Some(0) {
+            println!("  ({} more clients not listed)", s["clients_not_listed"]);
+        }
         for c in s["clients"].as_array().into_iter().flatten() {
             if c["connected"] == false {
                 println!(
@@ -330,20 +392,56 @@ pub fn client(o: ClientOptions) -> Result<()> {
     Ok(())
 }
 
-/// Starts `pageone daemon` on `socket` and waits until it listens.
+/// Starts `pageone daemon` on `socket` and waits until it listens there.
 pub fn spawn_daemon(socket: &std::path::Path) -> Result<std::process::Child> {
-    let child = std::process::Command::new(std::env::current_exe()?)
+    let mut child = std::process::Command::new(std::env::current_exe()?)
         .args(["daemon", "--socket"])
         .arg(socket)
         .stderr(std::process::Stdio::null())
         .spawn()
         .context("could not start the daemon")?;
+    if let Err(e) = wait_for_own_daemon(socket, &mut child) {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
+    }
+    Ok(child)
+}
+
+/// Waits until `child` listens at `socket`. Whoever answers there must be that process (its
+/// pid, by `SO_PEERCRED`): anything else is an error, not a daemon to use.
+pub fn wait_for_own_daemon(
+    socket: &std::path::Path,
+    child: &mut std::process::Child,
+) -> Result<()> {
     let t0 = Instant::now();
-    while UnixStream::connect(socket).is_err() {
+    loop {
+        if let Ok(s) = UnixStream::connect(socket) {
+            return check_peer_pid(&s, child.id(), socket);
+        }
+        if let Some(st) = child.try_wait()? {
+            bail!(
+                "the daemon exited ({st}) before listening on {}",
+                socket.display()
+            );
+        }
         if t0.elapsed() > Duration::from_secs(10) {
             bail!("the daemon did not listen on {}", socket.display());
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(child)
+}
+
+/// Checks that the process answering on `sock` is `pid`.
+pub fn check_peer_pid(sock: &UnixStream, pid: u32, path: &std::path::Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let cred = sys::peer_cred(sock.as_raw_fd())?;
+    if cred.pid < 0 || cred.pid as u32 != pid {
+        bail!(
+            "{} is answered by pid {}, not by the daemon started for this command (pid {pid})",
+            path.display(),
+            cred.pid
+        );
+    }
+    Ok(())
 }

@@ -669,8 +669,9 @@ fn a_daemon_that_dies_mid_copy_does_not_kill_the_client() {
         assert!(matches!(Request::decode(&body), Ok(Request::Hello { .. })));
         let pipe = pipe.expect("the greeting carries the pipe");
         let capacity = 4096u32;
-        let store = pageone_sys::memfd_create(c"fake-store").unwrap();
-        pageone_sys::ftruncate(store.as_raw_fd(), capacity as u64 * PAGE).unwrap();
+        // A store as a daemon makes them (the client checks), handed over read-only.
+        let store = proto::store::create(c"fake-store", capacity).unwrap();
+        let store = pageone_sys::reopen_readonly(store.as_raw_fd()).unwrap();
         let welcome = Reply::Welcome {
             capacity,
             client: 1,

@@ -203,7 +203,10 @@ mod tests {
         assert_eq!(log.fate_since(14 * P, 0), Fate::Kept);
         assert_eq!(log.fate_since(20 * P, 0), Fate::Gone);
         assert!(log.touches(12 * P..15 * P) && !log.touches(14 * P..20 * P));
-        assert!(log.touches(99 * P..100 * P + 1), "pages moved into a range touch it");
+        assert!(
+            log.touches(99 * P..100 * P + 1),
+            "pages moved into a range touch it"
+        );
         assert_eq!(log.origin_since(102 * P, 0), 12 * P);
         assert_eq!(log.origin_since(102 * P, 1), 102 * P);
         // A page moved onto an address a later change unmaps is gone; one moved before a change

@@ -18,11 +18,11 @@ use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::{equals_copy, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
+use crate::changes::{Change, Fate};
 use crate::classify::Classified;
 use crate::config::Config;
-use crate::changes::{Change, Fate};
-use crate::layout::holding_still;
 use crate::freeze::{Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, MAX_RUN};
+use crate::layout::holding_still;
 use crate::state::{Page, PageKind, RegionState, Shared, State};
 use crate::store::Store;
 

@@ -47,7 +47,8 @@ pub struct Config {
     /// VMAs kept free below `vm.max_map_count`.
     pub vma_margin: usize,
     /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
-    /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET`.
+    /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET` (ignored, like every
+    /// `PAGEONE_*` variable, in a set-user-ID, set-group-ID or file-capability program).
     pub daemon: Option<std::path::PathBuf>,
 }
 
@@ -59,12 +60,14 @@ impl Default for Config {
             merge_periods: 2,
             max_backoff: 16,
             max_sharing: 256,
-            scope: std::env::var("PAGEONE_SCOPE").unwrap_or_else(|_| "default".into()),
+            // (`proto::setting`: nothing from the environment in a set-user-ID program, whose
+            // environment is its caller's.)
+            scope: crate::proto::setting("PAGEONE_SCOPE")
+                .and_then(|s| s.into_string().ok())
+                .unwrap_or_else(|| "default".into()),
             watch: WatchMode::Auto,
             vma_margin: 1024,
-            daemon: std::env::var_os("PAGEONE_SOCKET")
-                .filter(|s| !s.is_empty())
-                .map(Into::into),
+            daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
         }
     }
 }

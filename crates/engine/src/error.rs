@@ -47,6 +47,8 @@ pub enum DaemonError {
     NoStore,
     #[error("the daemon offered an unusable store")]
     UnusableStore,
+    #[error("its store was refused: {0}")]
+    StoreRefused(String),
 }
 
 /// An error with its sources, as one line (`outer: inner: innermost`), for logs.

@@ -23,7 +23,10 @@ static LAYOUT: RwLock<()> = RwLock::new(());
 
 /// A change of the program's mappings of registered memory under way (see [`changing_mappings`]).
 #[must_use = "the change is covered only while the guard lives"]
-pub struct MappingChange(Option<RwLockReadGuard<'static, ()>>);
+pub struct MappingChange {
+    /// The outermost guard of the thread holds the lock.
+    _held: Option<RwLockReadGuard<'static, ()>>,
+}
 
 thread_local! {
     /// Guards this thread holds (only the outermost holds the lock: a writer waiting between two
@@ -48,7 +51,9 @@ pub fn changing_mappings() -> MappingChange {
         d.set(d.get() + 1);
         d.get() == 1
     });
-    MappingChange(outer.then(|| LAYOUT.read().unwrap_or_else(|e| e.into_inner())))
+    MappingChange {
+        _held: outer.then(|| LAYOUT.read().unwrap_or_else(|e| e.into_inner())),
+    }
 }
 
 /// Held by the committer while a run is frozen or write-protected.

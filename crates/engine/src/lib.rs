@@ -83,7 +83,6 @@ mod freeze;
 mod layout;
 mod period;
 mod pool;
-pub mod proto;
 mod read_ahead;
 mod registry;
 mod rejoin;
@@ -96,9 +95,10 @@ mod watch;
 
 pub use config::{Builder, Config, WatchMode};
 pub use engine::{Engine, Region};
-pub use layout::{changing_mappings, MappingChange};
 pub use error::{DaemonError, EngineError};
+pub use layout::{changing_mappings, MappingChange};
+/// The wire protocol with `pageone daemon` (its own crate, shared with the daemon).
+pub use pageone_proto as proto;
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;
 pub use stats::{DaemonLink, Stats};
-pub use store::punch_runs;

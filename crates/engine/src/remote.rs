@@ -8,6 +8,15 @@
 //! this process (never freed or reused while held). Every merge is still verified byte for byte
 //! on frozen bytes, so a wrong answer costs a merge, never a write.
 //!
+//! The daemon is authenticated before anything is sent to it beyond the greeting: it must run
+//! as root, as this process's user or as the system daemon's user (`SO_PEERCRED`), and the store
+//! it hands over must be that user's, writable by nobody else, open read-only, sealed and of the
+//! size announced (`proto::store::check`). Anything else is no daemon: the engine runs alone.
+//!
+//! Over a cap of the daemon (`OverCap`: its store pages, its report's size, its user's requests
+//! in flight), this process merges less: copies are not asked for during [`OVER_CAP_PAUSE`],
+//! lookups and adoptions of existing copies go on; nothing is lost or unmerged.
+//!
 //! If the daemon goes away, the process keeps its merged pages (its mappings keep the store
 //! alive) and runs unshared: no new copies, releases are dropped, [`Remote::is_lost`] says so.
 //! The engine asks for a daemon again every second and, when one answers, moves to its store
@@ -23,6 +32,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use pageone_sys as sys;
 
@@ -32,6 +42,8 @@ use crate::{DaemonError, EngineError};
 const PAGE: usize = sys::PAGE_SIZE;
 /// How long the daemon may take to answer the greeting.
 const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long copies are not asked for after the daemon said a copy would pass a cap.
+pub(crate) const OVER_CAP_PAUSE: Duration = Duration::from_secs(5);
 /// The pipe capacity asked for: `/proc/sys/fs/pipe-max-size`'s default, which any user may have.
 const PIPE_BYTES: usize = 1 << 20;
 
@@ -58,6 +70,10 @@ pub(crate) struct Remote {
     /// Looked-up hashes whose page is gone, to send at the next flush.
     forgets: Mutex<Vec<u128>>,
     capacity: u32,
+    /// Until when copies are not asked for (the daemon said this process is over a cap).
+    copies_paused: Mutex<Option<Instant>>,
+    /// Whether an `OverCap` was logged already (once per connection at `warn`).
+    over_cap_seen: AtomicBool,
 }
 
 impl Remote {
@@ -67,6 +83,8 @@ impl Remote {
         let refused = |e: ProtoError| EngineError::Daemon(DaemonError::Greeting(e));
         let sock =
             UnixStream::connect(path).map_err(|e| EngineError::Daemon(DaemonError::Connect(e)))?;
+        // Who answers, before anything goes to it.
+        let daemon = proto::auth::check_daemon(&sock).map_err(refused)?;
         let (pipe_r, pipe) = sys::pipe().map_err(EngineError::Store)?;
         let pipe_pages = sys::set_pipe_capacity(pipe.as_raw_fd(), PIPE_BYTES)
             .map_err(EngineError::Store)?
@@ -100,6 +118,12 @@ impl Remote {
         if capacity == 0 || capacity > proto::MAX_SLOT {
             return Err(EngineError::Daemon(DaemonError::UnusableStore));
         }
+        let expected = proto::store::Expected {
+            owner: daemon.uid,
+            capacity,
+        };
+        proto::store::check(store.as_raw_fd(), &expected)
+            .map_err(|e| EngineError::Daemon(DaemonError::StoreRefused(e)))?;
         tracing::info!(client, %scope, capacity, "joined the pageone daemon");
         Ok((
             Self {
@@ -113,6 +137,8 @@ impl Remote {
                 releases: Mutex::new(HashSet::new()),
                 forgets: Mutex::new(Vec::new()),
                 capacity,
+                copies_paused: Mutex::new(None),
+                over_cap_seen: AtomicBool::new(false),
             },
             store,
             capacity,
@@ -131,12 +157,51 @@ impl Remote {
         }
         match proto::call(sock, req, None) {
             Ok((r, _)) => Some(r),
+            Err(ProtoError::OverCap(why)) => {
+                self.over_cap(req, &why);
+                None
+            }
             Err(e) => {
                 tracing::warn!(error = %e, client = self.client, "lost the pageone daemon; running unshared (merged pages stay merged)");
                 // Relaxed: see is_lost.
                 self.lost.store(true, Ordering::Relaxed);
                 None
             }
+        }
+    }
+
+    /// The daemon refused `req` at a cap: this process merges less for a while (no copies),
+    /// and stays joined.
+    fn over_cap(&self, req: &Request, why: &str) {
+        if matches!(req, Request::Copy(_) | Request::CopyFresh(_)) {
+            *lock(&self.copies_paused) = Some(Instant::now() + OVER_CAP_PAUSE);
+        }
+        // Relaxed: only decides the log level of the message.
+        if !self.over_cap_seen.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                client = self.client,
+                why,
+                "over a cap of the pageone daemon; merging less"
+            );
+        } else {
+            tracing::debug!(
+                client = self.client,
+                why,
+                "over a cap of the pageone daemon"
+            );
+        }
+    }
+
+    /// Whether copies are paused (see [`Remote::over_cap`]).
+    fn copies_paused(&self) -> bool {
+        let mut until = lock(&self.copies_paused);
+        match *until {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                *until = None;
+                false
+            }
+            None => false,
         }
     }
 
@@ -181,7 +246,7 @@ impl Remote {
     pub(crate) fn copy(&self, srcs: &[usize], fresh: bool) -> Vec<Option<u32>> {
         let sock = lock(&self.sock);
         let mut out = Vec::with_capacity(srcs.len());
-        if self.is_lost() {
+        if self.is_lost() || self.copies_paused() {
             out.resize(srcs.len(), None);
             return out;
         }
@@ -249,7 +314,8 @@ impl Remote {
         }
     }
 
-    /// Sends the pending releases and forgotten hashes.
+    /// Sends the pending releases and forgotten hashes. Those the daemon did not take (its
+    /// user's requests in flight were at their cap) wait for the next flush.
     pub(crate) fn flush(&self) {
         let all: Vec<u32> = lock(&self.releases).drain().collect();
         let forgets = std::mem::take(&mut *lock(&self.forgets));
@@ -265,9 +331,15 @@ impl Remote {
                     .chunks(proto::MAX_ITEMS)
                     .map(|c| Request::Forget(c.to_vec())),
             );
+        let mut failed = false;
         for req in requests {
-            if !matches!(self.call(&sock, &req), Some(Reply::Ok)) {
-                return;
+            failed = failed || !matches!(self.call(&sock, &req), Some(Reply::Ok));
+            if failed && !self.is_lost() {
+                match req {
+                    Request::Release(slots) => lock(&self.releases).extend(slots),
+                    Request::Forget(hashes) => lock(&self.forgets).extend(hashes),
+                    _ => {}
+                }
             }
         }
     }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use pageone_index::{Insert, KeyId, KeySource, SdTree};
 use pageone_sys as sys;
 
+use crate::proto::store::{punch_runs, runs};
 use crate::remote::Remote;
 use crate::EngineError;
 
@@ -560,38 +561,10 @@ impl Store {
 /// published. The kernel reads the sources, which may be changing: every merge is verified later
 /// on frozen bytes.
 pub(crate) fn write_copies(fd: i32, srcs: &[usize], ids: &[KeyId]) -> std::io::Result<()> {
-    for (k, m) in id_runs(ids) {
+    for (k, m) in runs(ids) {
         sys::pwrite_pages(fd, &srcs[k..k + m], ids[k] as u64 * PAGE as u64)?;
     }
     Ok(())
-}
-
-/// Punches the pages `ids` (sorted) of the file `fd`, one call per run of consecutive pages;
-/// errors are ignored (a page left unpunched costs memory, not correctness). Shared with the
-/// daemon, which frees its scopes' slots the same way.
-pub fn punch_runs(fd: i32, ids: &[KeyId]) {
-    for (k, m) in id_runs(ids) {
-        let at = ids[k] as u64 * PAGE as u64;
-        let _ = sys::punch_hole(fd, at, m as u64 * PAGE as u64);
-    }
-}
-
-/// The runs of consecutive ids in `ids`, as (index of the first, length): one file operation
-/// each.
-fn id_runs(ids: &[KeyId]) -> impl Iterator<Item = (usize, usize)> + '_ {
-    let mut k = 0;
-    std::iter::from_fn(move || {
-        if k >= ids.len() {
-            return None;
-        }
-        let mut m = 1;
-        while k + m < ids.len() && ids[k + m] == ids[k] + m as u32 {
-            m += 1;
-        }
-        let run = (k, m);
-        k += m;
-        Some(run)
-    })
 }
 
 #[cfg(test)]

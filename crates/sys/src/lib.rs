@@ -35,6 +35,7 @@
 use std::io;
 use std::os::fd::RawFd;
 
+mod access;
 mod memfd;
 mod mm;
 mod pagemap;
@@ -45,6 +46,7 @@ pub mod uapi;
 mod uds;
 mod uffd;
 
+pub use access::*;
 pub use memfd::*;
 pub use mm::*;
 pub use pagemap::*;

@@ -1,22 +1,15 @@
-//! The wire protocol between engines (clients) and `pageone daemon`.
-//!
-//! Frames on a Unix stream socket: `u32 length` (little-endian, of what follows), `u32 tag`, body.
-//! Every request gets exactly one reply. Bodies are fixed-size records behind counts, so a decoder
-//! checks one bound per frame; a frame over [`MAX_FRAME`] or with inconsistent counts is an error
-//! and ends the connection. Two frames carry a descriptor (`SCM_RIGHTS`): `Hello` (the read end
-//! of the client's pipe, into which it `vmsplice`s the pages a copy request names) and `Welcome`
-//! (the scope's store, re-opened read-only for the client).
-//!
-//! The daemon trusts nothing a client says: it hashes the bytes it copied itself, clients can only
-//! release their own holds, and every merge is verified by the client on frozen bytes anyway.
+//! Frames, requests and replies.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use pageone_sys as sys;
 
-pub const VERSION: u32 = 4;
+/// 5: `OverCap` replies; `Status` shows a caller only its own user's scopes.
+pub const VERSION: u32 = 5;
 /// Most records in one request.
 pub const MAX_ITEMS: usize = 1 << 16;
 /// Largest frame either side accepts.
@@ -47,6 +40,7 @@ const T_ANSWERS: u32 = 102;
 const T_SLOTS: u32 = 103;
 const T_OK: u32 = 104;
 const T_TEXT: u32 = 105;
+const T_OVER_CAP: u32 = 106;
 const T_ERROR: u32 = 199;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,7 +61,8 @@ pub enum Request {
     Forget(Vec<u128>),
     /// The client's counters as JSON, for `pageone status`.
     Report(String),
-    /// `pageone status`: the daemon's view as JSON (no `Hello` needed).
+    /// `pageone status`: the daemon's view as JSON (no `Hello` needed): the scopes of the
+    /// caller's user (every scope for root).
     Status,
     /// The client maps no copy of the store any more (its engine stopped and made every merged
     /// page private): when the connection ends, its holds go at once, even while its process
@@ -93,6 +88,9 @@ pub enum Reply {
     Slots(Vec<u32>),
     Ok,
     Text(String),
+    /// The request would take the client or its user over a cap of the daemon (the reason
+    /// says which): nothing was done, and the connection goes on.
+    OverCap(String),
     Error(String),
 }
 
@@ -106,6 +104,19 @@ pub enum ProtoError {
     Closed,
     #[error("the daemon refused: {0}")]
     Refused(String),
+    #[error("over a cap of the daemon: {0}")]
+    OverCap(String),
+    #[error("the peer took too long")]
+    TimedOut,
+    #[error("the daemon is not trusted: {0}")]
+    Untrusted(String),
+    #[error(
+        "no default daemon socket: XDG_RUNTIME_DIR is not set (or not absolute) and this is not \
+         root; give the socket's path (--socket, or PAGEONE_SOCKET) in a directory of your own"
+    )]
+    NoDefaultSocket,
+    #[error("{path} cannot hold a daemon's socket: it {why}")]
+    UnsafePath { path: PathBuf, why: String },
 }
 
 struct Enc(Vec<u8>);
@@ -314,6 +325,11 @@ impl Reply {
                 e.bytes(s.as_bytes());
                 e.finish()
             }
+            Reply::OverCap(s) => {
+                let mut e = Enc::new(T_OVER_CAP);
+                e.bytes(s.as_bytes());
+                e.finish()
+            }
             Reply::Error(s) => {
                 let mut e = Enc::new(T_ERROR);
                 e.bytes(s.as_bytes());
@@ -345,12 +361,22 @@ impl Reply {
             }
             T_OK => Reply::Ok,
             T_TEXT => Reply::Text(d.string()?),
+            T_OVER_CAP => Reply::OverCap(d.string()?),
             T_ERROR => Reply::Error(d.string()?),
             _ => return Err(ProtoError::Malformed("unknown reply")),
         };
         d.end()?;
         Ok(r)
     }
+}
+
+/// How long a peer may take over one frame (`None`: no limit).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Deadlines {
+    /// Until the first byte of the next frame arrives.
+    pub idle: Option<Duration>,
+    /// From a frame's first byte to its last, reading; from its first to its last, writing.
+    pub frame: Option<Duration>,
 }
 
 /// Writes one encoded frame, with `fd` attached when given.
@@ -366,28 +392,114 @@ pub fn write_frame(
     Ok(())
 }
 
+/// Bytes of a frame sent with its descriptor (the rest follows under the deadline).
+const FIRST_BYTES: usize = 64;
+
+/// [`write_frame`] within `limit`, however slowly the peer reads: a peer that stops reading
+/// costs the writer that long, not forever. (Sets the socket's write timeout.)
+pub fn write_frame_within(
+    sock: &UnixStream,
+    frame: &[u8],
+    fd: Option<&OwnedFd>,
+    limit: Option<Duration>,
+) -> Result<(), ProtoError> {
+    let Some(limit) = limit else {
+        return write_frame(sock, frame, fd);
+    };
+    let deadline = Instant::now() + limit;
+    sock.set_write_timeout(Some(limit))?;
+    let first = frame.len().min(FIRST_BYTES);
+    sys::send_with_fd(sock.as_raw_fd(), &frame[..first], fd.map(|f| f.as_raw_fd()))
+        .map_err(timed_out)?;
+    let mut done = first;
+    while done < frame.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ProtoError::TimedOut);
+        }
+        sock.set_write_timeout(Some(left))?;
+        match (&*sock).write(&frame[done..]) {
+            Ok(0) => return Err(ProtoError::Closed),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(timed_out(e)),
+        }
+    }
+    Ok(())
+}
+
 /// Reads one frame body (tag and contents) and the descriptor attached to it, if any.
 pub fn read_frame(sock: &UnixStream) -> Result<(Vec<u8>, Option<OwnedFd>), ProtoError> {
+    read_frame_within(sock, &Deadlines::default())
+}
+
+/// Bytes a frame's buffer grows by as they arrive: a peer that announces a large frame and
+/// sends nothing costs no memory.
+const READ_STEP: usize = 64 << 10;
+
+/// [`read_frame`] within `deadlines`: a peer that sends nothing for `idle`, or stops in the
+/// middle of a frame (or trickles it) for longer than `frame`, ends in [`ProtoError::TimedOut`].
+/// (Sets the socket's read timeout when a deadline is given.)
+pub fn read_frame_within(
+    sock: &UnixStream,
+    deadlines: &Deadlines,
+) -> Result<(Vec<u8>, Option<OwnedFd>), ProtoError> {
+    if deadlines.idle.is_some() || deadlines.frame.is_some() {
+        sock.set_read_timeout(deadlines.idle)?;
+    }
     let mut len = [0u8; 4];
-    let (n, fd) = sys::recv_with_fd(sock.as_raw_fd(), &mut len)?;
+    let (n, fd) = sys::recv_with_fd(sock.as_raw_fd(), &mut len).map_err(timed_out)?;
     if n == 0 {
         return Err(ProtoError::Closed);
     }
-    (&*sock).read_exact(&mut len[n..]).map_err(eof)?;
+    let deadline = deadlines.frame.map(|t| Instant::now() + t);
+    if deadline.is_none() && deadlines.idle.is_some() {
+        sock.set_read_timeout(None)?;
+    }
+    read_within(sock, &mut len[n..], deadline)?;
     let len = u32::from_le_bytes(len) as usize;
     if !(4..=MAX_FRAME).contains(&len) {
         return Err(ProtoError::Malformed("frame length out of bounds"));
     }
-    let mut body = vec![0u8; len];
-    (&*sock).read_exact(&mut body).map_err(eof)?;
+    let mut body = Vec::new();
+    while body.len() < len {
+        let at = body.len();
+        body.resize(at + (len - at).min(READ_STEP), 0);
+        read_within(sock, &mut body[at..], deadline)?;
+    }
     Ok((body, fd))
 }
 
-fn eof(e: io::Error) -> ProtoError {
-    if e.kind() == io::ErrorKind::UnexpectedEof {
-        ProtoError::Closed
-    } else {
-        ProtoError::Io(e)
+/// Fills `buf` from `sock` before `deadline`.
+fn read_within(
+    sock: &UnixStream,
+    buf: &mut [u8],
+    deadline: Option<Instant>,
+) -> Result<(), ProtoError> {
+    let mut done = 0;
+    while done < buf.len() {
+        if let Some(d) = deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ProtoError::TimedOut);
+            }
+            sock.set_read_timeout(Some(left))?;
+        }
+        match (&*sock).read(&mut buf[done..]) {
+            Ok(0) => return Err(ProtoError::Closed),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(timed_out(e)),
+        }
+    }
+    Ok(())
+}
+
+/// A socket timeout's error as [`ProtoError::TimedOut`].
+fn timed_out(e: io::Error) -> ProtoError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ProtoError::TimedOut,
+        _ => ProtoError::Io(e),
     }
 }
 
@@ -401,21 +513,8 @@ pub fn call(
     let (body, fd) = read_frame(sock)?;
     match Reply::decode(&body)? {
         Reply::Error(s) => Err(ProtoError::Refused(s)),
+        Reply::OverCap(s) => Err(ProtoError::OverCap(s)),
         r => Ok((r, fd)),
-    }
-}
-
-/// The default daemon socket: `/run/pageone/pageone.sock` for root, else
-/// `$XDG_RUNTIME_DIR/pageone.sock` (or `/tmp/pageone-UID.sock`).
-pub fn default_socket() -> std::path::PathBuf {
-    // SAFETY: getuid cannot fail and touches no memory.
-    let uid = unsafe { libc::getuid() };
-    if uid == 0 {
-        return "/run/pageone/pageone.sock".into();
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if !d.is_empty() => std::path::PathBuf::from(d).join("pageone.sock"),
-        _ => format!("/tmp/pageone-{uid}.sock").into(),
     }
 }
 
@@ -460,6 +559,7 @@ mod tests {
             Reply::Slots(vec![1, FAILED]),
             Reply::Ok,
             Reply::Text("x".into()),
+            Reply::OverCap("cap".into()),
             Reply::Error("no".into()),
         ];
         for r in reps {
@@ -485,5 +585,86 @@ mod tests {
         let mut f = T_LOOKUP.to_le_bytes().to_vec();
         f.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(Request::decode(&f).is_err());
+    }
+
+    /// A peer that stops in the middle of a frame, or trickles it, or sends nothing, costs the
+    /// reader its deadline, not forever.
+    #[test]
+    fn a_stalled_or_trickling_frame_times_out() {
+        let d = Deadlines {
+            idle: Some(Duration::from_millis(300)),
+            frame: Some(Duration::from_millis(300)),
+        };
+        let (a, b) = UnixStream::pair().unwrap();
+        let t0 = Instant::now();
+        assert!(matches!(
+            read_frame_within(&a, &d),
+            Err(ProtoError::TimedOut)
+        ));
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        // Half a frame, then nothing.
+        let frame = Request::Lookup(vec![1, 2, 3]).encode();
+        (&b).write_all(&frame[..10]).unwrap();
+        let t0 = Instant::now();
+        assert!(matches!(
+            read_frame_within(&a, &d),
+            Err(ProtoError::TimedOut)
+        ));
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        // A byte every 100 ms: each read is quick, the frame is not.
+        let (a, b) = UnixStream::pair().unwrap();
+        let trickle = std::thread::spawn(move || {
+            for &byte in &frame {
+                if (&b).write_all(&[byte]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let t0 = Instant::now();
+        assert!(matches!(
+            read_frame_within(&a, &d),
+            Err(ProtoError::TimedOut)
+        ));
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        drop(a);
+        trickle.join().unwrap();
+    }
+
+    /// Within its deadlines a frame arrives whole, with its descriptor.
+    #[test]
+    fn frames_within_deadlines_arrive() {
+        let d = Deadlines {
+            idle: Some(Duration::from_secs(5)),
+            frame: Some(Duration::from_secs(5)),
+        };
+        let (a, b) = UnixStream::pair().unwrap();
+        let (r, _w) = sys::pipe().unwrap();
+        let req = Request::Lookup((0..40000).collect());
+        let sender = std::thread::spawn(move || {
+            write_frame_within(&b, &req.encode(), Some(&r), Some(Duration::from_secs(5))).unwrap();
+            req
+        });
+        let (body, fd) = read_frame_within(&a, &d).unwrap();
+        let req = sender.join().unwrap();
+        assert_eq!(Request::decode(&body).unwrap(), req);
+        assert!(fd.is_some());
+    }
+
+    /// A peer that never reads costs the writer its deadline.
+    #[test]
+    fn a_peer_that_stops_reading_times_the_writer_out() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let big = Reply::Slots(vec![7; MAX_ITEMS]).encode();
+        let t0 = Instant::now();
+        let mut r = Ok(());
+        for _ in 0..64 {
+            r = write_frame_within(&a, &big, None, Some(Duration::from_millis(300)));
+            if r.is_err() {
+                break;
+            }
+        }
+        assert!(matches!(r, Err(ProtoError::TimedOut)), "{r:?}");
+        assert!(t0.elapsed() < Duration::from_secs(3));
     }
 }

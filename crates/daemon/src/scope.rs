@@ -1,0 +1,605 @@
+//! A scope: one store shared by the clients that joined it, and what it knows of each content.
+//! Lookups, copies, releases, forgotten hashes and reports of a client are served here.
+
+use pageone_sync::lock;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use pageone_proto::{self as proto, Reply};
+use pageone_sys as sys;
+
+use crate::contents::{Contents, Found, Noted, Seeded, SlotSet, NOTE};
+use crate::limits::{Account, Accounts, Limits};
+
+const PAGE: usize = sys::PAGE_SIZE;
+/// Offers waiting for one client.
+const MAX_OFFERS: usize = 1 << 20;
+/// How long a client asked for a copy has to make it before another client is asked.
+const WANTED_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+/// Pages copied into the store, then read back and hashed, per step (64 KiB: the read-back
+/// finds them in the cache).
+const HASH_CHUNK: usize = 16;
+/// Fields of a client's report kept for `status` (numbers, flags and short strings only).
+const REPORT_FIELDS: usize = 64;
+const REPORT_STRING: usize = 64;
+
+/// What sets scopes apart: clients share only within one key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ScopeKey {
+    /// The client's uid (`SO_PEERCRED`).
+    pub(crate) uid: u32,
+    /// The client's cgroups (`/proc/PID/cgroup`) when the daemon keys scopes by cgroup.
+    pub(crate) cgroup: Option<String>,
+    /// The name the client asked for.
+    pub(crate) name: String,
+}
+
+pub(crate) struct Client {
+    pub(crate) pid: i32,
+    /// False once its connection ended while its process lives (see `Session::leave`).
+    pub(crate) connected: bool,
+    pub(crate) held: SlotSet,
+    pub(crate) offers: Vec<(u128, u32)>,
+    /// Notes (sightings of contents without a copy) of this client.
+    pub(crate) notes: usize,
+    /// Its last counters, bounded (see [`report`]).
+    pub(crate) report: Option<serde_json::Map<String, serde_json::Value>>,
+    /// (when, merges) of the previous report, and the merge rate it gave.
+    last: Option<(Instant, u64)>,
+    pub(crate) merges_per_sec: f64,
+}
+
+impl Client {
+    pub(crate) fn new(pid: i32) -> Self {
+        Self {
+            pid,
+            connected: true,
+            held: SlotSet::default(),
+            offers: Vec::new(),
+            notes: 0,
+            report: None,
+            last: None,
+            merges_per_sec: 0.0,
+        }
+    }
+}
+
+pub(crate) struct ScopeState {
+    pub(crate) contents: Contents,
+    holders: Vec<u32>,
+    free: Vec<u32>,
+    bump: u32,
+    pub(crate) live: u64,
+    /// Notes of this scope's clients (a content noted by two clients counts twice).
+    pub(crate) noted_entries: usize,
+    pub(crate) clients: HashMap<u64, Client, Seeded>,
+    pub(crate) copies_made: u64,
+    born: Instant,
+    /// The scope's user, charged with its store pages and notes.
+    account: Arc<Account>,
+    /// The daemon's totals (notes).
+    accounts: Arc<Accounts>,
+}
+
+pub(crate) struct Scope {
+    pub(crate) key: ScopeKey,
+    /// As shown by `status` and in the greeting.
+    pub(crate) name: String,
+    pub(crate) fd: OwnedFd,
+    pub(crate) capacity: u32,
+    pub(crate) state: Mutex<ScopeState>,
+    /// Held while copying into the store. The kernel serializes writes to one file on its inode
+    /// lock, and a writer that finds it taken spins while the holder runs: with this lock the
+    /// daemon's other client threads sleep instead and leave the CPU to the clients.
+    writing: Mutex<()>,
+    limits: Arc<Limits>,
+}
+
+/// What a new scope is made of.
+pub(crate) struct ScopeSpec {
+    pub(crate) key: ScopeKey,
+    pub(crate) capacity: u32,
+    pub(crate) account: Arc<Account>,
+    pub(crate) accounts: Arc<Accounts>,
+    pub(crate) limits: Arc<Limits>,
+}
+
+impl Scope {
+    pub(crate) fn new(spec: ScopeSpec) -> std::io::Result<Self> {
+        // Slot numbers leave the top bit to the index's notes.
+        let capacity = spec.capacity.min(NOTE);
+        // Mode 0400 and sealed (see `proto::store`): only this descriptor writes it.
+        let fd = proto::store::create(c"pageone-scope", capacity)?;
+        let key = spec.key;
+        let mut name = key.name.clone();
+        if key.uid != 0 {
+            name = format!("{name}@uid{}", key.uid);
+        }
+        Ok(Self {
+            key,
+            name,
+            fd,
+            capacity,
+            writing: Mutex::new(()),
+            limits: spec.limits,
+            state: Mutex::new(ScopeState {
+                contents: Contents::new(),
+                holders: Vec::new(),
+                free: Vec::new(),
+                bump: 0,
+                live: 0,
+                noted_entries: 0,
+                clients: HashMap::default(),
+                copies_made: 0,
+                born: Instant::now(),
+                account: spec.account,
+                accounts: spec.accounts,
+            }),
+        })
+    }
+}
+
+impl ScopeState {
+    /// A free slot, or a fresh one while the store has room. (Its page is charged to the user by
+    /// the caller, in advance.)
+    fn alloc(&mut self, capacity: u32) -> Option<u32> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        if self.bump >= capacity {
+            return None;
+        }
+        self.bump += 1;
+        self.contents.hash_of.push(0);
+        self.holders.push(0);
+        Some(self.bump - 1)
+    }
+
+    /// Store pages allocated and not back on the free list (what the user is charged).
+    pub(crate) fn pages_in_use(&self) -> u64 {
+        self.bump as u64 - self.free.len() as u64
+    }
+
+    /// Gives back a slot that was never published (its page is punched already).
+    fn give_back(&mut self, slot: u32) {
+        self.free.push(slot);
+        self.account.return_pages(1);
+    }
+
+    /// Makes punched slots allocatable again.
+    fn reuse(&mut self, punched: Vec<u32>) {
+        self.account.return_pages(punched.len() as u64);
+        self.free.extend(punched);
+    }
+
+    pub(crate) fn hold(&mut self, client: u64, slot: u32) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            if c.held.insert(slot) {
+                self.holders[slot as usize] += 1;
+            }
+        }
+    }
+
+    /// Drops one holder of `slot`. When none is left the slot leaves the index and is pushed to
+    /// `dead`: the caller punches it, then gives it to [`ScopeState::reuse`] (not before, or a new
+    /// copy written there could be punched).
+    pub(crate) fn unhold(&mut self, slot: u32, dead: &mut Vec<u32>) {
+        let h = &mut self.holders[slot as usize];
+        *h -= 1;
+        if *h == 0 {
+            self.contents.remove_copy(slot);
+            self.live -= 1;
+            dead.push(slot);
+        }
+    }
+
+    /// Milliseconds since the scope began (for `Noted::wanted_at`).
+    fn now_ms(&self) -> u32 {
+        self.born.elapsed().as_millis().min(u32::MAX as u128) as u32
+    }
+
+    /// Drops client `id`'s notes of `hashes` (its pages of that content are gone).
+    fn forget(&mut self, id: u64, hashes: &[u128]) {
+        let mut dropped = 0;
+        for &h in hashes {
+            if let Some(n) = self.contents.note_mut(h) {
+                dropped += n.remove(id) as usize;
+                if n.is_empty() {
+                    self.contents.remove_note(h);
+                }
+            }
+        }
+        self.uncount_notes(id, dropped);
+        self.compact();
+    }
+
+    /// Counts `n` new notes of client `id` (taken from its user's and the daemon's caps
+    /// already).
+    fn count_notes(&mut self, id: u64, n: usize) {
+        self.noted_entries += n;
+        if let Some(c) = self.clients.get_mut(&id) {
+            c.notes += n;
+        }
+    }
+
+    /// Counts `n` notes of client `id` gone, and gives them back to its user and the daemon.
+    fn uncount_notes(&mut self, id: u64, n: usize) {
+        self.noted_entries -= n;
+        if let Some(c) = self.clients.get_mut(&id) {
+            c.notes -= n;
+        }
+        self.account.return_notes(n);
+        self.accounts.return_notes(n);
+    }
+
+    /// Drops every note of a client that left.
+    pub(crate) fn forget_client(&mut self, id: u64) {
+        let mut dropped = 0;
+        self.contents.retain_notes(|n| {
+            dropped += n.remove(id) as usize;
+            !n.is_empty()
+        });
+        self.uncount_notes(id, dropped);
+        self.compact();
+    }
+
+    /// Gives the tables' memory back once most of their entries are gone (copies made for
+    /// noted content, copies freed).
+    pub(crate) fn compact(&mut self) {
+        self.contents.compact();
+    }
+
+    /// Notes client `id` may make now, of `want`: as many as its own, its user's and the
+    /// daemon's caps leave room for, taken from the latter two (give back what is not used).
+    fn reserve_notes(&self, id: u64, want: usize, limits: &Limits) -> usize {
+        let own = self.clients.get(&id).map_or(0, |c| c.notes);
+        let want = want.min(limits.notes_per_client.saturating_sub(own));
+        let user = self.account.notes_up_to(want, limits.notes_per_uid);
+        let all = self.accounts.notes_up_to(user, limits.notes);
+        self.account.return_notes(user - all);
+        all
+    }
+}
+
+impl Drop for ScopeState {
+    /// A scope goes with its last client, whose holds and notes went before: anything still
+    /// counted goes back to the user and the daemon here.
+    fn drop(&mut self) {
+        self.account.return_pages(self.pages_in_use());
+        self.account.return_notes(self.noted_entries);
+        self.accounts.return_notes(self.noted_entries);
+    }
+}
+
+/// Punches the slots nobody holds any more, one call per run of consecutive slots, without the
+/// scope's lock (a client leaving with a hundred thousand slots would otherwise hold every
+/// other client's lookups up meanwhile), then makes them reusable.
+pub(crate) fn free_slots(sc: &Scope, mut dead: Vec<u32>) {
+    if dead.is_empty() {
+        return;
+    }
+    dead.sort_unstable();
+    proto::store::punch_runs(sc.fd.as_raw_fd(), &dead);
+    // Reused from the end: lowest first, so new copies come in runs.
+    dead.reverse();
+    lock(&sc.state).reuse(dead);
+}
+
+/// Per hash: the slot holding that content (now held for the client), `WANTED` (send it) or
+/// `NOTED`; and the copies made for content the client noted before (`spare_offers` is the
+/// memory of the last ones, reused).
+pub(crate) fn lookup(
+    sc: &Scope,
+    id: u64,
+    hashes: &[u128],
+    spare_offers: &mut Vec<(u128, u32)>,
+) -> Reply {
+    let mut st = lock(&sc.state);
+    let mut answers = vec![proto::NOTED; hashes.len()];
+    let now = st.now_ms();
+    let grace = WANTED_GRACE.as_millis() as u32;
+    // Beyond its notes (its own cap, its user's, the daemon's) a client's new content is
+    // answered NOTED without a note: it merges less, nobody else notices.
+    let room = st.reserve_notes(id, hashes.len(), &sc.limits);
+    let mut added = 0;
+    for i in st.contents.table_order(hashes) {
+        let (h, answer) = (hashes[i], &mut answers[i]);
+        let ScopeState {
+            contents, clients, ..
+        } = &mut *st;
+        let entry = match contents.lookup(h, added < room) {
+            Found::Copy(slot) => {
+                st.hold(id, slot);
+                *answer = slot;
+                continue;
+            }
+            Found::Note(e) => e,
+            Found::Nothing => continue,
+        };
+        let (w, t) = (entry.wanted_by, entry.wanted_at);
+        let copy_pending =
+            w != 0 && w != id && clients.contains_key(&w) && now.saturating_sub(t) < grace;
+        let others = entry.clients().any(|c| c != id && clients.contains_key(&c));
+        if !copy_pending && others {
+            (entry.wanted_by, entry.wanted_at) = (id, now);
+            *answer = proto::WANTED;
+            continue;
+        }
+        if !entry.contains(id) && added < room {
+            entry.add(id);
+            added += 1;
+        }
+    }
+    st.count_notes(id, added);
+    st.account.return_notes(room - added);
+    st.accounts.return_notes(room - added);
+    // The client's offers go out; the memory of the ones sent last time takes the next ones (a
+    // client waiting for tens of thousands of copies gets them over many lookups, and new
+    // memory costs a page fault per 4 KiB).
+    let offers = match st.clients.get_mut(&id) {
+        Some(c) => std::mem::replace(&mut c.offers, std::mem::take(spare_offers)),
+        None => Vec::new(),
+    };
+    Reply::Answers { answers, offers }
+}
+
+/// One copy request: `n` pages waiting in client `id`'s pipe.
+pub(crate) struct CopyRequest<'a> {
+    pub(crate) id: u64,
+    pub(crate) pipe: &'a OwnedFd,
+    pub(crate) n: u32,
+    /// Every page gets a new slot (which becomes the one the index answers with), even where
+    /// the store holds its content already.
+    pub(crate) fresh: bool,
+}
+
+/// Copies the pages waiting in the client's pipe into slots. Content already stored is answered
+/// with its slot, unless `fresh`.
+pub(crate) fn copy(sc: &Scope, req: CopyRequest<'_>) -> Reply {
+    let n = req.n as usize;
+    if n > proto::COPY_PAGES {
+        return Reply::Error(format!("at most {} pages per copy", proto::COPY_PAGES));
+    }
+    let pipe = req.pipe.as_raw_fd();
+    // The pipe must hold exactly this request's pages, in order. Anything else is a confused or
+    // lying client: its copies fail and what the pipe holds is dropped.
+    let pending = sys::pipe_pending(pipe).unwrap_or(0);
+    if pending != n * PAGE {
+        let _ = sys::drain_pipe(pipe, pending);
+        return Reply::Slots(vec![proto::FAILED; n]);
+    }
+    let slots = match take_slots(sc, req.id, n) {
+        Ok(slots) => slots,
+        Err(over) => {
+            let _ = sys::drain_pipe(pipe, pending);
+            return over;
+        }
+    };
+    let hashes = write_and_hash(sc, pipe, &slots);
+    publish(sc, &req, &slots, &hashes)
+}
+
+/// A slot for every page of a copy request (consecutive where the store allows), charged to
+/// the client's user; `OverCap` if the client or its user would pass a cap. Clients ask only
+/// for content the index lacked at lookup, so a copy that turns out to be stored already (found
+/// by its hash later) is rare; it is given back.
+fn take_slots(sc: &Scope, id: u64, n: usize) -> Result<Vec<Option<u32>>, Reply> {
+    let limits = &sc.limits;
+    let mut st = lock(&sc.state);
+    let held = st.clients.get(&id).map_or(0, |c| c.held.len()) as u64;
+    if held.saturating_add(n as u64) > limits.pages_per_client {
+        return Err(Reply::OverCap(format!(
+            "a client may hold {} store pages; this one holds {held}",
+            limits.pages_per_client
+        )));
+    }
+    if !st.account.try_pages(n as u64, limits.pages_per_uid) {
+        return Err(Reply::OverCap(format!(
+            "the scopes of uid {} hold {} store pages, their cap is {}",
+            sc.key.uid,
+            st.account.pages(),
+            limits.pages_per_uid
+        )));
+    }
+    let slots: Vec<Option<u32>> = (0..n).map(|_| st.alloc(sc.capacity)).collect();
+    let missing = slots.iter().filter(|s| s.is_none()).count();
+    st.account.return_pages(missing as u64);
+    Ok(slots)
+}
+
+/// Moves the pipe's pages into `slots`, one `splice` per run (of at most HASH_CHUNK pages), so
+/// the bytes never pass through the daemon's memory, and hashes what the store then holds.
+/// Per page: its hash, or `None` where it could not be copied.
+fn write_and_hash(sc: &Scope, pipe: RawFd, slots: &[Option<u32>]) -> Vec<Option<u128>> {
+    let n = slots.len();
+    let fd = sc.fd.as_raw_fd();
+    // The client may write its pages meanwhile: what is hashed is what the store holds (a
+    // slot's bytes never change once written), read back with `pread` right after each step's
+    // `splice`, while the bytes are still in the cache. The daemon does not map the store: a
+    // mapping would take a share of every copy's Pss from the clients that map it
+    // (understating their memory) and cost page tables and faults.
+    let mut hashes: Vec<Option<u128>> = vec![None; n];
+    let mut buf = vec![0u8; HASH_CHUNK * PAGE];
+    let mut in_step = true;
+    let mut k = 0;
+    while k < n && in_step {
+        let mut m = 1;
+        while k + m < n
+            && match (slots[k], slots[k + m]) {
+                (Some(first), Some(s)) => m < HASH_CHUNK && s == first + m as u32,
+                (None, None) => true,
+                _ => false,
+            }
+        {
+            m += 1;
+        }
+        // Pages without a slot (the store is full) are read past.
+        let moved = match slots[k] {
+            Some(first) => {
+                let _writing = lock(&sc.writing);
+                sys::splice_to_file(pipe, fd, proto::store::offset(first), m * PAGE)
+            }
+            None => sys::drain_pipe(pipe, m * PAGE),
+        };
+        in_step = moved.is_ok_and(|got| got == m * PAGE);
+        if let Some(first) = slots[k].filter(|_| in_step) {
+            // SAFETY: `buf` is this function's own buffer of HASH_CHUNK >= m pages, not
+            // borrowed during the call.
+            let got = unsafe {
+                sys::pread_into(fd, buf.as_mut_ptr(), m * PAGE, proto::store::offset(first))
+            };
+            if got.is_ok_and(|g| g == m * PAGE) {
+                for (j, page) in buf[..m * PAGE].chunks(PAGE).enumerate() {
+                    hashes[k + j] = Some(twox_hash::XxHash3_128::oneshot(page));
+                }
+            }
+        }
+        k += m;
+    }
+    if !in_step {
+        // The client took pages back out of its pipe meanwhile: the rest of the request fails.
+        if let Ok(left @ 1..) = sys::pipe_pending(pipe) {
+            let _ = sys::drain_pipe(pipe, left);
+        }
+    }
+    hashes
+}
+
+/// Publishes the copied pages: each slot becomes the copy of its content (unless the content
+/// has one and the request is not fresh: then that copy is answered, and the slot given back),
+/// held for the client, and offered to the clients that noted its content.
+fn publish(
+    sc: &Scope,
+    req: &CopyRequest<'_>,
+    slots: &[Option<u32>],
+    hashes: &[Option<u128>],
+) -> Reply {
+    let (id, fd) = (req.id, sc.fd.as_raw_fd());
+    let mut out = vec![proto::FAILED; slots.len()];
+    let mut st = lock(&sc.state);
+    for (k, slot) in slots.iter().enumerate() {
+        let Some(slot) = *slot else { continue };
+        let set = match hashes[k] {
+            Some(h) => st.contents.set_copy(h, slot, req.fresh),
+            None => Err(proto::FAILED),
+        };
+        let note = match set {
+            Ok(note) => note,
+            Err(existing) => {
+                // Failed, or another client published the same content meanwhile.
+                let _ = sys::punch_hole(fd, proto::store::offset(slot), PAGE as u64);
+                st.give_back(slot);
+                if existing != proto::FAILED {
+                    st.hold(id, existing);
+                    out[k] = existing;
+                }
+                continue;
+            }
+        };
+        st.live += 1;
+        st.copies_made += 1;
+        st.hold(id, slot);
+        out[k] = slot;
+        if let Some(n) = note {
+            offer(&mut st, id, &n, slot);
+        }
+    }
+    // Pages of this request with the same content as an earlier one get its slot.
+    for (k, h) in hashes.iter().enumerate().filter(|_| !req.fresh) {
+        if out[k] == proto::FAILED {
+            if let Some(s) = h.and_then(|h| st.contents.copy_of(h)) {
+                st.hold(id, s);
+                out[k] = s;
+            }
+        }
+    }
+    st.compact();
+    Reply::Slots(out)
+}
+
+/// The copy `slot` was made of content `note` names: the note goes, and every other client
+/// that noted the content gets the copy offered (held for it), up to its offers' cap.
+fn offer(st: &mut ScopeState, by: u64, note: &Noted, slot: u32) {
+    for c in note.clients() {
+        st.uncount_notes(c, 1);
+        if c == by {
+            continue;
+        }
+        let take = st
+            .clients
+            .get(&c)
+            .is_some_and(|cl| cl.offers.len() < MAX_OFFERS);
+        if take {
+            st.hold(c, slot);
+            if let Some(cl) = st.clients.get_mut(&c) {
+                cl.offers.push((note.hash, slot));
+            }
+        }
+    }
+}
+
+/// Client `id` neither maps nor indexes `slots` any more (slots it does not hold are ignored).
+pub(crate) fn release(sc: &Scope, id: u64, slots: &[u32]) -> Reply {
+    let mut dead = Vec::new();
+    let mut st = lock(&sc.state);
+    for &s in slots {
+        let held = st.clients.get_mut(&id).is_some_and(|c| c.held.remove(s));
+        if held {
+            st.unhold(s, &mut dead);
+        }
+    }
+    st.compact();
+    drop(st);
+    free_slots(sc, dead);
+    Reply::Ok
+}
+
+/// Client `id` has no page of these contents any more: its notes of them go.
+pub(crate) fn forget(sc: &Scope, id: u64, hashes: &[u128]) -> Reply {
+    lock(&sc.state).forget(id, hashes);
+    Reply::Ok
+}
+
+/// Keeps client `id`'s counters for `status`: a report of at most `Limits::report_bytes`, of
+/// which the first [`REPORT_FIELDS`] numbers, flags and short strings are kept (so what `status`
+/// sends stays bounded whatever clients report). The numbers are the client's word; sums of
+/// them saturate.
+pub(crate) fn report(sc: &Scope, id: u64, json: &str) -> Reply {
+    if json.len() > sc.limits.report_bytes {
+        return Reply::OverCap(format!(
+            "a report is at most {} bytes",
+            sc.limits.report_bytes
+        ));
+    }
+    let Ok(serde_json::Value::Object(all)) = serde_json::from_str::<serde_json::Value>(json) else {
+        return Reply::Error("a report is a JSON object".into());
+    };
+    let kept: serde_json::Map<String, serde_json::Value> = all
+        .into_iter()
+        .filter(|(k, v)| {
+            k.len() <= REPORT_STRING
+                && match v {
+                    serde_json::Value::Number(_) | serde_json::Value::Bool(_) => true,
+                    serde_json::Value::String(s) => s.len() <= REPORT_STRING,
+                    _ => false,
+                }
+        })
+        .take(REPORT_FIELDS)
+        .collect();
+    let merges = kept.get("merges").and_then(|m| m.as_u64()).unwrap_or(0);
+    let mut st = lock(&sc.state);
+    if let Some(c) = st.clients.get_mut(&id) {
+        let now = Instant::now();
+        if let Some((t, m)) = c.last {
+            let dt = (now - t).as_secs_f64();
+            if dt > 0.0 {
+                c.merges_per_sec = merges.saturating_sub(m) as f64 / dt;
+            }
+        }
+        c.last = Some((now, merges));
+        c.report = Some(kept);
+    }
+    Reply::Ok
+}

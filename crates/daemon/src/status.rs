@@ -1,0 +1,122 @@
+//! `pageone status`: the daemon's view, per scope and per client, as JSON. A caller sees the
+//! scopes and the account of its own user only (root sees all), and the text stays within a
+//! frame whatever the clients reported: beyond a budget, clients are counted, not listed.
+
+use pageone_sync::lock;
+use serde_json::{json, Value};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use pageone_proto as proto;
+use pageone_sys as sys;
+
+use crate::scope::Scope;
+use crate::Inner;
+
+const PAGE: u64 = sys::PAGE_SIZE as u64;
+/// Most bytes of client entries in one status text (a frame holds twice that).
+const BUDGET: usize = proto::MAX_FRAME / 2;
+
+/// What a caller running as `viewer` sees.
+pub(crate) fn json(inner: &Inner, viewer: u32) -> Value {
+    let all = viewer == 0;
+    let mut scopes: Vec<Arc<Scope>> = lock(&inner.scopes)
+        .values()
+        .filter(|s| all || s.key.uid == viewer)
+        .cloned()
+        .collect();
+    scopes.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut budget = BUDGET;
+    let out: Vec<Value> = scopes.iter().map(|s| scope(s, &mut budget)).collect();
+    let users: Vec<Value> = inner
+        .accounts
+        .users()
+        .into_iter()
+        .filter(|(_, a)| all || a.uid == viewer)
+        .map(|(connections, a)| {
+            json!({
+                "uid": a.uid,
+                "connections": connections,
+                "store_pages": a.pages(),
+                "notes": a.notes(),
+                "requests_in_flight": a.in_flight(),
+            })
+        })
+        .collect();
+    let mut v = json!({
+        "pid": std::process::id(),
+        "socket": inner.config.socket,
+        "uptime_secs": inner.started.elapsed().as_secs(),
+        "scope_by": inner.config.scope_by.to_string(),
+        "scopes": out,
+        "users": users,
+    });
+    if all {
+        // The daemon's own memory (its tables, for every user), which counts against what its
+        // scopes save. (From the kernel's counters: status is polled, and a page table walk
+        // would cost a poll more than the answer is worth.)
+        v["anonymous_bytes"] = json!(sys::self_status_kib("RssAnon").unwrap_or(0) * 1024);
+        v["notes"] = json!(inner.accounts.notes());
+        v["connections"] = json!(inner.accounts.connections());
+    }
+    v
+}
+
+/// A number a client reported (its word: sums of them saturate).
+fn reported(r: &serde_json::Map<String, Value>, key: &str) -> u64 {
+    r.get(key).and_then(Value::as_u64).unwrap_or(0)
+}
+
+fn scope(sc: &Scope, budget: &mut usize) -> Value {
+    let resident = sys::file_usage(sc.fd.as_raw_fd()).map_or(0, |u| u.1);
+    let st = lock(&sc.state);
+    let (mut mapped, mut zero, mut cpu, mut rate) = (0u64, 0u64, 0u64, 0.0);
+    let mut clients = Vec::new();
+    let mut omitted = 0usize;
+    let mut ids: Vec<&u64> = st.clients.keys().collect();
+    ids.sort();
+    for id in ids {
+        let c = &st.clients[id];
+        if let Some(r) = &c.report {
+            let pages = reported(r, "pages_shared").saturating_add(reported(r, "pages_sharing"));
+            mapped = mapped.saturating_add(pages);
+            zero = zero.saturating_add(reported(r, "zero_pages"));
+            cpu = cpu.saturating_add(reported(r, "worker_cpu_ns"));
+        }
+        rate += c.merges_per_sec;
+        let entry = json!({
+            "client": id,
+            "pid": c.pid,
+            "connected": c.connected,
+            "held": c.held.len(),
+            "noted": c.notes,
+            "merges_per_sec": c.merges_per_sec,
+            "stats": c.report,
+        });
+        let size = entry.to_string().len();
+        if size > *budget {
+            omitted += 1;
+            continue;
+        }
+        *budget -= size;
+        clients.push(entry);
+    }
+    let sharing = mapped.saturating_sub(st.live);
+    json!({
+        "scope": sc.name,
+        "uid": sc.key.uid,
+        "cgroup": sc.key.cgroup,
+        "clients": clients,
+        "clients_not_listed": omitted,
+        "pages_shared": st.live,
+        "pages_sharing": sharing,
+        "zero_pages": zero,
+        "saved_bytes": sharing.saturating_add(zero).saturating_mul(PAGE),
+        "copies_made": st.copies_made,
+        "noted_first_sightings": st.noted_entries,
+        "store_pages_in_use": st.pages_in_use(),
+        "store_resident_bytes": resident,
+        "merges_per_sec": rate,
+        "worker_cpu_ns": cpu,
+    })
+}
