@@ -231,10 +231,28 @@ impl Engine {
         *lock(&self.shared.recycler) = Some(pool);
     }
 
-    /// Unregisters the registered regions inside `[addr, addr+len)`, the equivalent of
-    /// `madvise(MADV_UNMERGEABLE)`: every page becomes private again with its contents intact.
+    /// Registers the parts of `[addr, addr+len)` not registered yet, the equivalent of
+    /// `madvise(MADV_MERGEABLE)` on memory part of which may be registered: as
+    /// [`register`](Self::register), for every part or none.
+    pub fn merge(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
+        registry::merge(&self.shared, &self.pool, addr as usize, len)
+    }
+
+    /// Unregisters the registered pages in `[addr, addr+len)`, the equivalent of
+    /// `madvise(MADV_UNMERGEABLE)`: those pages become private again with their contents intact
+    /// (merged ones are copied back; nothing else is touched, so the cost is that of the part), and
+    /// the rest of each region stays registered. `NotRegistered` if none was.
     pub fn unregister(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
         registry::unregister(&self.shared, addr as usize, len)
+    }
+
+    /// Tells the engine that the program dropped the pages of `[addr, addr+len)` with
+    /// `MADV_DONTNEED` (call it after the `madvise`, before relying on the result): merged pages are
+    /// mappings of a store file, which would read their copy again, so they are made empty
+    /// anonymous memory now (reading zeros, as the kernel promises); nothing else is touched. The
+    /// `LD_PRELOAD` shim does this for unmodified programs. Unregistered memory is ignored.
+    pub fn discard(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
+        registry::discard(&self.shared, addr as usize, len)
     }
 
     /// Maps a fresh private anonymous region of `len` bytes (rounded up to pages) and registers it.

@@ -11,24 +11,70 @@ use pageone_sys::{self as sys, uapi::*};
 use crate::access::PAGE;
 use crate::config::WatchMode;
 use crate::error::EngineError;
-use crate::layout::apply_changes;
+use crate::layout::{apply_changes, changing_mappings, cut};
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
 
 /// Registers `[a, a+len)` for merging (see `Engine::register`).
 pub(crate) fn register(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result<(), EngineError> {
-    if a % PAGE != 0 || len % PAGE != 0 || len == 0 {
-        return Err(EngineError::Unaligned { addr: a, len });
-    }
-    let end = a
-        .checked_add(len)
-        .ok_or(EngineError::Unaligned { addr: a, len })?;
-    let _period = lock(&sh.period_lock);
+    let end = checked_range(a, len)?;
     let maps = sys::self_mappings().map_err(EngineError::Map)?;
     let mut st = lock(&sh.state);
     apply_changes(sh, &mut st);
-    let unmergeable = registrable(&st, &maps, a, end)?;
+    register_locked(sh, pool, &mut st, &maps, a..end)
+}
+
+/// Registers the parts of `[a, a+len)` not registered yet (see `Engine::merge`).
+pub(crate) fn merge(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result<(), EngineError> {
+    let end = checked_range(a, len)?;
+    let maps = sys::self_mappings().map_err(EngineError::Map)?;
+    let mut st = lock(&sh.state);
+    apply_changes(sh, &mut st);
+    let mut gaps = Vec::new();
+    let mut cur = a;
+    for r in st.regions.range(..end).map(|(_, r)| r) {
+        let (rs, re) = (r.start, r.start + r.len());
+        if re <= cur {
+            continue;
+        }
+        if rs > cur {
+            gaps.push(cur..rs.min(end));
+        }
+        cur = cur.max(re);
+    }
+    if cur < end {
+        gaps.push(cur..end);
+    }
+    // Checked all first: nothing is registered unless every gap can be.
+    for g in &gaps {
+        registrable(&st, &maps, g.start, g.end)?;
+    }
+    for g in gaps {
+        register_locked(sh, pool, &mut st, &maps, g)?;
+    }
+    Ok(())
+}
+
+/// `a + len` for a page-aligned, non-empty range.
+fn checked_range(a: usize, len: usize) -> Result<usize, EngineError> {
+    if a % PAGE != 0 || len % PAGE != 0 || len == 0 {
+        return Err(EngineError::Unaligned { addr: a, len });
+    }
+    a.checked_add(len)
+        .ok_or(EngineError::Unaligned { addr: a, len })
+}
+
+/// Registers `range` (the caller holds the state lock; `maps` are the process's mappings).
+fn register_locked(
+    sh: &Shared,
+    pool: &Pool,
+    st: &mut State,
+    maps: &[sys::Mapping],
+    range: Range<usize>,
+) -> Result<(), EngineError> {
+    let (a, end) = (range.start, range.end);
+    let unmergeable = registrable(st, maps, a, end)?;
     watch_pieces(sh, a..end, &unmergeable)?;
     if sh.mode == WatchMode::UffdWp {
         // Arm the watch now: pages written from here on show up in the next period's scan,
@@ -37,7 +83,7 @@ pub(crate) fn register(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result
             .write_protect(a, end)
             .map_err(EngineError::Uffd)?;
     }
-    let n = len / PAGE;
+    let n = (end - a) / PAGE;
     // Checksums: every page in checksum mode, COW-broken pages in both modes.
     let sums = vec![0; n];
     let mut pages = vec![Page::default(); n];
@@ -56,12 +102,11 @@ pub(crate) fn register(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result
             sums,
         },
     );
-    read_ahead(&mut st, pool, a, end, sh.mode);
-    drop(st);
+    read_ahead(st, pool, a, end, sh.mode);
     if sh.mode == WatchMode::UffdWp {
         defer_next_period(sh);
     }
-    tracing::debug!(addr = a, len, "registered");
+    tracing::debug!(addr = a, len = end - a, "registered");
     Ok(())
 }
 
@@ -160,28 +205,135 @@ fn defer_next_period(sh: &Shared) {
     sh.kick.1.notify_all();
 }
 
-/// Unregisters the registered regions inside `[a, a+len)` (see `Engine::unregister`).
+/// Unregisters the registered pages of `[a, a+len)`, whole regions or parts of them (see
+/// `Engine::unregister`): only those pages become private again; the rest of a region stays
+/// registered. The caller's thread covers it as a change of mappings (no run is held still
+/// meanwhile).
 pub(crate) fn unregister(sh: &Shared, a: usize, len: usize) -> Result<(), EngineError> {
-    let end = a.saturating_add(len);
-    let _period = lock(&sh.period_lock);
+    let start = a & !(PAGE - 1);
+    let end = a.saturating_add(len).saturating_add(PAGE - 1) & !(PAGE - 1);
+    let _change = changing_mappings();
     let mut st = lock(&sh.state);
     apply_changes(sh, &mut st);
-    let keys: Vec<usize> = st.regions.range(a..end).map(|(&k, _)| k).collect();
-    if keys.is_empty() {
+    let pieces = cut(&mut st, start..end);
+    if pieces.is_empty() {
         return Err(EngineError::NotRegistered { addr: a, len });
     }
-    for k in &keys {
-        let r = &st.regions[k];
-        if r.start + r.len() > end {
-            return Err(EngineError::Overlap { addr: a, len });
-        }
-    }
     forget_read_ahead(&mut st);
-    for k in keys {
-        let r = st.regions.remove(&k).expect("listed above");
-        unregister_region(sh, &mut st, r);
+    for piece in pieces {
+        unregister_region(sh, &mut st, piece);
     }
     Ok(())
+}
+
+/// A piece of registered memory that is a mapping of the store (merged pages, and pages written
+/// after their merge), with its protection.
+struct StorePiece {
+    start: usize,
+    end: usize,
+    prot: libc::c_int,
+}
+
+/// The pieces of `range` that are mappings of the store, from the process's mappings.
+fn store_pieces(st: &State, range: Range<usize>) -> Vec<StorePiece> {
+    sys::self_mappings()
+        .unwrap_or_default()
+        .iter()
+        .filter(|m| {
+            (st.store.maps_inode(m.inode) || st.store.replaced_inode(m.inode))
+                && m.end > range.start
+                && m.start < range.end
+        })
+        .map(|m| StorePiece {
+            start: m.start.max(range.start),
+            end: m.end.min(range.end),
+            prot: m.prot(),
+        })
+        .collect()
+}
+
+/// The program dropped the pages of `[a, a+len)` (`MADV_DONTNEED`; see `Engine::discard`): those
+/// in mappings of the store would read their copy again, not zeros, so they become anonymous
+/// memory holding nothing (reading zeros), with writers held off while it happens. The other
+/// pages are not touched: the kernel dropped them.
+pub(crate) fn discard(sh: &Shared, a: usize, len: usize) -> Result<(), EngineError> {
+    let end = checked_range(a, len)?;
+    let _change = changing_mappings();
+    let mut st = lock(&sh.state);
+    apply_changes(sh, &mut st);
+    let in_store = st.regions.range(..end).any(|(_, r)| {
+        let (lo, hi) = (r.start.max(a), (r.start + r.len()).min(end));
+        lo < hi
+            && r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE]
+                .iter()
+                .any(|p| matches!(p.kind, PageKind::Merged | PageKind::Broken | PageKind::Foreign))
+    });
+    if !in_store {
+        return Ok(());
+    }
+    for piece in store_pieces(&st, a..end) {
+        empty_store_piece(sh, &st, &piece)?;
+        dropped_pages(&mut st, piece.start..piece.end);
+    }
+    st.store.punch_pending();
+    Ok(())
+}
+
+/// Replaces the store mapping of `piece` by an anonymous mapping of the same protection holding
+/// nothing, registered and watched like the region around it. Writers are held off meanwhile
+/// (through the store mappings' context) and retry in the new mapping.
+fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), EngineError> {
+    let (s, len) = (piece.start, piece.end - piece.start);
+    let held = sh
+        .store_uffd
+        .as_ref()
+        .filter(|u| u.writeprotect(s, len, true).is_ok());
+    // SAFETY: the range is a mapping of the store the program asked to drop; it is replaced, as a
+    // whole, by an empty private anonymous mapping.
+    let mapped = unsafe {
+        sys::raw_mmap(
+            s as *mut libc::c_void,
+            len,
+            piece.prot,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    if let Some(u) = held {
+        let _ = u.wake(s, len);
+    }
+    if mapped == libc::MAP_FAILED {
+        return Err(EngineError::Map(std::io::Error::last_os_error()));
+    }
+    sh.uffd
+        .register(s, len, sh.reg_mode)
+        .map_err(EngineError::Uffd)?;
+    if sh.mode == WatchMode::UffdWp {
+        let _ = st.pagemap.write_protect(s, s + len);
+    }
+    Ok(())
+}
+
+/// Records that the pages of `range` hold nothing now: anonymous, their copies released.
+fn dropped_pages(st: &mut State, range: Range<usize>) {
+    let State { regions, store, .. } = st;
+    for r in regions.values_mut() {
+        let (lo, hi) = (r.start.max(range.start), (r.start + r.len()).min(range.end));
+        if lo >= hi {
+            continue;
+        }
+        for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
+            if p.kind == PageKind::Merged {
+                store.drop_ref(p.sid);
+            }
+            if p.kind.in_store_mapping() || p.kind == PageKind::Merged {
+                p.kind = PageKind::Anon;
+                p.unchanged = 0;
+                p.epoch = p.epoch.wrapping_add(1);
+            }
+        }
+    }
 }
 
 /// Unregisters every region and says goodbye to the daemon, if any (the engine is stopping).
@@ -201,23 +353,18 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     // First sightings in the range are forgotten: the range may be registered again later, with
     // page epochs starting over.
     st.unstable.retain(|_, addr, _| addr < start || addr >= end);
-    unregister_range(&sh.uffd, start, r.len());
     // Merged and COW-broken pages live in mappings of the store: turn those back into anonymous
     // memory, so the range behaves exactly as before registering (e.g. MADV_DONTNEED gives zeros).
-    let pieces: Vec<(usize, usize)> = sys::self_mappings()
-        .unwrap_or_default()
-        .iter()
-        .filter(|m| {
-            st.store.maps_inode(m.inode) && m.perms == "rw-p" && m.end > start && m.start < end
-        })
-        .map(|m| (m.start.max(start), m.end.min(end)))
-        .collect();
+    // First, while the store mappings' context still holds them: before Linux 6.17, unregistering
+    // through the main context dropped the other context's registration too, and then the pages
+    // could not be held still to be copied.
     let mut failed = Vec::new();
-    for &(s, e) in &pieces {
-        if !anonymize(sh, s, e) {
-            failed.push((s, e));
+    for p in store_pieces(st, start..end) {
+        if !anonymize(sh, p.start, p.end, p.prot) {
+            failed.push((p.start, p.end));
         }
     }
+    unregister_range(&sh.uffd, start, r.len());
     if let Some(u2) = &sh.store_uffd {
         unregister_range(u2, start, r.len());
     }
@@ -240,7 +387,7 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
 /// held off with write-protection, the pages are copied into a fresh anonymous mapping, and that
 /// mapping is moved over the old one in one step (`mremap`), then writers are woken. Returns false
 /// (changing nothing) if any step is not possible.
-pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize) -> bool {
+pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> bool {
     let Some(u2) = &sh.store_uffd else {
         return false;
     };
@@ -255,6 +402,11 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize) -> bool {
             // kernel, as the program's memory; `tmp` is ours alone, `len` bytes long.
             // SAFETY: `tmp` is writable for `len` bytes.
             let copied = unsafe { sys::read_own_memory(tmp, &[(s, len)]) }.ok() == Some(len);
+            // With the protection the program gave the pages.
+            let copied = copied
+                && (prot == libc::PROT_READ | libc::PROT_WRITE
+                    // SAFETY: `tmp` is ours alone.
+                    || unsafe { libc::mprotect(tmp.cast(), len, prot) } == 0);
             // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
             // just copied and belongs to the registered region.
             let moved = copied && unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();

@@ -35,6 +35,13 @@ pub struct Mapping {
 }
 
 impl Mapping {
+    /// The protection (`PROT_*`) its permissions say.
+    pub fn prot(&self) -> libc::c_int {
+        let b = self.perms.as_bytes();
+        let on = |i: usize, c: u8, p: libc::c_int| if b.get(i) == Some(&c) { p } else { 0 };
+        on(0, b'r', libc::PROT_READ) | on(1, b'w', libc::PROT_WRITE) | on(2, b'x', libc::PROT_EXEC)
+    }
+
     /// A private, read/write, anonymous mapping (including `[heap]` and `[stack]`): what the engine
     /// may register.
     pub fn is_private_anonymous_rw(&self) -> bool {
