@@ -246,6 +246,17 @@ impl Engine {
         registry::unregister(&self.shared, addr as usize, len)
     }
 
+    /// Whether any page of `[addr, addr+len)` is registered.
+    pub fn is_registered(&self, addr: *mut u8, len: usize) -> bool {
+        let (a, end) = (addr as usize, (addr as usize).saturating_add(len));
+        let st = lock(&self.shared.state);
+        st.regions
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, r)| r.start + r.len() > a)
+            || st.regions.range(a..end).next().is_some()
+    }
+
     /// Tells the engine that the program dropped the pages of `[addr, addr+len)` with
     /// `MADV_DONTNEED` (call it after the `madvise`, before relying on the result): merged pages are
     /// mappings of a store file, which would read their copy again, so they are made empty

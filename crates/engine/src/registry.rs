@@ -266,7 +266,12 @@ pub(crate) fn discard(sh: &Shared, a: usize, len: usize) -> Result<(), EngineErr
         lo < hi
             && r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE]
                 .iter()
-                .any(|p| matches!(p.kind, PageKind::Merged | PageKind::Broken | PageKind::Foreign))
+                .any(|p| {
+                    matches!(
+                        p.kind,
+                        PageKind::Merged | PageKind::Broken | PageKind::Foreign
+                    )
+                })
     });
     if !in_store {
         return Ok(());
@@ -406,7 +411,7 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
             let copied = copied
                 && (prot == libc::PROT_READ | libc::PROT_WRITE
                     // SAFETY: `tmp` is ours alone.
-                    || unsafe { libc::mprotect(tmp.cast(), len, prot) } == 0);
+                    || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
             // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
             // just copied and belongs to the registered region.
             let moved = copied && unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();

@@ -4,36 +4,41 @@
 //!
 //! # Design
 //!
-//! * **Interposed calls.** `madvise`, `prctl`, and the calls that change registered memory behind
-//!   the engine's back: `mmap` (`MAP_FIXED` over it), `munmap`, `mremap`, `mprotect`. Every other
-//!   advice or option goes straight to the kernel through a raw system call, with no lock and no
-//!   allocation, so the pass-through path is safe during early start-up and in any thread.
 //! * **Merge.** `MADV_MERGEABLE` starts one engine per process on first use (joining
-//!   `$PAGEONE_SOCKET`'s daemon when set) and registers the range; `MADV_UNMERGEABLE` unregisters
-//!   it. If the engine cannot start or refuses the range, the call goes to the kernel (KSM
-//!   semantics), once logged with the reason: the program's behaviour never depends on pageone.
-//! * **Memory the engine must know about.** Merged pages are private mappings of a store file, so
-//!   `MADV_DONTNEED`/`FREE`/`REMOVE` on them would read back the copy, not zeros; and a range
-//!   unmapped, moved, re-protected or replaced while registered would be frozen and merged without
-//!   the engine's write tracking. For all of these the shim unregisters the overlapping regions
-//!   first (their pages become ordinary anonymous memory with the same contents), lets the kernel
-//!   act, then registers again what is still private anonymous read/write memory.
+//!   `$PAGEONE_SOCKET`'s daemon when set) and registers the parts of the range not registered yet;
+//!   `MADV_UNMERGEABLE` unregisters just the range (its merged pages are copied back). If the
+//!   engine cannot start or refuses the range, the call goes to the kernel (KSM semantics), once
+//!   logged with the reason: the program's behaviour never depends on pageone. Results and
+//!   `errno` are the kernel's wherever the kernel would refuse the call.
+//! * **Changes of registered memory.** `munmap`, `mremap`, `mmap(MAP_FIXED)`, `mprotect`,
+//!   `mlock`/`munlock` and `madvise` go to the kernel as asked, covered by
+//!   [`pageone_engine::changing_mappings`]: a change waits for the run of pages the engine holds
+//!   still at that moment, if any, and no run starts while it is under way. The engine learns what
+//!   changed from the kernel itself (userfaultfd events), so only the pages changed are touched and
+//!   nothing is copied back: unmapping merged memory costs what it costs the kernel.
+//! * **Dropped pages.** Merged pages are private mappings of a store file, which
+//!   `MADV_DONTNEED` would read back as their copy: after the kernel dropped a range, the engine
+//!   makes the merged pages in it empty anonymous memory ([`Engine::discard`]), so they read
+//!   zeros. `MADV_FREE` of merged pages (which the kernel refuses on file mappings) is answered
+//!   the same way, which `MADV_FREE` allows.
+//! * **`userfaultfd` on mergeable memory.** A program that registers mergeable memory with a
+//!   userfaultfd of its own (QEMU's postcopy migration) gets it: the engine unregisters that
+//!   range first (as KSM has no such conflict).
 //! * **`PR_SET_MEMORY_MERGE`** registers the process's private anonymous read/write mappings
 //!   larger than 64 MiB other than `[heap]` and `[stack]`, now and as the program maps more (through
 //!   the interposed `mmap`). The size bound keeps glibc's malloc arenas (at most 64 MiB each) and the
 //!   engine's own memory out: the engine must never freeze memory it uses itself.
 //! * **Re-entrancy and fork.** A thread-local flag passes through calls made while the shim is
-//!   working (the engine reaches the kernel with raw system calls anyway). After `fork`, the child
-//!   has no engine threads: it passes everything to the kernel.
+//!   working. The engine makes `fork` wait for a run it holds still; after `fork`, the child has no
+//!   engine threads: it passes everything to the kernel, but for `MADV_DONTNEED`/`MADV_FREE` of
+//!   merged pages it inherited, which it makes empty anonymous memory as above.
 
-use pageone_sync::lock;
 use std::cell::Cell;
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use libc::{c_int, c_ulong, c_void, size_t};
-use pageone_engine::Engine;
+use pageone_engine::{changing_mappings, Engine};
 use pageone_sys as sys;
 
 const PR_SET_MEMORY_MERGE: c_int = 67;
@@ -41,21 +46,17 @@ const PR_GET_MEMORY_MERGE: c_int = 68;
 const MADV_DONTNEED_LOCKED: c_int = 24;
 /// `PR_SET_MEMORY_MERGE` registers mappings larger than this (see the crate doc).
 const MERGE_ALL_MIN: usize = 64 << 20;
+/// `_IOWR(0xAA, 0x00, struct uffdio_register)`: a userfaultfd registration.
+const UFFDIO_REGISTER: c_ulong = pageone_sys::uapi::UFFDIO_REGISTER as c_ulong;
 
 thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
 }
 
-struct Shim {
-    engine: Engine,
-    /// Registered regions: start -> end.
-    regions: Mutex<BTreeMap<usize, usize>>,
-}
-
 /// `None` once the engine failed to start (then every call goes to the kernel).
-static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
-/// Registered regions exist (checked without a lock on the hot paths).
-static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+static SHIM: OnceLock<Option<Engine>> = OnceLock::new();
+/// An engine runs (checked without a lock on the hot paths).
+static ACTIVE: AtomicBool = AtomicBool::new(false);
 /// `PR_SET_MEMORY_MERGE` is on.
 static MERGE_ALL: AtomicBool = AtomicBool::new(false);
 /// Set in a child after `fork`: no engine runs there.
@@ -64,33 +65,12 @@ static CHILD: AtomicBool = AtomicBool::new(false);
 extern "C" fn in_child() {
     // Relaxed: the child is single-threaded at this point.
     CHILD.store(true, Ordering::Relaxed);
+    ACTIVE.store(false, Ordering::Relaxed);
 }
 
 fn log(msg: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "pageone: {msg}");
-}
-
-fn shim() -> Option<&'static Shim> {
-    SHIM.get_or_init(|| {
-        if sys::on_fork_child(in_child).is_err() {
-            log("cannot watch fork(); not starting (the kernel's KSM answers instead)");
-            return None;
-        }
-        match builder().build() {
-            Ok(engine) => Some(Shim {
-                engine,
-                regions: Mutex::new(BTreeMap::new()),
-            }),
-            Err(e) => {
-                log(&format!(
-                    "the engine could not start ({e}); the kernel's KSM answers instead"
-                ));
-                None
-            }
-        }
-    })
-    .as_ref()
 }
 
 /// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`
@@ -115,6 +95,38 @@ fn builder() -> pageone_engine::Builder {
             b
         }
     }
+}
+
+fn engine() -> Option<&'static Engine> {
+    SHIM.get_or_init(|| {
+        if sys::on_fork_child(in_child).is_err() {
+            log("cannot watch fork(); not starting (the kernel's KSM answers instead)");
+            return None;
+        }
+        match builder().build() {
+            Ok(engine) => {
+                // Relaxed: a hint for the hot paths; the engine is published by the OnceLock.
+                ACTIVE.store(true, Ordering::Relaxed);
+                Some(engine)
+            }
+            Err(e) => {
+                log(&format!(
+                    "the engine could not start ({e}); the kernel's KSM answers instead"
+                ));
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// The running engine, if one was started (never starts one).
+fn running() -> Option<&'static Engine> {
+    // Relaxed: see `engine`.
+    if !ACTIVE.load(Ordering::Relaxed) {
+        return None;
+    }
+    SHIM.get().and_then(Option::as_ref)
 }
 
 /// Runs `f` with the re-entrancy flag set and panics contained; `None` if the shim must not act
@@ -150,75 +162,15 @@ fn page_range(addr: *mut c_void, len: size_t) -> Option<(usize, usize)> {
     (a % sys::PAGE_SIZE == 0 && len > 0).then_some((a, end))
 }
 
-/// Unregisters every region overlapping `[start, end)`; returns them.
-fn take_overlapping(s: &Shim, start: usize, end: usize) -> Vec<(usize, usize)> {
-    let mut regions = lock(&s.regions);
-    let hit: Vec<(usize, usize)> = regions
-        .range(..end)
-        .filter(|(_, &e)| e > start)
-        .map(|(&a, &e)| (a, e))
-        .collect();
-    for &(a, e) in &hit {
-        regions.remove(&a);
-        if let Err(err) = s.engine.unregister(a as *mut u8, e - a) {
-            log(&format!("could not unregister {a:#x}+{:#x}: {err}", e - a));
-        }
-    }
-    ACTIVE.store(regions.len(), Ordering::Relaxed);
-    hit
-}
-
-/// Registers `[start, end)` if it is private anonymous read/write memory now.
-fn register(s: &Shim, start: usize, end: usize) -> bool {
-    if end <= start {
-        return false;
-    }
-    match s.engine.register(start as *mut u8, end - start) {
-        Ok(()) => {
-            // Merging works on 4 KiB pages: a huge page that is partly merged or released keeps
-            // all its memory until the kernel splits it under memory pressure, so registered
-            // memory gets no new huge pages (KSM splits them too).
-            // SAFETY: MADV_NOHUGEPAGE changes no contents.
-            let _ = unsafe { sys::madvise(start as *mut u8, end - start, libc::MADV_NOHUGEPAGE) };
-            let mut regions = lock(&s.regions);
-            regions.insert(start, end);
-            ACTIVE.store(regions.len(), Ordering::Relaxed);
-            true
-        }
-        Err(_) => false,
-    }
-}
-
-/// Registers the parts of `taken` outside `[start, end)` again.
-fn register_rest(s: &Shim, taken: &[(usize, usize)], start: usize, end: usize) {
-    for &(a, e) in taken {
-        register(s, a, e.min(start));
-        register(s, a.max(end), e);
-    }
-}
-
-/// Around a call that changes `[start, end)`: unregister what overlaps, call, register what is
-/// left outside the range (and, with `again`, inside it too).
-fn around<T>(start: usize, end: usize, again: bool, call: impl FnOnce() -> T) -> T {
-    // Relaxed: a hint; the map under its lock is the truth.
-    if ACTIVE.load(Ordering::Relaxed) == 0 {
+/// Runs `call`, a change of mappings the program asked for, covered while an engine runs (see the
+/// crate documentation). `errno` is the call's own.
+fn covered<T>(call: impl FnOnce() -> T) -> T {
+    // Relaxed: see `running`.
+    if !ACTIVE.load(Ordering::Relaxed) || INSIDE.get() || CHILD.load(Ordering::Relaxed) {
         return call();
     }
-    let Some(Some(s)) = guarded(|| SHIM.get().and_then(|o| o.as_ref())) else {
-        return call();
-    };
-    let taken = guarded(|| take_overlapping(s, start, end)).unwrap_or_default();
-    let r = call();
-    guarded(|| {
-        if again {
-            for &(a, e) in &taken {
-                register(s, a, e);
-            }
-        } else {
-            register_rest(s, &taken, start, end);
-        }
-    });
-    r
+    let _change = changing_mappings();
+    call()
 }
 
 /// `madvise(2)`, answering `MADV_MERGEABLE`/`MADV_UNMERGEABLE` with pageone.
@@ -228,58 +180,52 @@ fn around<T>(start: usize, end: usize, again: bool, call: impl FnOnce() -> T) ->
 #[no_mangle]
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     match advice {
-        libc::MADV_MERGEABLE | libc::MADV_UNMERGEABLE => {}
-        libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | MADV_DONTNEED_LOCKED => {
-            let Some((a, e)) = page_range(addr, len) else {
-                return raw_madvise(addr, len, advice);
-            };
-            return around(a, e, true, || raw_madvise(addr, len, advice));
+        libc::MADV_MERGEABLE | libc::MADV_UNMERGEABLE => merge_advice(addr, len, advice),
+        libc::MADV_DONTNEED | libc::MADV_FREE | MADV_DONTNEED_LOCKED => {
+            drop_pages(addr, len, advice)
         }
         libc::MADV_HUGEPAGE => {
-            // Registered memory stays on small pages (see register); elsewhere, as asked.
-            if let Some((a, e)) = page_range(addr, len) {
-                // Relaxed: a hint; the map under its lock is the truth.
-                let covered = ACTIVE.load(Ordering::Relaxed) > 0
-                    && guarded(|| {
-                        SHIM.get()
-                            .and_then(|o| o.as_ref())
-                            .is_some_and(|s| lock(&s.regions).range(..e).any(|(_, &re)| re > a))
-                    })
-                    .unwrap_or(false);
-                if covered {
-                    return 0;
-                }
+            // Registered memory stays on small pages (see `merge_advice`); elsewhere, as asked.
+            let covered_by_engine = page_range(addr, len).is_some_and(|(a, e)| {
+                guarded(|| running().is_some_and(|eng| eng.is_registered(a as *mut u8, e - a)))
+                    .unwrap_or(false)
+            });
+            if covered_by_engine {
+                return 0;
             }
-            return raw_madvise(addr, len, advice);
+            covered(|| raw_madvise(addr, len, advice))
         }
-        _ => return raw_madvise(addr, len, advice),
+        _ => covered(|| raw_madvise(addr, len, advice)),
     }
+}
+
+/// `MADV_MERGEABLE` and `MADV_UNMERGEABLE` (see the crate documentation).
+fn merge_advice(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     let Some((a, e)) = page_range(addr, len) else {
         return raw_madvise(addr, len, advice);
     };
     let done = guarded(|| {
-        let s = shim()?;
         if advice == libc::MADV_UNMERGEABLE {
-            let taken = take_overlapping(s, a, e);
-            register_rest(s, &taken, a, e);
-            // The kernel's flag may be set too (an earlier fallback): clear it as well. Its answer
-            // is the kernel's verdict on the range (ENOMEM where part of it is not mapped).
+            if let Some(eng) = running() {
+                // Only what is registered (NotRegistered otherwise: nothing to do here).
+                let _ = eng.unregister(a as *mut u8, e - a);
+            }
+            // The kernel's flag may be set too (an earlier fallback): clear it as well. Its
+            // answer is the kernel's verdict on the range (ENOMEM where part of it is not mapped).
             return Some(raw_madvise(addr, len, advice));
         }
-        if lock(&s.regions).get(&a) == Some(&e) {
-            return Some(0);
+        let eng = engine()?;
+        match eng.merge(a as *mut u8, e - a) {
+            Ok(()) => {
+                // Merging works on 4 KiB pages: a huge page that is partly merged or released
+                // keeps all its memory until the kernel splits it under memory pressure, so
+                // registered memory gets no new huge pages (KSM splits them too).
+                // SAFETY: MADV_NOHUGEPAGE changes no contents.
+                let _ = unsafe { sys::madvise(a as *mut u8, e - a, libc::MADV_NOHUGEPAGE) };
+                Some(0)
+            }
+            Err(_) => None,
         }
-        // Merge with the regions it overlaps into one.
-        let taken = take_overlapping(s, a, e);
-        let lo = taken.iter().map(|t| t.0).fold(a, usize::min);
-        let hi = taken.iter().map(|t| t.1).fold(e, usize::max);
-        if register(s, lo, hi) {
-            return Some(0);
-        }
-        for &(ta, te) in &taken {
-            register(s, ta, te);
-        }
-        None
     });
     match done {
         Some(Some(r)) => r,
@@ -288,23 +234,90 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
     }
 }
 
+/// `MADV_DONTNEED`, `MADV_DONTNEED_LOCKED` and `MADV_FREE`: the kernel drops the pages; merged
+/// pages among them are made empty anonymous memory (see the crate documentation).
+fn drop_pages(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
+    let Some((a, e)) = page_range(addr, len) else {
+        return raw_madvise(addr, len, advice);
+    };
+    // Relaxed: see in_child.
+    if CHILD.load(Ordering::Relaxed) {
+        return child_drop_pages(a, e, advice);
+    }
+    let Some(eng) = guarded(running).flatten() else {
+        return raw_madvise(addr, len, advice);
+    };
+    let _change = changing_mappings();
+    let mut r = raw_madvise(addr, len, advice);
+    if r != 0 && advice == libc::MADV_FREE && errno() == libc::EINVAL {
+        // Refused on the merged pages (file mappings): what MADV_FREE allows, dropping them,
+        // is what MADV_DONTNEED does.
+        r = raw_madvise(addr, len, libc::MADV_DONTNEED);
+        if r != 0 {
+            // SAFETY: errno is this thread's.
+            unsafe { *libc::__errno_location() = libc::EINVAL };
+        }
+    }
+    if r == 0 {
+        if let Some(Err(err)) = guarded(|| eng.discard(a as *mut u8, e - a)) {
+            log(&format!("dropped merged pages could not be emptied: {err}"));
+        }
+    }
+    r
+}
+
+/// `drop_pages` in a forked child: pages merged in the parent are mappings of its store here;
+/// they become empty anonymous memory (the child has no engine, nothing to hold still).
+fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
+    let r = raw_madvise(a as *mut c_void, e - a, advice);
+    let refused = r != 0 && advice == libc::MADV_FREE && errno() == libc::EINVAL;
+    if r != 0 && !refused {
+        return r;
+    }
+    let Ok(maps) = sys::self_mappings() else {
+        return r;
+    };
+    let store =
+        |m: &sys::Mapping| m.path.contains("pageone-stable") || m.path.contains("pageone-scope");
+    for m in maps.iter().filter(|m| m.end > a && m.start < e && store(m)) {
+        let (s, t) = (m.start.max(a), m.end.min(e));
+        // SAFETY: pages the program asked to drop, replaced by an empty private mapping with the
+        // same protection.
+        let p = unsafe {
+            sys::raw_mmap(
+                s as *mut c_void,
+                t - s,
+                m.prot(),
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return -1;
+        }
+    }
+    if refused {
+        return raw_madvise(a as *mut c_void, e - a, advice);
+    }
+    0
+}
+
+fn errno() -> c_int {
+    // SAFETY: errno is this thread's.
+    unsafe { *libc::__errno_location() }
+}
+
 /// Registers the eligible mappings (see the crate doc) that are not registered yet.
-fn merge_all(s: &Shim) {
+fn merge_all(eng: &Engine) {
     let Ok(maps) = sys::self_mappings() else {
         return;
     };
     for m in maps {
-        let eligible = m.is_private_anonymous_rw()
-            && m.path.is_empty()
-            && m.end - m.start > MERGE_ALL_MIN
-            && !lock(&s.regions).contains_key(&m.start);
+        let eligible =
+            m.is_private_anonymous_rw() && m.path.is_empty() && m.end - m.start > MERGE_ALL_MIN;
         if eligible {
-            let taken = take_overlapping(s, m.start, m.end);
-            if !register(s, m.start, m.end) {
-                for (a, e) in taken {
-                    register(s, a, e);
-                }
-            }
+            let _ = eng.merge(m.start as *mut u8, m.end - m.start);
         }
     }
 }
@@ -334,11 +347,11 @@ pub unsafe extern "C" fn prctl(
             }
             let on = a2 != 0;
             let done = guarded(|| {
-                let s = shim()?;
+                let eng = engine()?;
                 // Relaxed: a mode flag read by later mmap calls; no data is published with it.
                 MERGE_ALL.store(on, Ordering::Relaxed);
                 if on {
-                    merge_all(s);
+                    merge_all(eng);
                 }
                 Some(0)
             });
@@ -369,7 +382,7 @@ fn raw_mmap(
     unsafe { sys::raw_mmap(addr, len, prot, flags, fd, off) }
 }
 
-/// `mmap(2)`: a fixed mapping over registered memory unregisters it first; with
+/// `mmap(2)`: a fixed mapping is a change of mappings (see the crate doc); with
 /// `PR_SET_MEMORY_MERGE`, large private anonymous mappings are registered.
 ///
 /// # Safety
@@ -383,11 +396,10 @@ pub unsafe extern "C" fn mmap(
     fd: c_int,
     off: libc::off_t,
 ) -> *mut c_void {
-    let p = match page_range(addr, len) {
-        Some((a, e)) if flags & (libc::MAP_FIXED | libc::MAP_FIXED_NOREPLACE) != 0 => {
-            around(a, e, false, || raw_mmap(addr, len, prot, flags, fd, off))
-        }
-        _ => raw_mmap(addr, len, prot, flags, fd, off),
+    let p = if flags & libc::MAP_FIXED != 0 {
+        covered(|| raw_mmap(addr, len, prot, flags, fd, off))
+    } else {
+        raw_mmap(addr, len, prot, flags, fd, off)
     };
     // Relaxed: see prctl.
     let wanted = MERGE_ALL.load(Ordering::Relaxed)
@@ -398,9 +410,8 @@ pub unsafe extern "C" fn mmap(
         && prot == libc::PROT_READ | libc::PROT_WRITE;
     if wanted {
         guarded(|| {
-            if let Some(s) = shim() {
-                let a = p as usize;
-                register(s, a, a + len.div_ceil(sys::PAGE_SIZE) * sys::PAGE_SIZE);
+            if let Some(eng) = engine() {
+                let _ = eng.merge(p.cast(), len.div_ceil(sys::PAGE_SIZE) * sys::PAGE_SIZE);
             }
         });
     }
@@ -424,36 +435,27 @@ pub unsafe extern "C" fn mmap64(
     unsafe { mmap(addr, len, prot, flags, fd, off) }
 }
 
-/// `munmap(2)`: registered memory is unregistered first.
+/// `munmap(2)`: a change of mappings (see the crate doc).
 ///
 /// # Safety
 /// As `munmap(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     // SAFETY: the program asked for exactly this call.
-    let raw = || unsafe { sys::raw_munmap(addr, len) };
-    match page_range(addr, len) {
-        Some((a, e)) => around(a, e, false, raw),
-        None => raw(),
-    }
+    covered(|| unsafe { sys::raw_munmap(addr, len) })
 }
 
-/// `mprotect(2)`: registered memory is unregistered first (merged pages are mappings the engine
-/// made, with the protections it gave them).
+/// `mprotect(2)`: a change of mappings (see the crate doc).
 ///
 /// # Safety
 /// As `mprotect(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
     // SAFETY: the program asked for exactly this call.
-    let raw = || unsafe { sys::raw_mprotect(addr, len, prot) };
-    match page_range(addr, len) {
-        Some((a, e)) => around(a, e, true, raw),
-        None => raw(),
-    }
+    covered(|| unsafe { sys::raw_mprotect(addr, len, prot) })
 }
 
-/// `mremap(2)`: registered memory is unregistered first. (Variadic in C; the optional fifth
+/// `mremap(2)`: a change of mappings (see the crate doc). (Variadic in C; the optional fifth
 /// argument is read as passed, which the x86-64 convention allows.)
 ///
 /// # Safety
@@ -467,16 +469,67 @@ pub unsafe extern "C" fn mremap(
     new: *mut c_void,
 ) -> *mut c_void {
     // SAFETY: the program asked for exactly this call.
-    let raw = || unsafe { sys::raw_mremap(old, old_len, new_len, flags, new) };
-    let Some((a, e)) = page_range(old, old_len) else {
-        return raw();
-    };
-    // Also a fixed destination that overlaps registered memory.
-    let dest = (flags & libc::MREMAP_FIXED != 0)
-        .then(|| page_range(new, new_len))
-        .flatten();
-    match dest {
-        Some((da, de)) => around(da, de, false, || around(a, e, false, raw)),
-        None => around(a, e, false, raw),
+    covered(|| unsafe { sys::raw_mremap(old, old_len, new_len, flags, new) })
+}
+
+/// Forwards a system call that changes the locking of mappings, covered (see the crate doc).
+fn covered_syscall(nr: libc::c_long, a: usize, b: usize, c: usize) -> c_int {
+    // SAFETY: the program asked for exactly this call (its arguments are passed on unchanged).
+    covered(|| unsafe { libc::syscall(nr, a, b, c) as c_int })
+}
+
+/// `mlock(2)`: a change of mappings (see the crate doc).
+///
+/// # Safety
+/// As `mlock(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn mlock(addr: *const c_void, len: size_t) -> c_int {
+    covered_syscall(libc::SYS_mlock, addr as usize, len, 0)
+}
+
+/// `mlock2(2)`: a change of mappings (see the crate doc).
+///
+/// # Safety
+/// As `mlock2(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn mlock2(addr: *const c_void, len: size_t, flags: libc::c_uint) -> c_int {
+    covered_syscall(libc::SYS_mlock2, addr as usize, len, flags as usize)
+}
+
+/// `munlock(2)`: a change of mappings (see the crate doc).
+///
+/// # Safety
+/// As `munlock(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn munlock(addr: *const c_void, len: size_t) -> c_int {
+    covered_syscall(libc::SYS_munlock, addr as usize, len, 0)
+}
+
+/// `mlockall(2)`: a change of mappings (see the crate doc).
+///
+/// # Safety
+/// As `mlockall(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn mlockall(flags: c_int) -> c_int {
+    covered_syscall(libc::SYS_mlockall, flags as usize, 0, 0)
+}
+
+/// `ioctl(2)`: a userfaultfd registration of mergeable memory by the program takes that range
+/// from the engine first (see the crate doc); everything else goes straight to the kernel.
+/// (Variadic in C: the third argument is read as one word, which the x86-64 convention allows.)
+///
+/// # Safety
+/// As `ioctl(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: usize) -> c_int {
+    if request == UFFDIO_REGISTER && arg != 0 {
+        guarded(|| {
+            let Some(eng) = running() else { return };
+            // SAFETY: the program passes a `struct uffdio_register`, whose range comes first.
+            let range = unsafe { std::ptr::read_unaligned(arg as *const [u64; 2]) };
+            let _ = eng.unregister(range[0] as *mut u8, range[1] as usize);
+        });
     }
+    // SAFETY: the program asked for exactly this call.
+    unsafe { libc::syscall(libc::SYS_ioctl, fd, request, arg) as c_int }
 }

@@ -56,6 +56,17 @@ pub use procfs::*;
 pub use uds::*;
 pub use uffd::*;
 
+/// `ioctl(2)` as a raw system call: the `LD_PRELOAD` shim interposes the C library's `ioctl`
+/// (to see userfaultfd registrations of the program's), and the engine's own calls must not go
+/// through it.
+///
+/// # Safety
+/// `arg` must be what `req` expects of the caller.
+unsafe fn raw_ioctl<T>(fd: RawFd, req: u64, arg: *mut T) -> libc::c_int {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { libc::syscall(libc::SYS_ioctl, fd, req, arg) as libc::c_int }
+}
+
 /// Converts a `-1`-on-error return into `io::Result`.
 fn cvt(ret: libc::c_long) -> io::Result<libc::c_long> {
     if ret == -1 {

@@ -85,7 +85,7 @@ impl Pagemap {
             // SAFETY: arg is a live pm_scan_arg whose vec points to buf.len() live regions, or
             // has no vector at all (vec and vec_len 0).
             let n = cvt(
-                unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) }
+                unsafe { crate::raw_ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) }
                     as libc::c_long,
             )? as usize;
             if let Some(out) = out.as_deref_mut() {

@@ -33,7 +33,7 @@ pub fn set_pipe_capacity(fd: RawFd, bytes: usize) -> io::Result<usize> {
 pub fn pipe_pending(fd: RawFd) -> io::Result<usize> {
     let mut n: libc::c_int = 0;
     // SAFETY: `n` is a live int the kernel writes.
-    cvt(unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) } as libc::c_long)?;
+    cvt(unsafe { crate::raw_ioctl(fd, libc::FIONREAD, &mut n) } as libc::c_long)?;
     Ok(n.max(0) as usize)
 }
 

@@ -35,7 +35,7 @@ impl Uffd {
             ioctls: 0,
         };
         // SAFETY: probe is a live uffdio_api the kernel fills in.
-        cvt(unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut probe) } as libc::c_long)?;
+        cvt(unsafe { crate::raw_ioctl(fd.as_raw_fd(), UFFDIO_API, &mut probe) } as libc::c_long)?;
         let grant = wanted & probe.features;
         drop(fd);
         let fd = Self::raw_open(base).or_else(|_| Self::raw_open(base | UFFD_USER_MODE_ONLY))?;
@@ -45,7 +45,7 @@ impl Uffd {
             ioctls: 0,
         };
         // SAFETY: as above.
-        cvt(unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } as libc::c_long)?;
+        cvt(unsafe { crate::raw_ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } as libc::c_long)?;
         Ok(Self {
             fd,
             features: grant,
@@ -80,7 +80,7 @@ impl Uffd {
             ioctls: 0,
         };
         // SAFETY: r is a live uffdio_register.
-        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_REGISTER, &mut r) } as libc::c_long)
+        cvt(unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_REGISTER, &mut r) } as libc::c_long)
             .map(drop)
     }
 
@@ -91,8 +91,11 @@ impl Uffd {
             len: len as u64,
         };
         // SAFETY: r is a live uffdio_range.
-        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_UNREGISTER, &mut r) } as libc::c_long)
-            .map(drop)
+        cvt(
+            unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_UNREGISTER, &mut r) }
+                as libc::c_long,
+        )
+        .map(drop)
     }
 
     /// Wakes threads blocked on faults in `[start, start+len)`.
@@ -102,7 +105,8 @@ impl Uffd {
             len: len as u64,
         };
         // SAFETY: r is a live uffdio_range.
-        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_WAKE, &mut r) } as libc::c_long).map(drop)
+        cvt(unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_WAKE, &mut r) } as libc::c_long)
+            .map(drop)
     }
 
     /// Resolves a missing fault by mapping the shared zero page over `[start, start+len)` and
@@ -117,7 +121,7 @@ impl Uffd {
             zeropage: 0,
         };
         // SAFETY: z is a live uffdio_zeropage.
-        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) } as libc::c_long)
+        cvt(unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) } as libc::c_long)
             .map(drop)
     }
 
@@ -136,8 +140,11 @@ impl Uffd {
             },
         };
         // SAFETY: w is a live uffdio_writeprotect.
-        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) } as libc::c_long)
-            .map(drop)
+        cvt(
+            unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) }
+                as libc::c_long,
+        )
+        .map(drop)
     }
 
     /// Resolves a missing fault by copying `len` bytes from `src` into new pages at `dst` and waking
@@ -155,7 +162,8 @@ impl Uffd {
             copy: 0,
         };
         // SAFETY: c is a live uffdio_copy; the caller vouches for src.
-        cvt(unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_COPY, &mut c) } as libc::c_long).map(drop)
+        cvt(unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_COPY, &mut c) } as libc::c_long)
+            .map(drop)
     }
 
     /// Moves the pages of `[src, src+len)` to `[dst, dst+len)` without copying (`UFFDIO_MOVE`).
@@ -180,7 +188,7 @@ impl Uffd {
             moved: 0,
         };
         // SAFETY: m is a live uffdio_move; the caller vouches for the ranges.
-        let r = unsafe { libc::ioctl(self.as_raw_fd(), UFFDIO_MOVE, &mut m) };
+        let r = unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_MOVE, &mut m) };
         if r == -1 {
             let e = io::Error::last_os_error();
             if m.moved > 0 {
