@@ -9,11 +9,16 @@
 //!   `pageone daemon`.
 //! * [`ksm`]: KSM's knobs (saved and restored), counters and `ksmd` CPU time.
 //! * [`ppr`]: PPR (marking freed pages, the engine releasing them) against `madvise(MADV_DONTNEED)`.
+//! * [`ppr_heap`]: a heap whose large frees are marked for PPR, and [`alloc_trace`]: one alloc/free
+//!   trace replayed against it, glibc, jemalloc and mimalloc (excess resident GiB·s, `free`
+//!   latency, CPU).
 //!
 //! Benchmarks report numbers; they never assert timings. Every run checks the data it measured on.
 
+pub mod alloc_trace;
 pub mod dedup;
 pub mod ksm;
 pub mod ppr;
+pub mod ppr_heap;
 pub mod processes;
 pub mod sdtree;
