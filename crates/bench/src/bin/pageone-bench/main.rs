@@ -2,6 +2,7 @@
 //! of their results. `pageone bench ARGS...` runs this command with the same arguments.
 
 mod chart;
+mod density;
 mod ksm;
 mod plot;
 mod ppr;
@@ -46,6 +47,9 @@ enum Bench {
     PprTrace(ppr::TraceArgs),
     /// The engine vs the kernel's KSM: time to 99% of the possible saving and CPU-seconds.
     Ksm(KsmArgs),
+    /// How many small QEMU guests with an allocate/free churn fit in one memory budget, per way
+    /// of merging or returning memory, and how fast freed guest memory comes back (root).
+    Density(density::DensityArgs),
     /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm, ppr or density).
     Plot(plot::PlotArgs),
 }
@@ -110,6 +114,7 @@ fn main() -> Result<()> {
                 json: a.json,
             })
         }
+        Bench::Density(a) => density::run(&a),
         Bench::Plot(a) => plot::run(&a),
     }
 }
