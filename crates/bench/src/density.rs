@@ -491,7 +491,8 @@ pub struct Return {
     pub mode: String,
     pub mib: usize,
     /// Seconds from the guest's free (its console line) to the QEMU process's anonymous RSS
-    /// 90% of the freed memory lower; `None`: not within the wait.
+    /// half, and 90%, of the freed memory lower; `None`: not within the wait.
+    pub seconds_to_50: Option<f64>,
     pub seconds_to_90: Option<f64>,
     /// Anonymous RSS back by the end of the wait, MiB.
     pub back_mib: f64,
@@ -591,11 +592,15 @@ fn watch_return(mode: Mode, mib: usize, wait_secs: u64, g: &Guest) -> Result<Ret
                 freed = Some((at, before.map_or(0, |&(_, k)| k)));
             } else if l == "ONCE-DONE" {
                 let (at, kib0) = freed.ok_or("the guest printed no FREED line")?;
-                let want = kib0.saturating_sub(mib as u64 * 1024 * 9 / 10);
-                r.seconds_to_90 = samples
-                    .iter()
-                    .find(|&&(t, k)| t >= at && k <= want)
-                    .map(|&(t, _)| (t - at).as_secs_f64());
+                let back = |tenths: u64| {
+                    let want = kib0.saturating_sub(mib as u64 * 1024 * tenths / 10);
+                    samples
+                        .iter()
+                        .find(|&&(t, k)| t >= at && k <= want)
+                        .map(|&(t, _)| (t - at).as_secs_f64())
+                };
+                r.seconds_to_50 = back(5);
+                r.seconds_to_90 = back(9);
                 let last = samples.last().map_or(kib0, |&(_, k)| k);
                 r.back_mib = kib0.saturating_sub(last) as f64 / 1024.0;
                 return Ok(r);
@@ -626,6 +631,9 @@ mod tests {
             "[ 12.3] Out of memory: Killed process 71 (churn)"
         ));
         assert!(failure_line("CHURN-EXIT 137"));
+        assert!(failure_line(
+            "insmod: can't insert '/lib/virtio.ko': unknown symbol in module"
+        ));
         assert!(!failure_line("HB 1 2 3 4 1"));
     }
 

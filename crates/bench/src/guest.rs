@@ -72,7 +72,7 @@ const INIT: &str = r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
-for m in virtio virtio_ring virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon; do
+for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon; do
     [ -f /lib/$m.ko ] && insmod /lib/$m.ko
 done
 echo "GUEST-UP $(cat /proc/cmdline | tr ' ' '\n' | grep -c init_on_free=1) $(ls /sys/bus/virtio/drivers 2>/dev/null | tr '\n' ' ')"

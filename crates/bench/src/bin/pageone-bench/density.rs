@@ -244,10 +244,11 @@ fn returns(a: &DensityArgs, p: &Params, s: &Setup) -> Result<Vec<Return>> {
             let r =
                 measure_return(m, a.return_mib, a.return_wait, p, s).map_err(anyhow::Error::msg)?;
             eprintln!(
-                "  return {} (run {}): {} MiB freed, 90% back after {}, {:.0} MiB back by {} s; the guest's munmap {:.1} ms",
+                "  return {} (run {}): {} MiB freed, half back after {}, 90% after {}, {:.0} MiB back by {} s; the guest's munmap {:.1} ms",
                 r.mode,
                 run + 1,
                 r.mib,
+                r.seconds_to_50.map_or("never".into(), |s| format!("{s:.2} s")),
                 r.seconds_to_90.map_or("never".into(), |s| format!("{s:.2} s")),
                 r.back_mib,
                 a.return_wait,
