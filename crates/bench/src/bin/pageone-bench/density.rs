@@ -262,24 +262,25 @@ fn returns(a: &DensityArgs, p: &Params, s: &Setup) -> Result<Vec<Return>> {
         a.return_mib, a.runs
     );
     println!(
-        "{:<14} {:>18} {:>14} {:>16}",
-        "mode", "s to 90% back", "MiB back", "guest munmap ms"
+        "{:<14} {:>14} {:>14} {:>14} {:>16}",
+        "mode", "s to 50% back", "s to 90% back", "MiB back", "guest munmap ms"
     );
+    let secs = |v: Vec<f64>| {
+        let s = median(&v);
+        if s.is_finite() {
+            format!("{s:.2}")
+        } else {
+            format!("> {}", a.return_wait)
+        }
+    };
     for &m in &modes {
         let of: Vec<&Return> = out.iter().filter(|r| r.mode == m.name()).collect();
-        let secs: Vec<f64> = of
-            .iter()
-            .map(|r| r.seconds_to_90.unwrap_or(f64::INFINITY))
-            .collect();
-        let s = median(&secs);
+        let inf = f64::INFINITY;
         println!(
-            "{:<14} {:>18} {:>14.0} {:>16.1}",
+            "{:<14} {:>14} {:>14} {:>14.0} {:>16.1}",
             m.name(),
-            if s.is_finite() {
-                format!("{s:.2}")
-            } else {
-                format!("> {}", a.return_wait)
-            },
+            secs(of.iter().map(|r| r.seconds_to_50.unwrap_or(inf)).collect()),
+            secs(of.iter().map(|r| r.seconds_to_90.unwrap_or(inf)).collect()),
             median(&of.iter().map(|r| r.back_mib).collect::<Vec<_>>()),
             median(&of.iter().map(|r| r.guest_free_ms).collect::<Vec<_>>())
         );
