@@ -191,6 +191,10 @@ pub struct TraceResult {
     /// The process's CPU (every thread but the sampler's), and the run's wall time.
     pub cpu_s: f64,
     pub wall_s: f64,
+    /// CPU seconds by thread name over the whole process life (the replaying thread is
+    /// `main`), where it went.
+    #[serde(default)]
+    pub thread_cpu_s: Vec<(String, f64)>,
 }
 
 fn rss_bytes() -> usize {
@@ -366,7 +370,39 @@ pub fn replay(name: &str, ops: &[Op], heap: &dyn Heap) -> Result<TraceResult, St
         live_gib_s,
         cpu_s: (cpu1 - cpu0).saturating_sub(sampler_ns) as f64 / 1e9,
         wall_s: wall.as_secs_f64(),
+        thread_cpu_s: thread_cpu(),
     })
+}
+
+/// CPU seconds of this process's live threads, summed by name, largest first.
+fn thread_cpu() -> Vec<(String, f64)> {
+    let mut by: Vec<(String, f64)> = Vec::new();
+    let tasks = std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten();
+    for t in tasks {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        let ticks: u64 = [11, 12]
+            .iter()
+            .filter_map(|&i| f.get(i)?.parse::<u64>().ok())
+            .sum();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        match by.iter_mut().find(|(n, _)| *n == name) {
+            Some(e) => e.1 += ticks as f64 / hz,
+            None => by.push((name, ticks as f64 / hz)),
+        }
+    }
+    by.sort_by(|a, b| b.1.total_cmp(&a.1));
+    by
 }
 
 #[cfg(test)]
@@ -433,6 +469,7 @@ mod tests {
         assert!(r.live_gib_s > 0.0);
         assert!(r.free_ns_mean > 0.0 && r.free_ns_p99 >= r.free_ns_p50);
         assert!(r.cpu_s > 0.0);
+        assert!(!r.thread_cpu_s.is_empty(), "at least the replaying thread");
     }
 
     #[test]

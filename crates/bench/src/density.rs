@@ -108,6 +108,10 @@ pub struct Params {
     pub idle_ms: u64,
     /// A guest that finishes no phase for this long has stalled.
     pub stall_secs: u64,
+    /// Seconds between one guest's start and the next's (0: all at once). Booting together
+    /// measures the boot's transient peak more than the steady state.
+    #[serde(default)]
+    pub stagger_secs: u64,
 }
 
 /// What the trials need from the host: the binaries and the guest images.
@@ -131,7 +135,7 @@ pub struct Trial {
     pub ok: bool,
     /// Why it failed.
     pub failure: Option<String>,
-    /// Seconds from the start to every guest's first phase.
+    /// Seconds from the last guest's start to every guest's first phase.
     pub boot_secs: f64,
     /// The cgroup's usage at steady state (mean over the second half of the run) and its peak.
     pub usage_mib: f64,
@@ -246,12 +250,13 @@ struct Place<'a> {
 }
 
 /// Starts `n` guests of `mode` of `guest_mib` inside the cgroup, guest g running
-/// `churn(g)`.
+/// `churn(g)`, `stagger` apart.
 fn start_guests(
     mode: Mode,
     n: usize,
     guest_mib: usize,
     at: &Place,
+    stagger: Duration,
     churn: impl Fn(usize) -> Vec<String>,
 ) -> Result<Vec<Guest>, String> {
     let Place { s, cg, socket } = *at;
@@ -266,6 +271,12 @@ fn start_guests(
     };
     (0..n)
         .map(|g| {
+            if g > 0 && !stagger.is_zero() {
+                std::thread::sleep(stagger);
+            }
+            if interrupted() {
+                return Err("interrupted".to_string());
+            }
             let spec = GuestSpec {
                 kernel: s.kernel.clone(),
                 initrd: if mode == Mode::Fpr {
@@ -352,7 +363,8 @@ pub fn run_trial(mode: Mode, n: usize, p: &Params, s: &Setup) -> Result<Trial, S
         cg: &cg,
         socket: &socket,
     };
-    let result = start_guests(mode, n, p.guest_mib, &at, |g| churn_args(p, g))
+    let stagger = Duration::from_secs(p.stagger_secs);
+    let result = start_guests(mode, n, p.guest_mib, &at, stagger, |g| churn_args(p, g))
         .and_then(|mut guests| monitor(&mut guests, p, &cg, &mut trial));
     trial.oom_kills = cg.oom_kills();
     match result {
@@ -381,7 +393,8 @@ fn monitor(
     let boot_limit = Duration::from_secs(90 + 20 * n as u64);
     let mut usage: Vec<(Instant, u64)> = Vec::new();
     let mut up: Option<Instant> = None;
-    let mut oom0 = cg.oom_kills();
+    // The cgroup is new: every OOM kill in it, also during a staggered start, counts.
+    let mut oom0 = 0;
     loop {
         std::thread::sleep(Duration::from_millis(500));
         if interrupted() {
@@ -545,7 +558,7 @@ pub fn measure_return(
         ]
         .to_vec()
     };
-    let guests = start_guests(mode, 1, p.guest_mib, &at, churn)?;
+    let guests = start_guests(mode, 1, p.guest_mib, &at, Duration::ZERO, churn)?;
     watch_return(mode, mib, wait_secs, &guests[0])
 }
 

@@ -50,6 +50,9 @@ pub struct DensityArgs {
     /// A guest that finishes no phase for this long has stalled.
     #[arg(long, default_value_t = 90)]
     stall_secs: u64,
+    /// Seconds between one guest's start and the next's (0: all at once).
+    #[arg(long, default_value_t = 0)]
+    stagger_secs: u64,
     /// Whole searches per mode (the median is reported).
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -309,6 +312,7 @@ pub fn run(a: &DensityArgs) -> Result<()> {
         hold_ms: a.hold_ms,
         idle_ms: a.idle_ms,
         stall_secs: a.stall_secs,
+        stagger_secs: a.stagger_secs,
     };
     let work =
         WorkDir(std::env::temp_dir().join(format!("pageone-density-{}", std::process::id())));

@@ -227,6 +227,15 @@ fn allocators(a: &PprArgs, params: &TraceParams) -> Result<Vec<TraceResult>> {
                 r.cpu_s,
                 r.wall_s
             );
+            if heap == "ppr" {
+                let top: Vec<String> = r
+                    .thread_cpu_s
+                    .iter()
+                    .take(4)
+                    .map(|(n, s)| format!("{n} {s:.2} s"))
+                    .collect();
+                eprintln!("    CPU by thread: {}", top.join(", "));
+            }
             out.push(r);
         }
     }
