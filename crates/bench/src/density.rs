@@ -177,6 +177,7 @@ pub fn failure_line(line: &str) -> bool {
         "CHURN-EXIT",
         "CHURN-FAIL",
         "oom-kill",
+        "insmod: can't",
     ]
     .iter()
     .any(|s| line.contains(s))
