@@ -17,3 +17,6 @@ plot ksm "pageone vs KSM in one process: 4 x 512 MiB, 100 ms periods, medians of
 plot ksm-processes "pageone, one process per region through the daemon, vs KSM: 4 x 512 MiB, 50 ms periods, medians of 3 runs (0d22a5b, 2026-11-24): 4.8x faster on easy data, 5.4x on hard"
 plot qemu "Two QEMU guests under pageone run vs KSM: runs 17 to 62 of tests/qemu/run.py (to 2026-11-24)"
 plot ppr "PPR vs madvise(MADV_DONTNEED), the program's cost per freed page: medians of 5 runs (716a551, 2026-11-24)"
+plot ppr-allocators "One alloc/free trace (12 phases, peak 256 MiB): PPR heap vs glibc, jemalloc, mimalloc, medians of 3 runs (f877104, 2026-11-25): excess 0.36x jemalloc's, 0.31x mimalloc's, at 9x the CPU"
+plot density "192 MiB guests in 1024 MiB, booted together, 45 s of churn (f877104, 2026-11-25, 1 run)"
+plot density-staggered "192 MiB guests in 1024 MiB, started 10 s apart, 60 s of churn (5d39c7f, 2026-11-25, 1 run)"

@@ -28,6 +28,9 @@ ls /boot/vmlinuz-* >/dev/null 2>&1 || need_pkgs+=(linux-image-amd64)
 [ -x /bin/busybox ] && file -L /bin/busybox 2>/dev/null | grep -q static || need_pkgs+=(busybox-static)
 command -v cpio >/dev/null 2>&1 || need_pkgs+=(cpio)
 command -v file >/dev/null 2>&1 || need_pkgs+=(file)
+# `pageone-bench ppr` replays its allocator trace under Debian's jemalloc and mimalloc (LD_PRELOAD).
+[ -f /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || need_pkgs+=(libjemalloc2)
+[ -f /usr/lib/x86_64-linux-gnu/libmimalloc.so.2 ] || need_pkgs+=(libmimalloc2.0)
 # `pageone-bench plot` (and its tests) draws text with a TrueType font read at run time.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if [ ${#need_pkgs[@]} -gt 0 ]; then

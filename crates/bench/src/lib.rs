@@ -8,12 +8,23 @@
 //! * [`processes`]: the engine's side of that benchmark as one process per region, sharing through
 //!   `pageone daemon`.
 //! * [`ksm`]: KSM's knobs (saved and restored), counters and `ksmd` CPU time.
+//! * [`density`]: how many small QEMU guests with an allocate/free churn fit in one memory budget
+//!   under each way of merging or returning memory ([`guest`]: the guests; [`host`]: the cgroup,
+//!   KSM's knobs and Ctrl-C, each undone by a guard), and how fast freed guest memory comes back.
 //! * [`ppr`]: PPR (marking freed pages, the engine releasing them) against `madvise(MADV_DONTNEED)`.
+//! * [`ppr_heap`]: a heap whose large frees are marked for PPR, and [`alloc_trace`]: one alloc/free
+//!   trace replayed against it, glibc, jemalloc and mimalloc (excess resident GiB·s, `free`
+//!   latency, CPU).
 //!
 //! Benchmarks report numbers; they never assert timings. Every run checks the data it measured on.
 
+pub mod alloc_trace;
 pub mod dedup;
+pub mod density;
+pub mod guest;
+pub mod host;
 pub mod ksm;
 pub mod ppr;
+pub mod ppr_heap;
 pub mod processes;
 pub mod sdtree;

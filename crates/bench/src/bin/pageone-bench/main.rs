@@ -2,6 +2,7 @@
 //! of their results. `pageone bench ARGS...` runs this command with the same arguments.
 
 mod chart;
+mod density;
 mod ksm;
 mod plot;
 mod ppr;
@@ -38,24 +39,18 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
-    /// PPR (marking freed pages, the engine releasing them) vs `madvise(MADV_DONTNEED)` per page.
-    Ppr {
-        /// Memory marked free per run, in MiB.
-        #[arg(long, default_value_t = 256)]
-        mib: usize,
-        /// Runs (the median is reported).
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-        /// The engine's period in milliseconds.
-        #[arg(long, default_value_t = 100)]
-        period_ms: u64,
-        /// Also write the samples as JSON to this file.
-        #[arg(long)]
-        json: Option<PathBuf>,
-    },
+    /// PPR (marking freed pages, the engine releasing them) vs `madvise(MADV_DONTNEED)` per page,
+    /// and a PPR heap vs glibc, jemalloc and mimalloc on one alloc/free trace.
+    Ppr(ppr::PprArgs),
+    /// One replay of the allocator trace in this process (run by `ppr`; prints JSON).
+    #[command(hide = true)]
+    PprTrace(ppr::TraceArgs),
     /// The engine vs the kernel's KSM: time to 99% of the possible saving and CPU-seconds.
     Ksm(KsmArgs),
-    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm or ppr).
+    /// How many small QEMU guests with an allocate/free churn fit in one memory budget, per way
+    /// of merging or returning memory, and how fast freed guest memory comes back (root).
+    Density(density::DensityArgs),
+    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm, ppr or density).
     Plot(plot::PlotArgs),
 }
 
@@ -101,12 +96,8 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().which {
         Bench::Sdtree { quick, runs, json } => sdtree::run(quick, runs, json),
-        Bench::Ppr {
-            mib,
-            runs,
-            period_ms,
-            json,
-        } => ppr::run(mib, runs, Duration::from_millis(period_ms), json),
+        Bench::Ppr(a) => ppr::run(&a),
+        Bench::PprTrace(a) => ppr::trace(&a),
         Bench::Ksm(a) => {
             let params = pageone_bench::dedup::Params {
                 regions: a.regions,
@@ -123,6 +114,7 @@ fn main() -> Result<()> {
                 json: a.json,
             })
         }
+        Bench::Density(a) => density::run(&a),
         Bench::Plot(a) => plot::run(&a),
     }
 }

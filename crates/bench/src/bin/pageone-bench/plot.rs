@@ -51,12 +51,20 @@ pub fn figure(v: &serde_json::Value) -> Result<Figure> {
         )?)
     } else if v.get("qemu_runs").is_some() {
         qemu(parse(v, "QEMU runs: {qemu_runs: [runs]}")?)
+    } else if v.get("density").is_some() {
+        density(parse(v, "density results: {params, density: [modes]}")?)
+    } else if v.get("marks").is_some() || v.get("allocators").is_some() {
+        ppr_file(parse(
+            v,
+            "ppr results: {marks: [samples], allocators: {runs}}",
+        )?)
     } else if v.is_array() {
         ppr(parse(v, "ppr results: [samples]")?)
     } else {
         bail!(
             "not the JSON of a benchmark: expected sdtree's (with `results`), ksm's (with \
-             `summary`), ppr's (an array of samples) or QEMU runs (with `qemu_runs`)"
+             `summary`), ppr's (with `marks`/`allocators`, or an array of samples), density's \
+             (with `density`) or QEMU runs (with `qemu_runs`)"
         )
     }
 }
@@ -260,6 +268,143 @@ fn ppr(samples: Vec<PprSample>) -> Result<Figure> {
     })
 }
 
+#[derive(Deserialize)]
+struct PprFile {
+    #[serde(default)]
+    marks: Vec<PprSample>,
+    allocators: Option<AllocFile>,
+}
+
+#[derive(Deserialize)]
+struct AllocFile {
+    runs: Vec<AllocRun>,
+}
+
+#[derive(Deserialize)]
+struct AllocRun {
+    heap: String,
+    free_ns_mean: f64,
+    excess_gib_s: f64,
+    cpu_s: f64,
+}
+
+/// `ppr --json`: the allocator comparison when it was run, else the marks.
+fn ppr_file(f: PprFile) -> Result<Figure> {
+    let Some(a) = f.allocators.filter(|a| !a.runs.is_empty()) else {
+        return ppr(f.marks);
+    };
+    let heaps = distinct(a.runs.iter().map(|r| r.heap.clone()));
+    let m = |h: &str, v: fn(&AllocRun) -> f64| {
+        median(a.runs.iter().filter(|r| r.heap == h).map(v).collect())
+    };
+    let panel = |title: &str, v: fn(&AllocRun) -> f64| Panel {
+        title: title.into(),
+        body: Body::Bars {
+            groups: heaps.clone(),
+            series: vec![Series {
+                name: "median".into(),
+                values: heaps.iter().map(|h| Some(m(h, v))).collect(),
+            }],
+        },
+    };
+    let mut title = format!(
+        "One alloc/free trace: a PPR heap vs glibc, jemalloc, mimalloc (medians of {} runs)",
+        a.runs.len() / heaps.len().max(1)
+    );
+    if heaps.iter().any(|h| h == "ppr") {
+        for other in ["jemalloc", "mimalloc"] {
+            if heaps.iter().any(|h| h == other) {
+                title += &format!(
+                    "; excess vs {other} {:.2}x",
+                    m("ppr", |r| r.excess_gib_s) / m(other, |r| r.excess_gib_s)
+                );
+            }
+        }
+    }
+    Ok(Figure {
+        title,
+        panels: vec![
+            panel("excess resident memory x time, GiB*s", |r| r.excess_gib_s),
+            panel("CPU-seconds", |r| r.cpu_s),
+            panel("free(), mean ns", |r| r.free_ns_mean),
+        ],
+    })
+}
+
+#[derive(Deserialize)]
+struct DensityFile {
+    params: Option<DensityParams>,
+    density: Vec<DensityMode>,
+}
+
+#[derive(Deserialize)]
+struct DensityParams {
+    budget_mib: u64,
+    guest_mib: u64,
+    seconds: u64,
+}
+
+#[derive(Deserialize)]
+struct DensityMode {
+    mode: String,
+    /// The most guests that ran the fixed time (per run when there were several).
+    guests: Vec<f64>,
+    /// Host memory per guest at steady state in the passing trial with the most guests.
+    per_guest_mib: Vec<f64>,
+}
+
+/// `density --json`: guests that fit, and host memory per guest, per mode (medians over runs).
+fn density(f: DensityFile) -> Result<Figure> {
+    if f.density.is_empty() {
+        bail!("no modes in the density results");
+    }
+    let modes: Vec<String> = f.density.iter().map(|d| d.mode.clone()).collect();
+    let med = |v: &[f64]| (!v.is_empty()).then(|| median(v.to_vec()));
+    let panel = |title: &str, v: fn(&DensityMode) -> &Vec<f64>| Panel {
+        title: title.into(),
+        body: Body::Bars {
+            groups: modes.clone(),
+            series: vec![Series {
+                name: "median".into(),
+                values: f.density.iter().map(|d| med(v(d))).collect(),
+            }],
+        },
+    };
+    let of = |name: &str| {
+        f.density
+            .iter()
+            .find(|d| d.mode == name)
+            .and_then(|d| med(&d.guests))
+    };
+    let mut title = match &f.params {
+        Some(p) => format!(
+            "Guests of {} MiB in {} MiB, each {} s of churn without OOM or stall",
+            p.guest_mib, p.budget_mib, p.seconds
+        ),
+        None => "Guests in one memory budget".into(),
+    };
+    let best_ksm = of("ksm-fast")
+        .into_iter()
+        .chain(of("ksm"))
+        .fold(None, |a: Option<f64>, k| Some(a.map_or(k, |a| a.max(k))));
+    let best_pageone = of("pageone-zero")
+        .into_iter()
+        .chain(of("pageone"))
+        .fold(None, |a: Option<f64>, k| Some(a.map_or(k, |a| a.max(k))));
+    if let (Some(k), Some(p)) = (best_ksm, best_pageone) {
+        title += &format!("; pageone / KSM {:.2}x", p / k.max(f64::MIN_POSITIVE));
+    }
+    Ok(Figure {
+        title,
+        panels: vec![
+            panel("guests that ran the fixed time", |d| &d.guests),
+            panel("host memory per guest at steady state, MiB", |d| {
+                &d.per_guest_mib
+            }),
+        ],
+    })
+}
+
 /// One run of `tests/qemu/run.py` (two guests, pageone then KSM), as its output reports it.
 #[derive(Deserialize)]
 struct QemuRun {
@@ -393,6 +538,61 @@ mod tests {
         let e = figure(&json!({"summary": []})).unwrap_err().to_string();
         assert_eq!(e, "no rows in the ksm summary");
         assert!(figure(&json!({"results": [{"structure": 1}]})).is_err());
+    }
+
+    #[test]
+    fn ppr_allocator_runs_give_medians_per_heap() {
+        let r = |h: &str, e: f64, c: f64| json!({"heap": h, "free_ns_mean": 100.0, "excess_gib_s": e, "cpu_s": c});
+        let v = json!({"marks": [], "allocators": {"params": {}, "runs": [
+            r("jemalloc", 2.0, 1.0), r("ppr", 0.5, 1.0), r("jemalloc", 4.0, 3.0), r("ppr", 0.7, 2.0),
+            r("jemalloc", 3.0, 2.0), r("ppr", 0.6, 1.5)]}});
+        let f = figure(&v).unwrap();
+        assert!(f.title.contains("medians of 3 runs"), "{}", f.title);
+        assert!(f.title.ends_with("excess vs jemalloc 0.20x"), "{}", f.title);
+        let (groups, series) = bars(&f.panels[0]);
+        assert_eq!(groups, ["jemalloc", "ppr"]);
+        assert_eq!(series[0].values, [Some(3.0), Some(0.6)]);
+        // Without allocator runs, the marks are drawn.
+        let s = json!({"mark_ns": 20.0, "mark_protected_ns": 900.0, "unmark_ns": 20.0,
+                       "dontneed_ns": 2000.0});
+        let f = figure(&json!({"marks": [s], "allocators": null})).unwrap();
+        assert!(f.title.contains("100x less"), "{}", f.title);
+    }
+
+    #[test]
+    fn density_results_give_guests_and_memory_per_mode() {
+        let m = |mode: &str, g: Vec<f64>, mib: Vec<f64>| json!({"mode": mode, "guests": g, "per_guest_mib": mib, "trials": []});
+        let v = json!({"params": {"budget_mib": 2048, "guest_mib": 160, "seconds": 120},
+            "density": [m("none", vec![8.0, 9.0, 8.0], vec![200.0]), m("ksm-fast", vec![10.0], vec![150.0]),
+                        m("pageone-zero", vec![20.0, 19.0, 21.0], vec![90.0]), m("fpr", vec![], vec![])]});
+        let f = figure(&v).unwrap();
+        assert!(
+            f.title.starts_with("Guests of 160 MiB in 2048 MiB"),
+            "{}",
+            f.title
+        );
+        assert!(f.title.ends_with("pageone / KSM 2.00x"), "{}", f.title);
+        let (groups, series) = bars(&f.panels[0]);
+        assert_eq!(groups, ["none", "ksm-fast", "pageone-zero", "fpr"]);
+        assert_eq!(series[0].values, [Some(8.0), Some(10.0), Some(20.0), None]);
+        let (_, memory) = bars(&f.panels[1]);
+        assert_eq!(memory[0].values[2], Some(90.0));
+        assert!(figure(&json!({"density": []})).is_err());
+    }
+
+    #[test]
+    fn a_density_figure_draws_a_png() {
+        let v = json!({"density": [{"mode": "none", "guests": [3.0], "per_guest_mib": [180.0]},
+                                   {"mode": "pageone-zero", "guests": [7.0], "per_guest_mib": [70.0]}]});
+        let fig = figure(&v).unwrap();
+        let dir = std::env::temp_dir().join(format!("pageone-plot-density-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("density.png");
+        chart::draw(&fig, &out).unwrap();
+        let (w, h, px) = decode(&out);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!((w, h), (2 * 520, 440));
+        assert!(px.iter().filter(|&&c| c == BLUE).count() > 1000);
     }
 
     /// The PNG's size and pixels (RGB), decoded.
