@@ -7,13 +7,19 @@
 //!   99% of the possible saving and CPU-seconds, both measured in the same run.
 //! * [`processes`]: the engine's side of that benchmark as one process per region, sharing through
 //!   `pageone daemon`.
-//! * [`ksm`]: KSM's knobs (saved and restored), counters and `ksmd` CPU time.
+//! * [`ksm`]: KSM's knobs (every one saved and restored), counters and `ksmd` CPU time;
+//!   [`procfs`]: what `/proc` says about the benchmarks' processes; [`mapping_cost`]: the kernel
+//!   memory of VMAs; [`latency`]: latency histograms; [`layout`]: where shared contents lie.
 //! * [`ppr`]: PPR (marking freed pages, the engine releasing them) against `madvise(MADV_DONTNEED)`.
 //!
 //! Benchmarks report numbers; they never assert timings. Every run checks the data it measured on.
 
 pub mod dedup;
 pub mod ksm;
+pub mod latency;
+pub mod layout;
+pub mod mapping_cost;
 pub mod ppr;
 pub mod processes;
+pub mod procfs;
 pub mod sdtree;
