@@ -3,13 +3,13 @@
 //!
 //! * [`sdtree`]: the SD tree against a memcmp-ordered tree (KSM's design) and an xxh3-128 hash index,
 //!   on 4 KiB keys of the seed's "easy" and "hard" kinds, with 1 and 2 threads.
-//! * [`dedup`]: the whole engine against the kernel's KSM on identical regions of seed data: time to
-//!   99% of the possible saving and CPU-seconds, both measured in the same run.
-//! * [`processes`]: the engine's side of that benchmark as one process per region, sharing through
-//!   `pageone daemon`.
-//! * [`ksm`]: KSM's knobs (every one saved and restored), counters and `ksmd` CPU time;
-//!   [`procfs`]: what `/proc` says about the benchmarks' processes; [`mapping_cost`]: the kernel
-//!   memory of VMAs; [`latency`]: latency histograms; [`layout`]: where shared contents lie.
+//! * [`merging`]: pageone against the kernel's KSM on the same workload processes
+//!   ([`workload`]: identical regions laid out by [`layout`], optional writers): t50/t90/t99,
+//!   CPU-seconds, the saving by Pss and `MemAvailable`, the mappings used and their kernel memory
+//!   ([`mapping_cost`]), and the CPU once settled; [`dedup`] holds the results, [`processes`]
+//!   the processes and the daemon.
+//! * [`ksm`]: KSM's knobs (saved and restored), counters and `ksmd` CPU time; [`procfs`]: what
+//!   `/proc` says about the processes.
 //! * [`ppr`]: PPR (marking freed pages, the engine releasing them) against `madvise(MADV_DONTNEED)`.
 //!
 //! Benchmarks report numbers; they never assert timings. Every run checks the data it measured on.
@@ -19,7 +19,9 @@ pub mod ksm;
 pub mod latency;
 pub mod layout;
 pub mod mapping_cost;
+pub mod merging;
 pub mod ppr;
 pub mod processes;
 pub mod procfs;
 pub mod sdtree;
+pub mod workload;

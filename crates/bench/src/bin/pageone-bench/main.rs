@@ -55,6 +55,9 @@ enum Bench {
     },
     /// The engine vs the kernel's KSM: time to 99% of the possible saving and CPU-seconds.
     Ksm(KsmArgs),
+    /// A process of the ksm benchmark (run by it).
+    #[command(hide = true)]
+    Workload(ksm::ChildArgs),
     /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm or ppr).
     Plot(plot::PlotArgs),
 }
@@ -89,6 +92,8 @@ struct KsmArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    #[command(flatten)]
+    more: ksm::MoreArgs,
 }
 
 fn main() -> Result<()> {
@@ -113,7 +118,7 @@ fn main() -> Result<()> {
                 region_mib: a.region_mib.unwrap_or(if a.quick { 64 } else { 512 }),
                 workers: a.workers,
                 merge_period: Duration::from_millis(a.period_ms),
-                timeout: Duration::from_secs(300),
+                timeout: Duration::from_secs(a.more.timeout_s(a.quick)),
             };
             ksm::run(&ksm::Options {
                 params,
@@ -121,8 +126,11 @@ fn main() -> Result<()> {
                 processes: a.processes,
                 pageone_only: a.pageone_only,
                 json: a.json,
+                quick: a.quick,
+                more: a.more,
             })
         }
+        Bench::Workload(a) => ksm::workload(&a),
         Bench::Plot(a) => plot::run(&a),
     }
 }
