@@ -8,6 +8,9 @@
 //!   CPU-seconds, the saving by Pss and `MemAvailable`, the mappings used and their kernel memory
 //!   ([`mapping_cost`]), and the CPU once settled; [`dedup`] holds the results, [`processes`]
 //!   the processes and the daemon.
+//! * [`overhead`]: what each memory operation costs the program (ns per page) with no merging,
+//!   under KSM and under pageone's `LD_PRELOAD` shim, and the longest writer stalls while pages
+//!   merge ([`latency`] histograms).
 //! * [`ksm`]: KSM's knobs (saved and restored), counters and `ksmd` CPU time; [`procfs`]: what
 //!   `/proc` says about the processes.
 //! * [`ppr`]: PPR (marking freed pages, the engine releasing them) against `madvise(MADV_DONTNEED)`.
@@ -20,6 +23,8 @@ pub mod latency;
 pub mod layout;
 pub mod mapping_cost;
 pub mod merging;
+pub mod ops;
+pub mod overhead;
 pub mod ppr;
 pub mod processes;
 pub mod procfs;

@@ -3,6 +3,7 @@
 
 mod chart;
 mod ksm;
+mod overhead;
 mod plot;
 mod ppr;
 mod sdtree;
@@ -55,9 +56,15 @@ enum Bench {
     },
     /// The engine vs the kernel's KSM: time to 99% of the possible saving and CPU-seconds.
     Ksm(KsmArgs),
+    /// What memory operations cost the program (ns per page), plain vs KSM vs pageone, and the
+    /// longest writer stalls while pageone merges.
+    Overhead(overhead::OverheadArgs),
     /// A process of the ksm benchmark (run by it).
     #[command(hide = true)]
     Workload(ksm::ChildArgs),
+    /// A process of the overhead benchmark (run by it).
+    #[command(hide = true)]
+    OverheadChild(overhead::ChildArgs),
     /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm or ppr).
     Plot(plot::PlotArgs),
 }
@@ -130,7 +137,9 @@ fn main() -> Result<()> {
                 more: a.more,
             })
         }
+        Bench::Overhead(a) => overhead::run(&a),
         Bench::Workload(a) => ksm::workload(&a),
+        Bench::OverheadChild(a) => overhead::child(&a),
         Bench::Plot(a) => plot::run(&a),
     }
 }
