@@ -4,6 +4,7 @@
 mod chart;
 mod ksm;
 mod overhead;
+mod overhead_plot;
 mod plot;
 mod ppr;
 mod sdtree;
@@ -65,7 +66,7 @@ enum Bench {
     /// A process of the overhead benchmark (run by it).
     #[command(hide = true)]
     OverheadChild(overhead::ChildArgs),
-    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm or ppr).
+    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm, ppr or overhead).
     Plot(plot::PlotArgs),
 }
 
