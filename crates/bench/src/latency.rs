@@ -51,7 +51,8 @@ fn upper(b: usize) -> u64 {
     let e = (b - LINEAR) / SUB + SUB_BITS as u64 + 1;
     let sub = (b - LINEAR) % SUB;
     let low = (1u64 << e) | (sub << (e - SUB_BITS as u64));
-    low + (1u64 << (e - SUB_BITS as u64)) - 1
+    // (The low bits of `low` are zero: `|` cannot overflow where `+` would, at the top.)
+    low | ((1u64 << (e - SUB_BITS as u64)) - 1)
 }
 
 /// Percentiles of a histogram, in nanoseconds.
