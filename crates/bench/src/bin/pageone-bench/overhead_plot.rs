@@ -102,22 +102,36 @@ pub fn overhead(f: OverheadFile) -> Result<Figure> {
     ];
     panels.retain(|p| matches!(&p.body, Body::Bars { groups, .. } if !groups.is_empty()));
     if f.overhead.iter().any(|r| r.op == "write-stall") {
-        let us = |side: &str, q: fn(&Percentiles) -> f64| {
-            find("write-stall", side).map(|r| q(&r.ns_per_page) / 1e3)
-        };
-        panels.push(Panel {
-            title: "a write while pages merge, every CPU busy (us)".into(),
-            body: Body::Bars {
-                groups: vec!["p50".into(), "p99".into(), "max".into()],
-                series: sides
-                    .iter()
-                    .map(|(s, name)| Series {
-                        name: (*name).into(),
-                        values: vec![us(s, |p| p.p50), us(s, |p| p.p99), us(s, |p| p.max)],
-                    })
-                    .collect(),
-            },
-        });
+        // p50 and p99 in microseconds, the longest in milliseconds: a panel each, to be seen.
+        let stall =
+            |title: &str, groups: &[&str], qs: &[fn(&Percentiles) -> f64], unit: f64| Panel {
+                title: title.into(),
+                body: Body::Bars {
+                    groups: groups.iter().map(|g| g.to_string()).collect(),
+                    series: sides
+                        .iter()
+                        .map(|(s, name)| Series {
+                            name: (*name).into(),
+                            values: qs
+                                .iter()
+                                .map(|q| find("write-stall", s).map(|r| q(&r.ns_per_page) / unit))
+                                .collect(),
+                        })
+                        .collect(),
+                },
+            };
+        panels.push(stall(
+            "a write while pages merge, every CPU busy (us)",
+            &["p50", "p99"],
+            &[|p| p.p50, |p| p.p99],
+            1e3,
+        ));
+        panels.push(stall(
+            "the longest such write (ms)",
+            &["max"],
+            &[|p| p.max],
+            1e6,
+        ));
     }
     let title = match &f.params {
         Some(p) => format!(
@@ -155,12 +169,22 @@ pub fn saving_panels(v: &serde_json::Value) -> Result<Vec<Panel>> {
             data.push(&s.data);
         }
     }
+    // The chart labels x with whole numbers: short runs are drawn in milliseconds.
+    let last = samples
+        .iter()
+        .filter_map(|s| s.series.as_ref()?.t.last().copied())
+        .fold(0.0, f64::max);
+    let (x_desc, x_scale) = if last < 10.0 {
+        ("milliseconds from registration", 1000.0)
+    } else {
+        ("seconds from registration", 1.0)
+    };
     Ok(data
         .into_iter()
         .map(|d| Panel {
             title: format!("saved over time, {d} data (MiB)"),
             body: Body::Lines {
-                x_desc: "seconds from registration".into(),
+                x_desc: x_desc.into(),
                 series: SIDES[..2]
                     .iter()
                     .filter_map(|(side, name)| {
@@ -174,7 +198,7 @@ pub fn saving_panels(v: &serde_json::Value) -> Result<Vec<Panel>> {
                                 .t
                                 .iter()
                                 .zip(&series.saved_pages)
-                                .map(|(&t, &p)| (t, p * 4096.0 / 1048576.0))
+                                .map(|(&t, &p)| (t * x_scale, p * 4096.0 / 1048576.0))
                                 .collect(),
                         })
                     })
@@ -212,7 +236,7 @@ mod tests {
             row("write-stall", "plain", 100.0),
         ]});
         let f = overhead(serde_json::from_value(v).unwrap()).unwrap();
-        assert_eq!(f.panels.len(), 4);
+        assert_eq!(f.panels.len(), 5);
         let (groups, series) = bars(&f.panels[0]);
         assert_eq!(groups, ["first touch"]);
         assert_eq!(series[0].name, "pageone");
@@ -224,7 +248,9 @@ mod tests {
         assert_eq!(series[0].values, [Some(15.0)]);
         assert_eq!(series[1].values, [None], "KSM's munmap did not run");
         let (_, stall) = bars(&f.panels[3]);
-        assert_eq!(stall[0].values, [Some(0.5), Some(1.0), Some(5.0)]);
+        assert_eq!(stall[0].values, [Some(0.5), Some(1.0)]);
+        let (_, longest) = bars(&f.panels[4]);
+        assert_eq!(longest[0].values, [Some(0.005)]);
         assert!(overhead(serde_json::from_value(json!({"overhead": []})).unwrap()).is_err());
     }
 
@@ -244,7 +270,11 @@ mod tests {
             panic!("not lines")
         };
         assert_eq!(series[0].name, "pageone");
-        assert_eq!(series[0].values[2], (0.3, 2.0));
+        assert_eq!(
+            series[0].values[2],
+            (300.0, 2.0),
+            "in milliseconds: a short run"
+        );
         assert_eq!(series[1].name, "KSM");
         let Body::Lines { series, .. } = &panels[1].body else {
             panic!("not lines")
