@@ -1,22 +1,19 @@
-//! Whole-engine benchmark: time and CPU to deduplicate identical regions, PageONE next to KSM.
+//! The merging benchmark's results and the measures they share: what one side (pageone or KSM)
+//! did on one data set ([`Sample`]), the host memory before and after, and the medians over runs.
+//! The runs themselves are [`crate::merging`]'s.
 //!
-//! One process maps `regions` private anonymous regions of `region_mib` MiB each and fills them
-//! with the same seed data (identical across regions, unique within): "easy" pages hold a random
-//! 8-byte value at offset 0, "hard" pages the same at a random offset in 0..252 (mean 128 leading
-//! zero bytes). The possible saving is `(regions - 1) * pages_per_region` pages. Each side is
-//! timed from registration (`madvise(MADV_MERGEABLE)` for KSM) until it saves 99% of that, and its
-//! CPU time is read from its own threads (`ksmd` for KSM, the engine's threads for PageONE).
+//! The data are the seed's: "easy" pages hold a random 8-byte value at offset 0, "hard" pages the
+//! same at a random offset in 0..252 (mean 128 leading zero bytes); identical across regions,
+//! unique within, laid out by [`crate::layout`].
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use pageone_engine::Engine;
 use pageone_sys as sys;
 
-use crate::ksm;
+use crate::layout::Layout;
+use crate::mapping_cost::MappingCost;
 
 pub use pageone_seed::{fill_page, Data};
-
-const PAGE: usize = 4096;
 
 /// One measurement of one side.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -25,15 +22,81 @@ pub struct Sample {
     pub data: Data,
     /// Seconds from registration to 99% of the possible saving (None: not reached in time).
     pub seconds_to_99: Option<f64>,
-    /// CPU-seconds spent by the side's threads until then.
+    /// CPU-seconds spent by the side's threads until then (until the end of the wait if 99% was
+    /// never reached): `ksmd`; the engines' threads (every thread of the workload processes but
+    /// their main thread and writers) and the daemon.
     pub cpu_seconds: f64,
-    /// Pages saved at the end (pages_sharing).
+    /// Pages saved at the end, by the side's counters (KSM's `pages_sharing`; the engines' pages
+    /// mapping a copy, less the copies).
     pub pages_saved: u64,
     pub possible: u64,
     /// Host memory the merging gave back, by the kernel ([`HostMemory`] before registration
     /// minus after merging settled): the pages freed less everything the side spent to free them
     /// (its copies, heaps, page tables, VMAs; KSM's rmap items and stable nodes).
     pub memory_saved_kib: Option<i64>,
+    pub layout: Layout,
+    /// Writer threads per process.
+    pub writers: usize,
+    /// Seconds from registration to 50%, 90% and 99% of the possible saving (by the counters,
+    /// sampled every ~100 ms).
+    pub t50: Option<f64>,
+    pub t90: Option<f64>,
+    pub t99: Option<f64>,
+    /// The workload processes' (and the daemon's) Pss before registration minus after settling.
+    pub saved_pss_kib: Option<i64>,
+    /// `MemAvailable` after settling minus before registration.
+    pub saved_memavailable_kib: Option<i64>,
+    /// VMAs of the workload processes, summed, before registration and after settling.
+    pub vmas_before: u64,
+    pub vmas_after: u64,
+    /// The kernel memory of the VMAs added (slab caches, or an estimate said to be one).
+    pub mapping_kernel: MappingCost,
+    /// The Pss saving less that kernel memory.
+    pub net_saved_kib: Option<i64>,
+    /// CPU once settled, over a window after the saving stopped growing (or the wait ended).
+    pub settled: Settled,
+    /// Writes the writers made during the run (all processes).
+    pub writes: u64,
+    /// The saving over time, from registration.
+    pub series: Series,
+}
+
+/// The side's CPU over a window once settled.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Settled {
+    pub window_seconds: f64,
+    pub cpu_seconds: f64,
+    /// CPU-seconds per second per GiB registered.
+    pub cpu_per_second_per_gib: f64,
+    /// Percent of one core, per workload process.
+    pub core_percent_per_process: f64,
+}
+
+/// The saving sampled over time: seconds from registration, pages saved by the counters, and
+/// `MemAvailable`'s growth in KiB.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Series {
+    pub t: Vec<f64>,
+    pub saved_pages: Vec<u64>,
+    pub memavailable_saved_kib: Vec<i64>,
+}
+
+impl Series {
+    pub fn push(&mut self, t: f64, saved_pages: u64, memavailable_saved_kib: i64) {
+        self.t.push(t);
+        self.saved_pages.push(saved_pages);
+        self.memavailable_saved_kib.push(memavailable_saved_kib);
+    }
+
+    /// The first time the counters reached `fraction` of `possible`.
+    pub fn time_to(&self, fraction: f64, possible: u64) -> Option<f64> {
+        let want = (possible as f64 * fraction).ceil() as u64;
+        self.t
+            .iter()
+            .zip(&self.saved_pages)
+            .find(|(_, &s)| s >= want.max(1))
+            .map(|(&t, _)| t)
+    }
 }
 
 /// Host memory in use by processes and for them, in KiB, by `/proc/meminfo` field: anonymous
@@ -69,26 +132,6 @@ impl HostMemory {
     }
 }
 
-/// After a side reached 99%: lets it finish (every page it can save, or `grace`), then waits
-/// `frees` for memory it releases at period ends, and returns what [`HostMemory`] says was
-/// saved since `before` (and prints where it went, per field, to stderr).
-pub fn settle_memory(
-    before: Option<HostMemory>,
-    mut saved_pages: impl FnMut() -> u64,
-    possible: u64,
-    grace: Duration,
-    frees: Duration,
-) -> Option<i64> {
-    let t0 = Instant::now();
-    while saved_pages() < possible && t0.elapsed() < grace {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    std::thread::sleep(frees);
-    let (before, after) = (before?, HostMemory::now()?);
-    eprintln!("    (host memory, MiB: {})", after.growth_since(&before));
-    Some(before.total() - after.total())
-}
-
 /// How long a side may take past 99% to save the rest before memory is measured.
 pub const SETTLE_GRACE: Duration = Duration::from_secs(2);
 
@@ -100,153 +143,6 @@ pub struct Params {
     pub workers: usize,
     pub merge_period: Duration,
     pub timeout: Duration,
-}
-
-struct Regions {
-    ptrs: Vec<*mut u8>,
-    len: usize,
-}
-
-impl Regions {
-    fn new(p: &Params, data: Data) -> std::io::Result<Self> {
-        let len = p.region_mib << 20;
-        let mut ptrs = Vec::new();
-        for _ in 0..p.regions {
-            let ptr = sys::mmap_anonymous(len)?;
-            for i in 0..len / PAGE {
-                // SAFETY: page i of a fresh private mapping of len bytes, owned here.
-                unsafe { fill_page(ptr.add(i * PAGE), data, i as u64) };
-            }
-            ptrs.push(ptr);
-        }
-        Ok(Self { ptrs, len })
-    }
-
-    fn verify(&self, data: Data) -> bool {
-        let mut want = [0u8; PAGE];
-        for &ptr in &self.ptrs {
-            for i in 0..self.len / PAGE {
-                want.fill(0);
-                // SAFETY: `want` is a local page.
-                unsafe { fill_page(want.as_mut_ptr(), data, i as u64) };
-                // SAFETY: the page is mapped and only this thread writes it (nobody here).
-                let got = unsafe { std::slice::from_raw_parts(ptr.add(i * PAGE), PAGE) };
-                if got != want {
-                    return false;
-                }
-            }
-        }
-        true
-    }
-}
-
-impl Drop for Regions {
-    fn drop(&mut self) {
-        for &p in &self.ptrs {
-            // SAFETY: mapped in `new`, no reference outlives self.
-            let _ = unsafe { sys::munmap(p, self.len) };
-        }
-    }
-}
-
-/// Measures KSM (`sleep_millisecs=0`, `pages_to_scan=100000`) on one data set.
-pub fn run_ksm(p: &Params, data: Data) -> Result<Sample, String> {
-    let session = ksm::KsmSession::new(0, 100_000).map_err(|e| format!("KSM knobs: {e}"))?;
-    let regions = Regions::new(p, data).map_err(|e| e.to_string())?;
-    let possible = ((p.regions - 1) * regions.len / PAGE) as u64;
-    let mem0 = HostMemory::now();
-    let cpu0 = ksm::ksmd_cpu_ns();
-    let t0 = Instant::now();
-    for &ptr in &regions.ptrs {
-        // SAFETY: MADV_MERGEABLE does not change contents.
-        unsafe { sys::madvise(ptr, regions.len, libc::MADV_MERGEABLE) }
-            .map_err(|e| format!("MADV_MERGEABLE: {e}"))?;
-    }
-    session.start().map_err(|e| e.to_string())?;
-    let target = possible * 99 / 100;
-    let mut reached = None;
-    while t0.elapsed() < p.timeout {
-        if ksm::read("pages_sharing").unwrap_or(0) >= target {
-            reached = Some(t0.elapsed().as_secs_f64());
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let cpu = (ksm::ksmd_cpu_ns() - cpu0) as f64 / 1e9;
-    let memory_saved_kib = settle_memory(
-        mem0,
-        || ksm::read("pages_sharing").unwrap_or(0),
-        possible,
-        SETTLE_GRACE,
-        2 * p.merge_period,
-    );
-    let saved = ksm::read("pages_sharing").unwrap_or(0);
-    session.stop_and_unmerge().map_err(|e| e.to_string())?;
-    if !regions.verify(data) {
-        return Err("KSM run: data changed (this is a bug in the benchmark)".into());
-    }
-    Ok(Sample {
-        side: "ksm",
-        data,
-        seconds_to_99: reached,
-        cpu_seconds: cpu,
-        pages_saved: saved,
-        possible,
-        memory_saved_kib,
-    })
-}
-
-/// Measures PageONE with `p.workers` workers on one data set.
-pub fn run_pageone(p: &Params, data: Data) -> Result<Sample, String> {
-    let engine = Engine::builder()
-        .workers(p.workers)
-        .merge_period(p.merge_period)
-        .build()
-        .map_err(|e| format!("engine: {e}"))?;
-    let regions = Regions::new(p, data).map_err(|e| e.to_string())?;
-    let possible = ((p.regions - 1) * regions.len / PAGE) as u64;
-    let mem0 = HostMemory::now();
-    let cpu0 = engine.stats().worker_cpu_ns;
-    let t0 = Instant::now();
-    for &ptr in &regions.ptrs {
-        engine
-            .register(ptr, regions.len)
-            .map_err(|e| format!("register: {e}"))?;
-    }
-    let target = possible * 99 / 100;
-    let mut reached = None;
-    while t0.elapsed() < p.timeout {
-        if engine.stats().pages_sharing >= target {
-            reached = Some(t0.elapsed().as_secs_f64());
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let cpu = (engine.stats().worker_cpu_ns - cpu0) as f64 / 1e9;
-    let memory_saved_kib = settle_memory(
-        mem0,
-        || engine.stats().pages_sharing,
-        possible,
-        SETTLE_GRACE,
-        2 * p.merge_period,
-    );
-    let s = engine.stats();
-    if !regions.verify(data) {
-        return Err("pageone run: data changed".into());
-    }
-    for &ptr in &regions.ptrs {
-        let _ = engine.unregister(ptr, regions.len);
-    }
-    drop(engine);
-    Ok(Sample {
-        side: "pageone",
-        data,
-        seconds_to_99: reached,
-        cpu_seconds: cpu,
-        pages_saved: s.pages_sharing,
-        possible,
-        memory_saved_kib,
-    })
 }
 
 /// The median of the samples' times (None if any run did not reach 99%).
@@ -271,4 +167,18 @@ pub fn median_cpu(samples: &[&Sample]) -> f64 {
     let mut t: Vec<f64> = samples.iter().map(|s| s.cpu_seconds).collect();
     t.sort_by(f64::total_cmp);
     t.get(t.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The median of `f` over the samples; None if any sample has none (e.g. a time never reached).
+pub fn median_all(samples: &[&Sample], f: impl Fn(&Sample) -> Option<f64>) -> Option<f64> {
+    let mut v: Vec<f64> = samples.iter().map(|s| f(s)).collect::<Option<_>>()?;
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
+/// The median of `f` over the samples that have it.
+pub fn median_some(samples: &[&Sample], f: impl Fn(&Sample) -> Option<f64>) -> Option<f64> {
+    let mut v: Vec<f64> = samples.iter().filter_map(|s| f(s)).collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
 }

@@ -22,19 +22,58 @@ pub fn available() -> bool {
     read("run").is_ok_and(|v| write("run", v).is_ok())
 }
 
-/// Sets KSM knobs for a benchmark and restores every one of them when dropped. `run` is left at 0
-/// or 2 (never 1), after unmerging what the benchmark merged.
+/// Every writable knob of `/sys/kernel/mm/ksm` and its value, as the kernel shows it (a choice
+/// like `advisor_mode`'s `[none] scan-time` as its chosen word).
+pub fn knobs() -> Vec<(String, String)> {
+    let Ok(dir) = std::fs::read_dir(KSM) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, String)> = dir
+        .flatten()
+        .filter(|e| {
+            use std::os::unix::fs::PermissionsExt;
+            e.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o200 != 0)
+        })
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let text = std::fs::read_to_string(e.path()).ok()?;
+            Some((name, knob_value(&text)))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// A knob's value as written back: the bracketed choice of a list, else the trimmed text.
+fn knob_value(text: &str) -> String {
+    let t = text.trim();
+    match (t.find('['), t.find(']')) {
+        (Some(a), Some(b)) if a < b => t[a + 1..b].to_string(),
+        _ => t.to_string(),
+    }
+}
+
+fn write_text(name: &str, v: &str) -> io::Result<()> {
+    std::fs::write(Path::new(KSM).join(name), format!("{v}\n"))
+}
+
+/// Sets KSM knobs for a benchmark and restores every writable knob of `/sys/kernel/mm/ksm` when
+/// dropped. `run` is left at 0 or 2 (never 1), after unmerging what the benchmark merged.
 pub struct KsmSession {
-    saved: Vec<(&'static str, u64)>,
+    saved: Vec<(String, String)>,
 }
 
 impl KsmSession {
-    /// Saves the knobs, then sets `sleep_millisecs` and `pages_to_scan` (run stays 0 until
+    /// Saves every knob, then sets `sleep_millisecs` and `pages_to_scan` (run stays 0 until
     /// [`KsmSession::start`]).
     pub fn new(sleep_millisecs: u64, pages_to_scan: u64) -> io::Result<Self> {
-        let mut saved = Vec::new();
-        for k in ["run", "sleep_millisecs", "pages_to_scan"] {
-            saved.push((k, read(k)?));
+        let saved = knobs();
+        if !saved.iter().any(|(k, _)| k == "run") {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                "KSM's run knob is not there or not writable",
+            ));
         }
         let s = Self { saved };
         // Start from a clean state: unmerge anything merged by others' earlier runs of ours.
@@ -57,48 +96,45 @@ impl KsmSession {
 
 impl Drop for KsmSession {
     fn drop(&mut self) {
-        // Unmerge what the benchmark merged, restore the knobs, and leave run at 0 or 2.
+        // Unmerge what the benchmark merged, restore the knobs that changed (some refuse a
+        // write while pages are merged, even of their own value), and leave run at 0 or 2.
         let _ = write("run", 2);
-        for &(k, v) in &self.saved {
-            if k != "run" {
-                let _ = write(k, v);
+        let now = knobs();
+        for (k, v) in &self.saved {
+            let changed = now.iter().any(|(n, w)| n == k && w != v);
+            if k != "run" && changed {
+                let _ = write_text(k, v);
             }
         }
         let run = self
             .saved
             .iter()
-            .find(|(k, _)| *k == "run")
-            .map_or(0, |&(_, v)| v);
-        let _ = write("run", if run == 1 { 2 } else { run });
+            .find(|(k, _)| k == "run")
+            .map_or("0", |(_, v)| v.as_str());
+        let _ = write_text("run", if run == "1" { "2" } else { run });
     }
 }
 
 /// CPU time of the `ksmd` kernel thread so far, in nanoseconds (0 if not found).
 pub fn ksmd_cpu_ns() -> u64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    for e in dir.flatten() {
-        let p = e.path();
-        if std::fs::read_to_string(p.join("comm")).is_ok_and(|c| c.trim() == "ksmd") {
-            let pid = p.file_name().and_then(|n| n.to_str()?.parse().ok());
-            return pid.map_or(0, process_cpu_ns);
-        }
-    }
-    0
+    crate::procfs::pid_of("ksmd")
+        .and_then(|pid| crate::procfs::thread_cpu_ns(pid, pid))
+        .unwrap_or(0)
 }
 
 /// CPU time (user + system) a process has used, in nanoseconds (0 if it is gone).
 pub fn process_cpu_ns(pid: u32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    // Fields after the command name: state is field 3; utime and stime are 14 and 15.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = f.get(11).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
-        + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
-    ticks * 1_000_000_000 / hz
+    crate::procfs::process_cpu_ns(pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_choice_is_written_back_as_its_word() {
+        assert_eq!(knob_value("[none] scan-time\n"), "none");
+        assert_eq!(knob_value("none [scan-time]\n"), "scan-time");
+        assert_eq!(knob_value("100\n"), "100");
+    }
 }

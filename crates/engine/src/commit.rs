@@ -690,8 +690,14 @@ unsafe fn map_copies(
             .fetch_add(m as u64, Ordering::Relaxed);
         Ok(false)
     } else {
+        // The store mapping replaced is reported by its context: the engine's own change.
+        lock(&sh.changes).expect(mapping_change(addr, m));
         // SAFETY: the pages are held still and equal their copies (this function's contract).
-        unsafe { map_subrun(rs.store.fd(), addr, sid, m) }.map(|()| true)
+        let r = unsafe { map_subrun(rs.store.fd(), addr, sid, m) }.map(|()| true);
+        if r.is_err() {
+            lock(&sh.changes).unexpect(mapping_change(addr, m));
+        }
+        r
     };
     let ok = matches!(mapped, Ok(true));
     for q in 0..m {

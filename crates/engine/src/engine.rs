@@ -143,10 +143,16 @@ impl Engine {
         unsafe { sys::madvise(scratch as *mut u8, MAX_RUN * PAGE, libc::MADV_DONTFORK) }
             .map_err(EngineError::Map)?;
         // A second context, without async write-protection: its write faults block until the
-        // engine un-protects, which is how a COW-broken page is held still while compared.
-        let store_uffd = sys::Uffd::open(UFFD_FEATURE_WP_HUGETLBFS_SHMEM)
-            .ok()
-            .filter(|u| u.features() & UFFD_FEATURE_WP_HUGETLBFS_SHMEM != 0);
+        // engine un-protects, which is how a COW-broken page is held still while compared. It
+        // reports changes to the store mappings it holds (merged pages) like the first.
+        let store_uffd = sys::Uffd::open(
+            UFFD_FEATURE_WP_HUGETLBFS_SHMEM
+                | UFFD_FEATURE_EVENT_UNMAP
+                | UFFD_FEATURE_EVENT_REMAP
+                | UFFD_FEATURE_EVENT_REMOVE,
+        )
+        .ok()
+        .filter(|u| u.features() & UFFD_FEATURE_WP_HUGETLBFS_SHMEM != 0);
         let pagemap = sys::Pagemap::open().map_err(EngineError::Uffd)?;
         let shared = Arc::new(Shared {
             uffd,

@@ -20,10 +20,11 @@ const READ_AT_ONCE: usize = 64;
 /// Reads and answers the context's messages until the engine stops.
 pub(crate) fn fault_loop(sh: &Shared) {
     sh.count_cpu_of_this_thread();
-    let fds = [
+    let mut fds = vec![
         sh.uffd.as_raw_fd(),
         std::os::fd::AsRawFd::as_raw_fd(&sh.stop_fd),
     ];
+    fds.extend(sh.store_uffd.as_ref().map(|u| u.as_raw_fd()));
     loop {
         if sh.stop.load(Ordering::SeqCst) && lock(&sh.state).regions.is_empty() {
             return;
@@ -31,26 +32,32 @@ pub(crate) fn fault_loop(sh: &Shared) {
         if sys::poll_readable(&fds, 100).is_err() {
             std::thread::sleep(Duration::from_millis(1));
         }
-        while read_some(sh) == READ_AT_ONCE {}
+        while read_some(sh, &sh.uffd, true) == READ_AT_ONCE {}
+        if let Some(u) = &sh.store_uffd {
+            // Changes to the store mappings of merged pages (its write faults are the committer's
+            // to wake).
+            while read_some(sh, u, false) == READ_AT_ONCE {}
+        }
     }
 }
 
-/// Reads up to [`READ_AT_ONCE`] messages under the change log's lock, records the changes and
-/// answers the faults; returns how many it read.
-fn read_some(sh: &Shared) -> usize {
+/// Reads up to [`READ_AT_ONCE`] messages of `uffd` under the change log's lock, records the
+/// changes and (with `answer`) answers the faults; returns how many it read.
+fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
     let mut log = lock(&sh.changes);
     let mut faults = [0usize; READ_AT_ONCE];
     let (mut read, mut nfaults) = (0, 0);
     while read < READ_AT_ONCE {
-        let Ok(Some(msg)) = sh.uffd.read_event() else {
+        let Ok(Some(msg)) = uffd.read_event() else {
             break;
         };
         read += 1;
         match msg.event() {
-            UffdEvent::PageFault { address, .. } => {
+            UffdEvent::PageFault { address, .. } if answer => {
                 faults[nfaults] = address as usize & !(PAGE - 1);
                 nfaults += 1;
             }
+            UffdEvent::PageFault { .. } => {}
             e => {
                 if let Some(c) = Change::of(e) {
                     log.record(c);

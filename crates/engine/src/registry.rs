@@ -9,6 +9,7 @@ use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
+use crate::changes::Change;
 use crate::config::WatchMode;
 use crate::error::EngineError;
 use crate::layout::{apply_changes, changing_mappings, cut};
@@ -293,6 +294,12 @@ fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), 
         .store_uffd
         .as_ref()
         .filter(|u| u.writeprotect(s, len, true).is_ok());
+    // Its report is the engine's own.
+    let change = Change::Unmap {
+        start: s,
+        end: s + len,
+    };
+    lock(&sh.changes).expect(change);
     // SAFETY: the range is a mapping of the store the program asked to drop; it is replaced, as a
     // whole, by an empty private anonymous mapping.
     let mapped = unsafe {
@@ -309,7 +316,9 @@ fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), 
         let _ = u.wake(s, len);
     }
     if mapped == libc::MAP_FAILED {
-        return Err(EngineError::Map(std::io::Error::last_os_error()));
+        let e = std::io::Error::last_os_error();
+        lock(&sh.changes).unexpect(change);
+        return Err(EngineError::Map(e));
     }
     sh.uffd
         .register(s, len, sh.reg_mode)
@@ -412,9 +421,15 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
                 && (prot == libc::PROT_READ | libc::PROT_WRITE
                     // SAFETY: `tmp` is ours alone.
                     || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
+            // Moving it over the store mapping unmaps that: the engine's own change.
+            let change = Change::Unmap { start: s, end: e };
+            lock(&sh.changes).expect(change);
             // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
             // just copied and belongs to the registered region.
             let moved = copied && unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();
+            if !moved {
+                lock(&sh.changes).unexpect(change);
+            }
             if !moved {
                 // SAFETY: `tmp` is ours and nothing refers to it.
                 let _ = unsafe { sys::munmap(tmp, len) };

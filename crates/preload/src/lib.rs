@@ -469,7 +469,102 @@ pub unsafe extern "C" fn mremap(
     new: *mut c_void,
 ) -> *mut c_void {
     // SAFETY: the program asked for exactly this call.
-    covered(|| unsafe { sys::raw_mremap(old, old_len, new_len, flags, new) })
+    let raw = || unsafe { sys::raw_mremap(old, old_len, new_len, flags, new) };
+    covered(|| {
+        let p = raw();
+        // Merged pages are mappings of their own, and the kernel moves or grows one mapping at a
+        // time (EFAULT across several), where KSM's merged memory stays one mapping: moved piece
+        // by piece instead.
+        let spans = p == libc::MAP_FAILED
+            && errno() == libc::EFAULT
+            && flags & libc::MREMAP_MAYMOVE != 0
+            && flags & libc::MREMAP_DONTUNMAP == 0
+            && guarded(|| running().is_some_and(|e| e.is_registered(old.cast(), old_len)))
+                .unwrap_or(false);
+        if !spans {
+            return p;
+        }
+        match remap_pieces(old as usize, old_len, new_len, flags, new as usize) {
+            Ok(to) => to as *mut c_void,
+            Err(e) => {
+                set_errno(&e);
+                libc::MAP_FAILED
+            }
+        }
+    })
+}
+
+/// `mremap` of a range that is several mappings (see [`mremap`]): a new range is reserved (at
+/// `new` with `MREMAP_FIXED`) with the protection of the last piece, each mapping of the old range
+/// is moved onto its place in it (keeping its pages and the engine's registration), and a grown
+/// part is registered like the rest. Returns the new address.
+fn remap_pieces(
+    old: usize,
+    old_len: usize,
+    new_len: usize,
+    flags: c_int,
+    new: usize,
+) -> std::io::Result<usize> {
+    let maps = sys::self_mappings()?;
+    let end = old + old_len;
+    let pieces: Vec<&sys::Mapping> = maps
+        .iter()
+        .filter(|m| m.end > old && m.start < end)
+        .collect();
+    let Some(last) = pieces.last() else {
+        return Err(std::io::Error::from_raw_os_error(libc::EFAULT));
+    };
+    let keep = old_len.min(new_len);
+    let fixed = if flags & libc::MREMAP_FIXED != 0 {
+        libc::MAP_FIXED
+    } else {
+        0
+    };
+    // SAFETY: a new private mapping (at `new` only if the program asked for that address).
+    let to = unsafe {
+        sys::raw_mmap(
+            (if fixed != 0 { new } else { 0 }) as *mut c_void,
+            new_len,
+            last.prot(),
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | fixed,
+            -1,
+            0,
+        )
+    };
+    if to == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let to = to as usize;
+    for m in pieces {
+        let (s, e) = (m.start.max(old), m.end.min(old + keep));
+        if s >= e {
+            continue;
+        }
+        // SAFETY: a whole piece of the program's range moves onto its place in the new one.
+        let r = unsafe {
+            sys::raw_mremap(
+                s as *mut c_void,
+                e - s,
+                e - s,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                (to + (s - old)) as *mut c_void,
+            )
+        };
+        if r == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    if new_len < old_len {
+        // SAFETY: the rest of the old range, given up by the program.
+        unsafe { sys::raw_munmap((old + keep) as *mut c_void, old_len - keep) };
+    } else if new_len > old_len {
+        guarded(|| {
+            if let Some(eng) = running() {
+                let _ = eng.merge((to + old_len) as *mut u8, new_len - old_len);
+            }
+        });
+    }
+    Ok(to)
 }
 
 /// Forwards a system call that changes the locking of mappings, covered (see the crate doc).

@@ -166,3 +166,48 @@ fn a_randomized_program_never_reads_a_wrong_page() {
         "nothing merged, so the model checked nothing (seed {seed}): {out}"
     );
 }
+
+/// Runs `tests/c/behaviour.c CHECK` under the shim (KSM off) and fails with its output.
+fn behaves(check: &str) {
+    let bin = compile("behaviour");
+    let out = Command::new(&bin)
+        .arg(check)
+        .env("LD_PRELOAD", preload_lib())
+        .env("PAGEONE_MERGE_PERIOD_MS", "20")
+        .env_remove("PAGEONE_SOCKET")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&bin);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && stdout.contains("OK"),
+        "{check}: {stdout}"
+    );
+}
+
+/// One page's `MADV_DONTNEED` in merged memory drops that page only: it reads zeros, the other
+/// merged pages stay merged (not the whole region unmerged); `MADV_FREE` of merged pages works.
+#[test]
+fn dropping_part_of_merged_memory_drops_only_that_part() {
+    behaves("partial-dontneed");
+}
+
+/// A forked child that drops merged pages it inherited reads zeros, as under the kernel.
+#[test]
+fn a_forked_child_drops_inherited_merged_pages_as_the_kernel_does() {
+    behaves("child-drop");
+}
+
+/// A program may register its own userfaultfd on memory it marked mergeable (QEMU's postcopy).
+#[test]
+fn userfaultfd_on_mergeable_memory_works() {
+    behaves("userfaultfd");
+}
+
+/// Merged memory unmaps and moves (`mremap` across its merged pieces) as one mapping would.
+#[test]
+fn merged_memory_unmaps_and_moves_like_a_mapping() {
+    behaves("unmap");
+    behaves("remap");
+}

@@ -44,6 +44,15 @@ struct region {
 
 static struct region R[MAXREG];
 static pthread_rwlock_t big = PTHREAD_RWLOCK_INITIALIZER;
+/* MODEL_TRACE set: each structural step is printed to stderr. */
+static int tracing;
+#define TRACE(...)                                                                                 \
+    do {                                                                                           \
+        if (tracing) {                                                                             \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fflush(stderr);                                                                        \
+        }                                                                                          \
+    } while (0)
 static volatile int stopping;
 static uint64_t seed;
 static long step;
@@ -220,6 +229,7 @@ static void new_region(uint64_t *rng, void *hint) {
     if (p == MAP_FAILED)
         return;
     track(k, p, pages, NULL);
+    TRACE("step %ld new region %d at %p (%zu pages)\n", step, k, (void *)p, pages);
     fill_region(k, rng);
     madvise(p, pages * PAGE, MADV_MERGEABLE);
 }
@@ -236,6 +246,7 @@ static void new_malloc_region(uint64_t *rng) {
     unsigned char *p = (unsigned char *)(((uintptr_t)b + PAGE - 1) & ~(PAGE - 1));
     size_t pages = (bytes - (size_t)(p - b)) / PAGE - 1;
     track(k, p, pages, b);
+    TRACE("step %ld new malloc region %d at %p (%zu pages)\n", step, k, (void *)p, pages);
     fill_region(k, rng);
     madvise(p, pages * PAGE, MADV_MERGEABLE);
 }
@@ -257,6 +268,7 @@ static int pick(uint64_t *rng) {
 
 static void op_unmap(uint64_t *rng, int k) {
     struct region *r = &R[k];
+    TRACE("step %ld unmap region %d at %p (%zu pages)\n", step, k, (void *)r->addr, r->pages);
     if (r->malloc_block) {
         /* Protections outlive free(): the allocator writes its own bookkeeping there. */
         mprotect(r->addr, r->pages * PAGE, PROT_READ | PROT_WRITE);
@@ -296,6 +308,8 @@ static void op_remap(uint64_t *rng, int k) {
         if (r->flag[i] & (F_RO | F_LOCKED))
             return; /* keep it simple: only plain regions move */
     unsigned char *p = mremap(r->addr, r->pages * PAGE, pages * PAGE, MREMAP_MAYMOVE);
+    TRACE("step %ld mremap region %d %p+%zu -> %p+%zu\n", step, k, (void *)r->addr, r->pages,
+          (void *)p, pages);
     if (p == MAP_FAILED)
         return;
     r->cid = realloc(r->cid, pages + 1);
@@ -319,6 +333,8 @@ static void op_advise(uint64_t *rng, int k) {
     for (size_t i = a; i < a + n; i++)
         if (r->flag[i] & F_LOCKED && advice == MADV_DONTNEED)
             return; /* DONTNEED on locked memory fails; not what this checks */
+    TRACE("step %ld madvise %d region %d pages %zu+%zu at %p\n", step, advice, k, a, n,
+          (void *)(r->addr + a * PAGE));
     if (madvise(r->addr + a * PAGE, n * PAGE, advice) != 0)
         return;
     for (size_t i = a; i < a + n; i++) {
@@ -334,6 +350,7 @@ static void op_protect(uint64_t *rng, int k) {
     subrange(rng, k, &a, &n);
     struct region *r = &R[k];
     int ro = next(rng) % 2;
+    TRACE("step %ld mprotect ro=%d region %d pages %zu+%zu\n", step, ro, k, a, n);
     if (mprotect(r->addr + a * PAGE, n * PAGE, ro ? PROT_READ : PROT_READ | PROT_WRITE) != 0)
         return;
     for (size_t i = a; i < a + n; i++)
@@ -345,6 +362,7 @@ static void op_lock(uint64_t *rng, int k) {
     subrange(rng, k, &a, &n);
     struct region *r = &R[k];
     int lock = next(rng) % 2;
+    TRACE("step %ld mlock=%d region %d pages %zu+%zu\n", step, lock, k, a, n);
     if ((lock ? mlock : munlock)(r->addr + a * PAGE, n * PAGE) != 0)
         return;
     for (size_t i = a; i < a + n; i++)
@@ -353,6 +371,7 @@ static void op_lock(uint64_t *rng, int k) {
 
 static void op_fork(uint64_t *rng) {
     unsigned what = next(rng) % 3;
+    TRACE("step %ld fork %u\n", step, what);
     pid_t c = fork();
     if (c < 0)
         return;
@@ -401,6 +420,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     seed = strtoull(argv[1], NULL, 0) | 1;
+    tracing = getenv("MODEL_TRACE") != NULL;
     double seconds = atof(argv[2]);
     uint64_t rng = seed;
     for (int c = 1; c <= SHARED; c++)

@@ -1,13 +1,72 @@
 //! `pageone-bench ksm`: the engine (in one process, or one process per region through the daemon)
-//! against the kernel's KSM, interleaved, and the targets of issues #3 and #4.
+//! against the kernel's KSM on the same workload processes, interleaved, with the layouts and
+//! writers of issue #26 and the targets of issues #3, #4 and #26.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use pageone_bench::dedup::{self, Data, Params, Sample};
+use pageone_bench::layout::Layout;
+use pageone_bench::merging::{self, Setup};
+use pageone_bench::workload::{self, Merger};
 use pageone_bench::{ksm, processes};
 
 use crate::write_json;
+
+/// The data sets to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DataSets {
+    Easy,
+    Hard,
+    Both,
+}
+
+/// `pageone-bench ksm`'s layout, writers and timing options.
+#[derive(clap::Args)]
+pub struct MoreArgs {
+    /// Where the shared contents lie: `clustered` (the same order in every process), `scattered`
+    /// (each process's, or region's, pages in its own random order), `runs` (runs of 1 to 64
+    /// pages at different places in each process).
+    #[arg(long, value_enum, default_value_t = Layout::Clustered)]
+    pub layout: Layout,
+    /// Writer threads per process, each writing random pages among every 16th page.
+    #[arg(long, default_value_t = 0)]
+    pub writers: usize,
+    /// Each writer's pause between two writes, in microseconds.
+    #[arg(long, default_value_t = 100)]
+    pub write_pause_us: u64,
+    /// The data sets to run.
+    #[arg(long, value_enum, default_value_t = DataSets::Both)]
+    pub data: DataSets,
+    /// The seed of the random layouts.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// The longest wait for 99% of the saving, in seconds [default: 300, 60 with --quick].
+    #[arg(long)]
+    pub timeout_s: Option<u64>,
+    /// The window over which the CPU once settled is measured, in seconds [default: 10, 2 with
+    /// --quick].
+    #[arg(long)]
+    pub settle_s: Option<f64>,
+    /// How often the saving is sampled, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub sample_ms: u64,
+}
+
+impl MoreArgs {
+    pub fn timeout_s(&self, quick: bool) -> u64 {
+        self.timeout_s.unwrap_or(if quick { 60 } else { 300 })
+    }
+
+    fn data_sets(&self) -> &'static [Data] {
+        match self.data {
+            DataSets::Easy => &[Data::Easy],
+            DataSets::Hard => &[Data::Hard],
+            DataSets::Both => &[Data::Easy, Data::Hard],
+        }
+    }
+}
 
 /// What `pageone-bench ksm` was asked for.
 pub struct Options {
@@ -19,10 +78,22 @@ pub struct Options {
     /// pageone's side only.
     pub pageone_only: bool,
     pub json: Option<PathBuf>,
+    pub quick: bool,
+    pub more: MoreArgs,
 }
 
-/// One side of the benchmark.
-type Side<'a> = &'a dyn Fn(&Params, Data) -> Result<Sample, String>;
+/// `pageone-bench workload --spec JSON` (hidden): one process of the benchmark.
+#[derive(clap::Args)]
+pub struct ChildArgs {
+    #[arg(long)]
+    spec: String,
+}
+
+pub fn workload(a: &ChildArgs) -> Result<()> {
+    let spec: workload::Spec = serde_json::from_str(&a.spec).context("a bad --spec")?;
+    workload::serve(&spec)?;
+    Ok(())
+}
 
 fn mib_text(kib: Option<i64>) -> String {
     kib.map_or("unknown".into(), |k| {
@@ -30,72 +101,121 @@ fn mib_text(kib: Option<i64>) -> String {
     })
 }
 
+fn secs(t: Option<f64>) -> String {
+    t.map_or("never".into(), |t| format!("{t:.2}"))
+}
+
+fn setup(o: &Options) -> Result<Setup> {
+    let m = &o.more;
+    if o.params.regions < 2 && o.processes {
+        bail!("one process per region needs at least 2 regions");
+    }
+    Ok(Setup {
+        params: o.params.clone(),
+        layout: m.layout,
+        writers: m.writers,
+        write_pause_us: m.write_pause_us,
+        seed: m.seed,
+        processes: o.processes,
+        settle_window: Duration::from_secs_f64(m.settle_s.unwrap_or(if o.quick {
+            2.0
+        } else {
+            10.0
+        })),
+        sample_every: Duration::from_millis(m.sample_ms.max(1)),
+        bench_exe: std::env::current_exe().context("this executable's path")?,
+        pageone_exe: if o.processes {
+            Some(processes::find_pageone()?)
+        } else {
+            None
+        },
+    })
+}
+
+fn print_sample(s: &Sample, run: usize) {
+    eprintln!(
+        "  {} {} run {}: t50/t90/t99 {}/{}/{} s, {:.2} CPU-s, saved {}/{} pages; by Pss {}, by \
+         MemAvailable {}, host memory {}; VMAs {} -> {}, their kernel memory {} ({}), net {}; \
+         settled {:.3} CPU-s/s/GiB ({:.2}% of a core per process); {} writes",
+        s.side,
+        s.data,
+        run + 1,
+        secs(s.t50),
+        secs(s.t90),
+        secs(s.t99),
+        s.cpu_seconds,
+        s.pages_saved,
+        s.possible,
+        mib_text(s.saved_pss_kib),
+        mib_text(s.saved_memavailable_kib),
+        mib_text(s.memory_saved_kib),
+        s.vmas_before,
+        s.vmas_after,
+        mib_text(Some(s.mapping_kernel.kib)),
+        s.mapping_kernel.source,
+        mib_text(s.net_saved_kib),
+        s.settled.cpu_per_second_per_gib,
+        s.settled.core_percent_per_process,
+        s.writes,
+    );
+}
+
 pub fn run(o: &Options) -> Result<()> {
     let p = &o.params;
-    let pageone = if o.processes {
-        Some(processes::find_pageone()?)
-    } else {
-        None
-    };
-    let pageone_side = |p: &Params, data: Data| match &pageone {
-        Some(exe) => processes::run_pageone(exe, p, data).map_err(|e| e.to_string()),
-        None => dedup::run_pageone(p, data),
-    };
+    let setup = setup(o)?;
     if !ksm::available() {
         bail!("KSM is not available or not writable here (needs root and /sys/kernel/mm/ksm)");
     }
     println!(
-        "engine vs KSM: {} regions x {} MiB, identical across regions, unique within; \
-         pageone {}{} workers, {} ms periods; KSM sleep_millisecs=0 pages_to_scan=100000; \
-         {} runs",
+        "engine vs KSM: {} regions x {} MiB, {} layout, identical across regions, unique within; \
+         {} writers per process; pageone {}{} workers, {} ms periods; KSM sleep_millisecs=0 \
+         pages_to_scan=100000; {} runs; vm.max_map_count {}",
         p.regions,
         p.region_mib,
+        setup.layout,
+        setup.writers,
         if o.processes {
             "one process per region through the daemon, "
         } else {
-            ""
+            "one process, "
         },
         p.workers,
         p.merge_period.as_millis(),
-        o.runs
+        o.runs,
+        pageone_sys::max_map_count().map_or("unknown".into(), |n| n.to_string()),
     );
+    let knobs = ksm::knobs();
     let mut samples = Vec::new();
-    for data in [Data::Easy, Data::Hard] {
+    for &data in o.more.data_sets() {
         for run in 0..o.runs {
             // Alternate which side goes first, so neither always gets the warmer machine.
-            let order: &[Side] = if o.pageone_only {
-                &[&pageone_side]
+            let order: &[Merger] = if o.pageone_only {
+                &[Merger::Pageone]
             } else if run % 2 == 0 {
-                &[&pageone_side, &dedup::run_ksm]
+                &[Merger::Pageone, Merger::Ksm]
             } else {
-                &[&dedup::run_ksm, &pageone_side]
+                &[Merger::Ksm, Merger::Pageone]
             };
-            for f in order {
-                let s = f(p, data).map_err(anyhow::Error::msg)?;
-                eprintln!(
-                    "  {} {} run {}: {} s to 99%, {:.2} CPU-s, saved {}/{} pages, host memory saved {}",
-                    s.side,
-                    s.data,
-                    run + 1,
-                    s.seconds_to_99
-                        .map_or("not reached".into(), |t| format!("{t:.2}")),
-                    s.cpu_seconds,
-                    s.pages_saved,
-                    s.possible,
-                    mib_text(s.memory_saved_kib)
-                );
+            for &side in order {
+                let s = merging::run(&setup, side, data)?;
+                print_sample(&s, run);
                 samples.push(s);
             }
         }
     }
-    let summary = report(&samples);
+    let summary = report(&samples, o.more.data_sets());
     write_json(
         &o.json,
         &serde_json::json!({
             "params": {
                 "regions": p.regions, "region_mib": p.region_mib, "workers": p.workers,
                 "period_ms": p.merge_period.as_millis() as u64, "runs": o.runs,
-                "processes": o.processes,
+                "processes": o.processes, "layout": setup.layout, "writers": setup.writers,
+                "write_pause_us": setup.write_pause_us, "seed": setup.seed,
+                "settle_seconds": setup.settle_window.as_secs_f64(),
+                "timeout_seconds": p.timeout.as_secs(),
+                "max_map_count": pageone_sys::max_map_count().ok(),
+                "ksm_knobs_found": knobs.into_iter().collect::<std::collections::BTreeMap<_, _>>(),
             },
             "samples": samples,
             "summary": summary,
@@ -110,51 +230,107 @@ fn of<'a>(samples: &'a [Sample], side: &str, data: Data) -> Vec<&'a Sample> {
         .collect()
 }
 
+fn kib(v: Option<i64>) -> Option<f64> {
+    v.map(|k| k as f64)
+}
+
 /// Prints the medians and the targets' ratios, and returns the medians as JSON rows.
-fn report(samples: &[Sample]) -> Vec<serde_json::Value> {
+fn report(samples: &[Sample], data_sets: &[Data]) -> Vec<serde_json::Value> {
     println!(
-        "{:<8} {:<5} {:>14} {:>12} {:>20}",
-        "side", "data", "s to 99%", "CPU-s", "memory saved"
+        "{:<8} {:<5} {:>7} {:>7} {:>7} {:>7} {:>11} {:>11} {:>8} {:>9} {:>11} {:>9}",
+        "side",
+        "data",
+        "t50 s",
+        "t90 s",
+        "t99 s",
+        "CPU-s",
+        "Pss saved",
+        "MemAvail",
+        "VMAs+",
+        "VMA kern",
+        "net saved",
+        "settled%"
     );
     let mut summary = Vec::new();
-    for data in [Data::Easy, Data::Hard] {
+    for &data in data_sets {
         for side in ["pageone", "ksm"] {
             let v = of(samples, side, data);
-            let t = dedup::median_time(&v);
+            if v.is_empty() {
+                continue;
+            }
+            let all = |f: fn(&Sample) -> Option<f64>| dedup::median_all(&v, f);
+            let some = |f: fn(&Sample) -> Option<f64>| dedup::median_some(&v, f);
+            let (t50, t90, t99) = (all(|s| s.t50), all(|s| s.t90), all(|s| s.t99));
             let c = dedup::median_cpu(&v);
-            let m = dedup::median_memory_saved(&v);
+            let pss = some(|s| kib(s.saved_pss_kib));
+            let avail = some(|s| kib(s.saved_memavailable_kib));
+            let vmas = some(|s| Some(s.vmas_after as f64 - s.vmas_before as f64));
+            let kern = some(|s| Some(s.mapping_kernel.kib as f64));
+            let net = some(|s| kib(s.net_saved_kib));
+            let settled = some(|s| Some(s.settled.core_percent_per_process));
+            let per_gib = some(|s| Some(s.settled.cpu_per_second_per_gib));
+            let mib = |k: Option<f64>| mib_text(k.map(|k| k as i64));
             println!(
-                "{side:<8} {data:<5} {:>14} {c:>12.2} {:>20}",
-                t.map_or("not reached".into(), |t| format!("{t:.2}")),
-                mib_text(m)
+                "{side:<8} {data:<5} {:>7} {:>7} {:>7} {c:>7.2} {:>11} {:>11} {:>8.0} {:>9} {:>11} {:>9.2}",
+                secs(t50), secs(t90), secs(t99), mib(pss), mib(avail), vmas.unwrap_or(0.0),
+                mib(kern), mib(net), settled.unwrap_or(0.0)
             );
             summary.push(serde_json::json!({
-                "side": side, "data": data, "median_seconds_to_99": t, "median_cpu_seconds": c,
-                "median_memory_saved_kib": m
+                "side": side, "data": data,
+                "median_seconds_to_99": dedup::median_time(&v), "median_cpu_seconds": c,
+                "median_memory_saved_kib": dedup::median_memory_saved(&v),
+                "median_t50": t50, "median_t90": t90, "median_t99": t99,
+                "median_saved_pss_kib": pss, "median_saved_memavailable_kib": avail,
+                "median_vmas_added": vmas, "median_mapping_kernel_kib": kern,
+                "median_net_saved_kib": net,
+                "median_settled_cpu_per_second_per_gib": per_gib,
+                "median_settled_core_percent_per_process": settled,
             }));
         }
     }
-    let med = |side: &str, data: Data| dedup::median_time(&of(samples, side, data));
-    for data in [Data::Easy, Data::Hard] {
-        if let (Some(k), Some(p1)) = (med("ksm", data), med("pageone", data)) {
+    targets(samples, data_sets);
+    summary
+}
+
+/// The issues' targets, as ratios.
+fn targets(samples: &[Sample], data_sets: &[Data]) {
+    let med = |side: &str, data: Data, f: fn(&Sample) -> Option<f64>| {
+        dedup::median_all(&of(samples, side, data), f)
+    };
+    for &data in data_sets {
+        if let (Some(k), Some(p1)) = (med("ksm", data, |s| s.t99), med("pageone", data, |s| s.t99))
+        {
             println!(
-                "{data}: pageone is {:.1}x faster than KSM to 99% (target >= 4x)",
+                "{data}: to 99%, pageone {p1:.2} s, KSM {k:.2} s: pageone is {:.1}x faster",
                 k / p1
             );
         }
-    }
-    for data in [Data::Easy, Data::Hard] {
-        let mem = |side: &str| dedup::median_memory_saved(&of(samples, side, data));
-        if let (Some(k), Some(p1)) = (mem("ksm"), mem("pageone")) {
+        let host = |s: &Sample| s.memory_saved_kib.map(|k| k as f64);
+        if let (Some(k), Some(p1)) = (med("ksm", data, host), med("pageone", data, host)) {
             println!(
                 "{data}: host memory saved, pageone {} vs KSM {} (target: at least KSM's)",
-                mib_text(Some(p1)),
-                mib_text(Some(k))
+                mib_text(Some(p1 as i64)),
+                mib_text(Some(k as i64))
+            );
+        }
+        let pss = |s: &Sample| s.saved_pss_kib.map(|k| k as f64);
+        if let (Some(k), Some(p1)) = (med("ksm", data, pss), med("pageone", data, pss)) {
+            println!(
+                "{data}: pageone saves {:.1}% of KSM's saving by Pss (target >= 99%)",
+                100.0 * p1 / k
+            );
+        }
+        let per_gib = |s: &Sample| Some(s.settled.cpu_per_second_per_gib);
+        let core = |s: &Sample| Some(s.settled.core_percent_per_process);
+        if let (Some(g), Some(c)) = (med("pageone", data, per_gib), med("pageone", data, core)) {
+            println!(
+                "{data}: pageone once settled: {g:.4} CPU-s per s per GiB (target <= 0.01), \
+                 {c:.2}% of a core per process (target <= 1%)"
             );
         }
     }
-    if let (Some(h), Some(e)) = (med("pageone", Data::Hard), med("pageone", Data::Easy)) {
+    let t99 = |data| med("pageone", data, |s| s.t99);
+    if let (Some(h), Some(e)) = (t99(Data::Hard), t99(Data::Easy)) {
         println!("pageone hard/easy time ratio: {:.2} (target < 1.1)", h / e);
     }
-    summary
 }

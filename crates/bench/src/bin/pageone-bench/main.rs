@@ -4,6 +4,8 @@
 mod chart;
 mod density;
 mod ksm;
+mod overhead;
+mod overhead_plot;
 mod plot;
 mod ppr;
 mod sdtree;
@@ -50,7 +52,17 @@ enum Bench {
     /// How many small QEMU guests with an allocate/free churn fit in one memory budget, per way
     /// of merging or returning memory, and how fast freed guest memory comes back (root).
     Density(density::DensityArgs),
-    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm, ppr or density).
+    /// What memory operations cost the program (ns per page), plain vs KSM vs pageone, and the
+    /// longest writer stalls while pageone merges.
+    Overhead(overhead::OverheadArgs),
+    /// A process of the ksm benchmark (run by it).
+    #[command(hide = true)]
+    Workload(ksm::ChildArgs),
+    /// A process of the overhead benchmark (run by it).
+    #[command(hide = true)]
+    OverheadChild(overhead::ChildArgs),
+    /// Draws a PNG plot of a benchmark's JSON results (`--json FILE` of sdtree, ksm,
+    /// ppr, density or overhead).
     Plot(plot::PlotArgs),
 }
 
@@ -84,6 +96,8 @@ struct KsmArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    #[command(flatten)]
+    more: ksm::MoreArgs,
 }
 
 fn main() -> Result<()> {
@@ -104,7 +118,7 @@ fn main() -> Result<()> {
                 region_mib: a.region_mib.unwrap_or(if a.quick { 64 } else { 512 }),
                 workers: a.workers,
                 merge_period: Duration::from_millis(a.period_ms),
-                timeout: Duration::from_secs(300),
+                timeout: Duration::from_secs(a.more.timeout_s(a.quick)),
             };
             ksm::run(&ksm::Options {
                 params,
@@ -112,9 +126,14 @@ fn main() -> Result<()> {
                 processes: a.processes,
                 pageone_only: a.pageone_only,
                 json: a.json,
+                quick: a.quick,
+                more: a.more,
             })
         }
         Bench::Density(a) => density::run(&a),
+        Bench::Overhead(a) => overhead::run(&a),
+        Bench::Workload(a) => ksm::workload(&a),
+        Bench::OverheadChild(a) => overhead::child(&a),
         Bench::Plot(a) => plot::run(&a),
     }
 }

@@ -1,8 +1,8 @@
 //! `pageone-bench plot`: a PNG of one benchmark's JSON results, the kind told by the file's
 //! shape: `sdtree --json` (an object with `results`), `ksm --json` (with `summary`), `ppr --json`
-//! (an array of samples), or a list of QEMU test runs (an object with `qemu_runs`, see
-//! [`QemuRun`]). The JSON files hold no time series, so a figure is bars of the medians; the QEMU
-//! runs are a series over runs.
+//! (an array of samples), `overhead --json` (with `overhead`), or a list of QEMU test runs (an
+//! object with `qemu_runs`, see [`QemuRun`]). A figure is bars of the medians, with the saving
+//! over time of `ksm` samples that recorded it; the QEMU runs are a series over runs.
 
 use std::path::PathBuf;
 
@@ -42,13 +42,17 @@ pub fn figure(v: &serde_json::Value) -> Result<Figure> {
     fn parse<T: serde::de::DeserializeOwned>(v: &serde_json::Value, what: &str) -> Result<T> {
         serde_json::from_value(v.clone()).with_context(|| format!("not {what}"))
     }
-    if v.get("results").is_some() {
+    if v.get("overhead").is_some() {
+        crate::overhead_plot::overhead(parse(v, "overhead results: {params, overhead: [rows]}")?)
+    } else if v.get("results").is_some() {
         sdtree(parse(v, "sdtree results: {keys, runs, results: [rows]}")?)
     } else if v.get("summary").is_some() {
-        ksm(parse(
+        let mut f = ksm(parse(
             v,
             "ksm results: {params, samples, summary: [medians]}",
-        )?)
+        )?)?;
+        f.panels.extend(crate::overhead_plot::saving_panels(v)?);
+        Ok(f)
     } else if v.get("qemu_runs").is_some() {
         qemu(parse(v, "QEMU runs: {qemu_runs: [runs]}")?)
     } else if v.get("density").is_some() {
