@@ -88,6 +88,8 @@ fn settings(o: &DaemonOptions, loaded: &Loaded) -> Result<Settings> {
 pub fn run(o: DaemonOptions, loaded: &Loaded) -> Result<()> {
     let s = settings(&o, loaded)?;
     if o.check_config {
+        // (Printed for a reader, who may leave early: see `main`.)
+        sys::default_sigpipe()?;
         print_settings(&s, loaded);
         return Ok(());
     }

@@ -113,6 +113,14 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Status(_) | Command::Top(_) | Command::Completions { .. } | Command::Demo { .. }
+    ) {
+        // Commands that print for a reader: a reader that left (`| head`) ends them quietly,
+        // as it ends a C program. (Not the daemon: it writes to clients' sockets.)
+        pageone_sys::default_sigpipe()?;
+    }
     let loaded = || config::load(cli.config.as_deref());
     match cli.command {
         Command::Demo {
