@@ -157,3 +157,21 @@ fn scope(sc: &Scope, budget: &mut usize) -> Value {
         "worker_cpu_ns": totals.cpu_ns,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DaemonConfig;
+
+    /// A status text is a point of a time series (what a plot of saving over time reads): it
+    /// says when it was taken.
+    #[test]
+    fn status_says_when_it_was_taken() {
+        let inner = Inner::new(DaemonConfig::new("/nonexistent.sock".into()), None);
+        let before = unix_ms();
+        let v = json(&inner, 0);
+        let at = v["time_unix_ms"].as_u64().unwrap();
+        assert!(at >= before && at <= unix_ms(), "{v}");
+        assert!(v["uptime_secs"].is_u64() && v["scopes"].is_array(), "{v}");
+    }
+}
