@@ -31,6 +31,15 @@ command -v file >/dev/null 2>&1 || need_pkgs+=(file)
 # `pageone-bench ppr` replays its allocator trace under Debian's jemalloc and mimalloc (LD_PRELOAD).
 [ -f /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || need_pkgs+=(libjemalloc2)
 [ -f /usr/lib/x86_64-linux-gnu/libmimalloc.so.2 ] || need_pkgs+=(libmimalloc2.0)
+# The package test: a clean Debian chroot, and the C example built with the installed pkg-config
+# file.
+command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
+command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+# libvirt-managed guests through contrib/pageone-qemu-wrapper.
+command -v virsh >/dev/null 2>&1 || need_pkgs+=(libvirt-clients)
+command -v libvirtd >/dev/null 2>&1 || need_pkgs+=(libvirt-daemon-system)
+# `pageone top` on a terminal (its test gives it one with `script`).
+command -v script >/dev/null 2>&1 || need_pkgs+=(bsdutils)
 # `pageone-bench plot` (and its tests) draws text with a TrueType font read at run time.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -55,8 +64,14 @@ step "tests (release: stress and kernel paths)"
 cargo test --workspace --release --locked
 
 step "unmodified QEMU guests under pageone run, next to KSM"
-cargo build --release --locked -p pageone -p pageone-preload
+cargo build --release --locked -p pageone -p pageone-preload -p pageone-ffi
 python3 tests/qemu/run.py
+
+step "libvirt: two guests booted with virsh, QEMU under contrib/pageone-qemu-wrapper"
+python3 tests/libvirt/run.py
+
+step "package: the .deb (scripts/deb.sh) installed in a clean bookworm chroot, used from its files"
+NO_BUILD=1 bash scripts/test-package.sh
 
 step "loom models of the SD tree's lock-free races and of PPR's mark/recycle race"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target-loom LOOM_MAX_PREEMPTIONS=3 \

@@ -7,64 +7,32 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use pageone_daemon::{Daemon, DaemonConfig};
-use pageone_engine::proto::{self, Reply, Request};
+
+use crate::config::Loaded;
+use pageone_engine::proto;
 use pageone_engine::Engine;
 use pageone_seed::{fill_page, Data};
 use pageone_sys as sys;
 
 const PAGE: usize = 4096;
 
-/// The socket given, else `$PAGEONE_SOCKET`, else the default one (none without
-/// `$XDG_RUNTIME_DIR` unless root: never a directory others share).
-pub fn socket_or_default(socket: Option<PathBuf>) -> Result<PathBuf> {
-    if let Some(s) = socket.or_else(|| proto::setting("PAGEONE_SOCKET").map(Into::into)) {
+/// The socket given, else `$PAGEONE_SOCKET`, else the configuration's `socket`, else the
+/// default one: `$XDG_RUNTIME_DIR/pageone.sock`, else the system socket for root and the
+/// `pageone` user (none otherwise: never a directory others share).
+pub fn socket_or_default(socket: Option<PathBuf>, loaded: &Loaded) -> Result<PathBuf> {
+    if let Some(s) = socket
+        .or_else(|| proto::setting("PAGEONE_SOCKET").map(Into::into))
+        .or_else(|| loaded.file.socket.clone())
+    {
         return Ok(s);
     }
-    Ok(proto::socket::default_socket()?)
-}
-
-/// Options of `pageone daemon`.
-#[derive(clap::Args)]
-pub struct DaemonOptions {
-    /// Socket path [default: $PAGEONE_SOCKET, else $XDG_RUNTIME_DIR/pageone.sock, else
-    /// /run/pageone/pageone.sock for root]. Its directory must be reachable without symbolic
-    /// links and writable only by root or this user (or sticky); the socket is 0666 for root
-    /// and the `pageone` user (every local user may connect; scopes and caps are per user),
-    /// 0600 otherwise.
-    #[arg(long)]
-    pub socket: Option<PathBuf>,
-    /// Exit when the last client has left (a private daemon of one process tree).
-    #[arg(long)]
-    pub exit_when_idle: bool,
-    /// What keeps scopes apart besides their names: `uid`, or `cgroup` (uid and cgroups, so
-    /// that same-user processes of different cgroups, e.g. guests of different tenants under
-    /// one libvirt user, never share).
-    #[arg(long, default_value = "uid")]
-    pub scope_by: pageone_daemon::ScopeBy,
-    /// A cap, as NAME=VALUE (repeatable). Names: connections, connections-per-uid,
-    /// pages-per-uid, pages-per-client, notes, notes-per-uid, notes-per-client, report-bytes,
-    /// in-flight-per-uid, hello-timeout-ms, idle-timeout-ms, frame-timeout-ms.
-    #[arg(long = "limit", value_name = "NAME=VALUE")]
-    pub limits: Vec<String>,
-}
-
-pub fn daemon(o: DaemonOptions) -> Result<()> {
-    let mut config = DaemonConfig::new(socket_or_default(o.socket)?);
-    config.exit_when_idle = o.exit_when_idle;
-    config.scope_by = o.scope_by;
-    for l in &o.limits {
-        let Some((name, value)) = l.split_once('=') else {
-            bail!("a limit is NAME=VALUE, not {l:?}");
-        };
-        config.limits.set(name, value).map_err(anyhow::Error::msg)?;
+    match proto::socket::default_socket() {
+        Ok(s) => Ok(s),
+        Err(_) if proto::auth::daemon_user_uid() == Some(sys::euid()) => {
+            Ok(proto::socket::SYSTEM_SOCKET.into())
+        }
+        Err(e) => Err(e.into()),
     }
-    // The daemon's tables grow and shrink with what its clients note and share: big ones get
-    // their own mappings so that shrinking them gives the memory back.
-    pageone_sys::set_heap_mmap_threshold(128 << 10);
-    let d = Daemon::bind(config)?;
-    eprintln!("pageone daemon listening on {}", d.socket().display());
-    d.run().context("the daemon stopped serving")
 }
 
 /// Connects to the daemon at `path`, if it is one this process trusts (root, this user, or the
@@ -75,86 +43,6 @@ pub fn connect_trusted(path: &std::path::Path) -> Result<UnixStream> {
     proto::auth::check_daemon(&sock)
         .with_context(|| format!("refusing the daemon at {}", path.display()))?;
     Ok(sock)
-}
-
-pub fn status(socket: Option<PathBuf>, json: bool) -> Result<()> {
-    let path = socket_or_default(socket)?;
-    let sock = connect_trusted(&path)?;
-    let (reply, _) = proto::call(&sock, &Request::Status, None)?;
-    let Reply::Text(text) = reply else {
-        bail!("the daemon answered out of protocol");
-    };
-    let v: serde_json::Value = serde_json::from_str(&text)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    println!(
-        "pageone daemon pid {} on {} (up {} s), scopes by {}{}",
-        v["pid"],
-        v["socket"],
-        v["uptime_secs"],
-        v["scope_by"],
-        v["anonymous_bytes"]
-            .as_f64()
-            .map_or(String::new(), |b| format!(
-                ", its own memory {:.1} MiB",
-                b / 1048576.0
-            )),
-    );
-    for u in v["users"].as_array().into_iter().flatten() {
-        println!(
-            "uid {}: {} connections, {} store pages, {} notes, {} requests in flight",
-            u["uid"], u["connections"], u["store_pages"], u["notes"], u["requests_in_flight"]
-        );
-    }
-    for s in v["scopes"].as_array().into_iter().flatten() {
-        println!(
-            "scope {}: {} clients, pages shared {}, sharing {}, zero {}, saved {:.1} MiB, \
-             {:.0} merges/s, worker CPU {:.2} s, store resident {:.1} MiB, noted {}",
-            s["scope"],
-            s["clients"].as_array().map_or(0, |c| c.len()),
-            s["pages_shared"],
-            s["pages_sharing"],
-            s["zero_pages"],
-            s["saved_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
-            s["merges_per_sec"].as_f64().unwrap_or(0.0),
-            s["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9,
-            s["store_resident_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
-            s["noted_first_sightings"],
-        );
-        if let Some(cg) = s["cgroup"].as_str() {
-            println!("  cgroup {cg}");
-        }
-        if s["clients_not_listed"].as_u64() > Some(0) {
-            println!("  ({} more clients not listed)", s["clients_not_listed"]);
-        }
-        for c in s["clients"].as_array().into_iter().flatten() {
-            if c["connected"] == false {
-                println!(
-                    "  client {} pid {}: disconnected; its {} copies stay held until it exits",
-                    c["client"], c["pid"], c["held"]
-                );
-                continue;
-            }
-            let st = &c["stats"];
-            println!(
-                "  client {} pid {}: shared {} sharing {} zero {} merges {} ({:.0}/s) \
-                 CPU {:.2} s, watch {}, daemon {}",
-                c["client"],
-                c["pid"],
-                st["pages_shared"],
-                st["pages_sharing"],
-                st["zero_pages"],
-                st["merges"],
-                c["merges_per_sec"].as_f64().unwrap_or(0.0),
-                st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9,
-                st["watch_mode"],
-                st["daemon"],
-            );
-        }
-    }
-    Ok(())
 }
 
 /// Options of [`client`] (`pageone scope-client`).
@@ -390,22 +278,6 @@ pub fn client(o: ClientOptions) -> Result<()> {
         bail!("page {i} does not hold what was written");
     }
     Ok(())
-}
-
-/// Starts `pageone daemon` on `socket` and waits until it listens there.
-pub fn spawn_daemon(socket: &std::path::Path) -> Result<std::process::Child> {
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["daemon", "--socket"])
-        .arg(socket)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .context("could not start the daemon")?;
-    if let Err(e) = wait_for_own_daemon(socket, &mut child) {
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e);
-    }
-    Ok(child)
 }
 
 /// Waits until `child` listens at `socket`. Whoever answers there must be that process (its

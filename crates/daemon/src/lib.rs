@@ -44,13 +44,15 @@
 //!
 //! Modules: [`limits`](Limits) (caps and per-user accounts), `listen` (the socket and
 //! connections), `session` (one connection's requests), `scope` (a scope's store and
-//! requests), `contents` (its index of contents and notes), `status`.
+//! requests), `contents` (its index of contents and notes), `status`, `metrics` (the same
+//! numbers for Prometheus, over HTTP, when asked for).
 
 mod contents;
 #[cfg(feature = "harness")]
 pub mod harness;
 mod limits;
 mod listen;
+mod metrics;
 mod scope;
 mod session;
 mod status;
@@ -86,6 +88,12 @@ pub enum DaemonError {
     Occupied { path: PathBuf, why: String },
     #[error("the socket's directory is not safe")]
     Place(#[from] ProtoError),
+    #[error("the metrics address {addr} could not be bound")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// What sets scopes apart besides the name a client asks for.
@@ -130,6 +138,9 @@ pub struct DaemonConfig {
     pub exit_when_idle: bool,
     pub limits: Limits,
     pub scope_by: ScopeBy,
+    /// Where to serve metrics over HTTP (`GET /metrics`, Prometheus text format); `None`: not
+    /// at all. Whoever reaches the address reads every scope's numbers (see `metrics`).
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl DaemonConfig {
@@ -142,6 +153,7 @@ impl DaemonConfig {
             exit_when_idle: false,
             limits: Limits::for_ram(pages),
             scope_by: ScopeBy::Uid,
+            metrics: None,
         }
     }
 }

@@ -50,6 +50,8 @@ impl SocketPlace {
 /// A bound daemon; [`Daemon::run`] serves it.
 pub struct Daemon {
     listener: UnixListener,
+    /// The metrics' listener, when asked for.
+    metrics: Option<std::net::TcpListener>,
     inner: Arc<Inner>,
 }
 
@@ -71,8 +73,16 @@ impl Daemon {
             .map_err(bind_err)?;
         tracing::info!(socket = %path.display(), "pageone daemon listening");
         let place = SocketPlace { dir, name };
+        let metrics = match config.metrics {
+            Some(addr) => Some(
+                std::net::TcpListener::bind(addr)
+                    .map_err(|source| DaemonError::Metrics { addr, source })?,
+            ),
+            None => None,
+        };
         Ok(Self {
             listener,
+            metrics,
             inner: Arc::new(Inner::new(config, Some(place))),
         })
     }
@@ -81,9 +91,20 @@ impl Daemon {
         &self.inner.config.socket
     }
 
+    /// The address metrics are served at (with the port the system chose for port 0).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     /// Serves clients until the process ends (or, with `exit_when_idle`, until the last client
     /// left).
     pub fn run(self) -> io::Result<()> {
+        if let Some(listener) = self.metrics {
+            let inner = self.inner.clone();
+            std::thread::Builder::new()
+                .name("pageone-metrics".into())
+                .spawn(move || crate::metrics::serve(listener, inner))?;
+        }
         let served = Arc::new(AtomicU64::new(0));
         for conn in self.listener.incoming() {
             let sock = match conn {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use pageone_proto as proto;
 use pageone_sys as sys;
 
-use crate::scope::Scope;
+use crate::scope::{Scope, ScopeState};
 use crate::Inner;
 
 const PAGE: u64 = sys::PAGE_SIZE as u64;
@@ -47,6 +47,9 @@ pub(crate) fn json(inner: &Inner, viewer: u32) -> Value {
         "pid": std::process::id(),
         "socket": inner.config.socket,
         "uptime_secs": inner.started.elapsed().as_secs(),
+        // When this was taken (milliseconds since the Unix epoch): a series of status texts
+        // plots against it.
+        "time_unix_ms": unix_ms(),
         "scope_by": inner.config.scope_by.to_string(),
         "scopes": out,
         "users": users,
@@ -62,28 +65,63 @@ pub(crate) fn json(inner: &Inner, viewer: u32) -> Value {
     v
 }
 
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// A number a client reported (its word: sums of them saturate).
-fn reported(r: &serde_json::Map<String, Value>, key: &str) -> u64 {
+pub(crate) fn reported(r: &serde_json::Map<String, Value>, key: &str) -> u64 {
     r.get(key).and_then(Value::as_u64).unwrap_or(0)
+}
+
+/// A scope's sums over its clients' reports.
+pub(crate) struct Totals {
+    /// Pages of the clients mapping the store (beyond the copies themselves: `sharing`).
+    pub(crate) sharing: u64,
+    pub(crate) zero: u64,
+    pub(crate) cpu_ns: u64,
+    pub(crate) merges_per_sec: f64,
+}
+
+impl Totals {
+    pub(crate) fn of(st: &ScopeState) -> Self {
+        let (mut mapped, mut zero, mut cpu_ns, mut merges_per_sec) = (0u64, 0u64, 0u64, 0.0);
+        for c in st.clients.values() {
+            if let Some(r) = &c.report {
+                let pages =
+                    reported(r, "pages_shared").saturating_add(reported(r, "pages_sharing"));
+                mapped = mapped.saturating_add(pages);
+                zero = zero.saturating_add(reported(r, "zero_pages"));
+                cpu_ns = cpu_ns.saturating_add(reported(r, "worker_cpu_ns"));
+            }
+            merges_per_sec += c.merges_per_sec;
+        }
+        Self {
+            sharing: mapped.saturating_sub(st.live),
+            zero,
+            cpu_ns,
+            merges_per_sec,
+        }
+    }
+
+    /// Memory saved: pages mapping a copy beyond the copy, and zero pages released.
+    pub(crate) fn saved_bytes(&self) -> u64 {
+        self.sharing.saturating_add(self.zero).saturating_mul(PAGE)
+    }
 }
 
 fn scope(sc: &Scope, budget: &mut usize) -> Value {
     let resident = sys::file_usage(sc.fd.as_raw_fd()).map_or(0, |u| u.1);
     let st = lock(&sc.state);
-    let (mut mapped, mut zero, mut cpu, mut rate) = (0u64, 0u64, 0u64, 0.0);
+    let totals = Totals::of(&st);
     let mut clients = Vec::new();
     let mut omitted = 0usize;
     let mut ids: Vec<&u64> = st.clients.keys().collect();
     ids.sort();
     for id in ids {
         let c = &st.clients[id];
-        if let Some(r) = &c.report {
-            let pages = reported(r, "pages_shared").saturating_add(reported(r, "pages_sharing"));
-            mapped = mapped.saturating_add(pages);
-            zero = zero.saturating_add(reported(r, "zero_pages"));
-            cpu = cpu.saturating_add(reported(r, "worker_cpu_ns"));
-        }
-        rate += c.merges_per_sec;
         let entry = json!({
             "client": id,
             "pid": c.pid,
@@ -101,7 +139,6 @@ fn scope(sc: &Scope, budget: &mut usize) -> Value {
         *budget -= size;
         clients.push(entry);
     }
-    let sharing = mapped.saturating_sub(st.live);
     json!({
         "scope": sc.name,
         "uid": sc.key.uid,
@@ -109,14 +146,32 @@ fn scope(sc: &Scope, budget: &mut usize) -> Value {
         "clients": clients,
         "clients_not_listed": omitted,
         "pages_shared": st.live,
-        "pages_sharing": sharing,
-        "zero_pages": zero,
-        "saved_bytes": sharing.saturating_add(zero).saturating_mul(PAGE),
+        "pages_sharing": totals.sharing,
+        "zero_pages": totals.zero,
+        "saved_bytes": totals.saved_bytes(),
         "copies_made": st.copies_made,
         "noted_first_sightings": st.noted_entries,
         "store_pages_in_use": st.pages_in_use(),
         "store_resident_bytes": resident,
-        "merges_per_sec": rate,
-        "worker_cpu_ns": cpu,
+        "merges_per_sec": totals.merges_per_sec,
+        "worker_cpu_ns": totals.cpu_ns,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DaemonConfig;
+
+    /// A status text is a point of a time series (what a plot of saving over time reads): it
+    /// says when it was taken.
+    #[test]
+    fn status_says_when_it_was_taken() {
+        let inner = Inner::new(DaemonConfig::new("/nonexistent.sock".into()), None);
+        let before = unix_ms();
+        let v = json(&inner, 0);
+        let at = v["time_unix_ms"].as_u64().unwrap();
+        assert!(at >= before && at <= unix_ms(), "{v}");
+        assert!(v["uptime_secs"].is_u64() && v["scopes"].is_array(), "{v}");
+    }
 }

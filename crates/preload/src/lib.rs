@@ -471,10 +471,20 @@ pub unsafe extern "C" fn mremap(
     // SAFETY: the program asked for exactly this call.
     let raw = || unsafe { sys::raw_mremap(old, old_len, new_len, flags, new) };
     covered(|| {
-        let p = raw();
-        // Merged pages are mappings of their own, and the kernel moves or grows one mapping at a
-        // time (EFAULT across several), where KSM's merged memory stays one mapping: moved piece
-        // by piece instead.
+        // Merged pages are mappings of a store file of their own. Grown, such a mapping would
+        // map the file's next pages (not zeros), and the kernel moves or grows one mapping at a
+        // time (EFAULT across several), where KSM's merged memory stays one anonymous mapping:
+        // registered memory is grown and moved here instead.
+        let ours = new_len > old_len
+            && flags & libc::MREMAP_DONTUNMAP == 0
+            && old as usize % sys::PAGE_SIZE == 0
+            && guarded(|| running().is_some_and(|e| e.is_registered(old.cast(), old_len)))
+                .unwrap_or(false);
+        let p = if ours {
+            grow(old as usize, old_len, new_len, flags, new as usize)
+        } else {
+            raw()
+        };
         let spans = p == libc::MAP_FAILED
             && errno() == libc::EFAULT
             && flags & libc::MREMAP_MAYMOVE != 0
@@ -492,6 +502,61 @@ pub unsafe extern "C" fn mremap(
             }
         }
     })
+}
+
+/// Grows registered memory (see [`mremap`]): in place when the addresses after it are free (an
+/// anonymous mapping is added there, registered like the rest), else moved piece by piece when
+/// the program allows a move. `MAP_FAILED` with the kernel's `errno` otherwise.
+fn grow(old: usize, old_len: usize, new_len: usize, flags: c_int, new: usize) -> *mut c_void {
+    let old_len = old_len.div_ceil(sys::PAGE_SIZE) * sys::PAGE_SIZE;
+    let new_len = new_len.div_ceil(sys::PAGE_SIZE) * sys::PAGE_SIZE;
+    if flags & libc::MREMAP_FIXED == 0 {
+        let prot = sys::self_mappings()
+            .ok()
+            .and_then(|m| {
+                m.iter()
+                    .find(|m| m.start < old + old_len && m.end >= old + old_len)
+                    .map(sys::Mapping::prot)
+            })
+            .unwrap_or(libc::PROT_READ | libc::PROT_WRITE);
+        let tail = (old + old_len) as *mut c_void;
+        // SAFETY: a new private mapping right after the program's, only where nothing is mapped.
+        let p = unsafe {
+            sys::raw_mmap(
+                tail,
+                new_len - old_len,
+                prot,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if p == tail {
+            guarded(|| {
+                if let Some(eng) = running() {
+                    let _ = eng.merge(tail.cast(), new_len - old_len);
+                }
+            });
+            return old as *mut c_void;
+        }
+        if p != libc::MAP_FAILED {
+            // An older kernel placed it elsewhere (MAP_FIXED_NOREPLACE unknown): not usable.
+            // SAFETY: the mapping just made, nobody else's.
+            unsafe { sys::raw_munmap(p, new_len - old_len) };
+        }
+        if flags & libc::MREMAP_MAYMOVE == 0 {
+            // SAFETY: errno is this thread's.
+            unsafe { *libc::__errno_location() = libc::ENOMEM };
+            return libc::MAP_FAILED;
+        }
+    }
+    match remap_pieces(old, old_len, new_len, flags, new) {
+        Ok(to) => to as *mut c_void,
+        Err(e) => {
+            set_errno(&e);
+            libc::MAP_FAILED
+        }
+    }
 }
 
 /// `mremap` of a range that is several mappings (see [`mremap`]): a new range is reserved (at

@@ -27,6 +27,8 @@
 //!   pidfd, shutdown).
 //! * `process.rs`: the process and its threads (eventfd, poll, scheduling class, CPU clocks,
 //!   fork hooks, `SIGPIPE`, pidfds, randomness, `prctl`).
+//! * `signal.rs`: signals a supervisor handles itself (blocked and waited for, passed on, sent
+//!   to a child when its parent dies), and the process's CPU time.
 //! * `uapi.rs`: kernel constants and structures newer than the build host's headers (public as
 //!   [`uapi`]: callers name them `pageone_sys::uapi::...`).
 //!
@@ -42,6 +44,7 @@ mod pagemap;
 mod pipe;
 mod process;
 mod procfs;
+mod signal;
 pub mod uapi;
 mod uds;
 mod uffd;
@@ -53,6 +56,7 @@ pub use pagemap::*;
 pub use pipe::*;
 pub use process::*;
 pub use procfs::*;
+pub use signal::*;
 pub use uds::*;
 pub use uffd::*;
 

@@ -44,15 +44,22 @@ struct region {
 
 static struct region R[MAXREG];
 static pthread_rwlock_t big = PTHREAD_RWLOCK_INITIALIZER;
-/* MODEL_TRACE set: each structural step is printed to stderr. */
+/* The last structural steps, printed with a failure (MODEL_TRACE set: as they happen). */
 static int tracing;
+static char trail[64][160];
+static unsigned trail_n;
 #define TRACE(...)                                                                                 \
     do {                                                                                           \
-        if (tracing) {                                                                             \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fflush(stderr);                                                                        \
-        }                                                                                          \
+        snprintf(trail[trail_n++ % 64], sizeof trail[0], __VA_ARGS__);                             \
+        if (tracing)                                                                               \
+            fputs(trail[(trail_n - 1) % 64], stderr);                                              \
     } while (0)
+
+static void print_trail(void) {
+    unsigned from = trail_n > 64 ? trail_n - 64 : 0;
+    for (unsigned i = from; i < trail_n; i++)
+        fputs(trail[i % 64], stdout);
+}
 static volatile int stopping;
 static uint64_t seed;
 static long step;
@@ -94,6 +101,7 @@ static int name_content(const unsigned char *p) {
 }
 
 static void fail(const char *what, int k, size_t i) {
+    print_trail();
     printf("FAIL seed=%llu step=%ld: %s: region %d page %zu at %p (cid %u flag %u) differs: "
            "it holds content %d\n",
            (unsigned long long)seed, step, what, k, i, (void *)(R[k].addr + i * PAGE),
@@ -335,8 +343,14 @@ static void op_advise(uint64_t *rng, int k) {
             return; /* DONTNEED on locked memory fails; not what this checks */
     TRACE("step %ld madvise %d region %d pages %zu+%zu at %p\n", step, advice, k, a, n,
           (void *)(r->addr + a * PAGE));
-    if (madvise(r->addr + a * PAGE, n * PAGE, advice) != 0)
+    if (madvise(r->addr + a * PAGE, n * PAGE, advice) != 0) {
+        /* The kernel applies it mapping by mapping and stops at one it refuses (a locked one):
+         * the pages before it may have been dropped. */
+        if (advice == MADV_DONTNEED || advice == MADV_FREE)
+            for (size_t i = a; i < a + n; i++)
+                r->flag[i] |= F_MAYBE_ZERO;
         return;
+    }
     for (size_t i = a; i < a + n; i++) {
         if (advice == MADV_DONTNEED)
             r->cid[i] = 0, r->flag[i] &= ~F_MAYBE_ZERO;

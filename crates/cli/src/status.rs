@@ -1,0 +1,121 @@
+//! `pageone status`: the daemon's view per scope and client, as a summary or as its JSON.
+//!
+//! The JSON (`--json`) is what a plot or a monitor reads: `time_unix_ms` (when it was taken),
+//! per scope `saved_bytes`, `pages_shared`, `pages_sharing`, `zero_pages`, `merges_per_sec`,
+//! `worker_cpu_ns`, `store_resident_bytes`, and per client its engine's counters (`stats`: KSM's
+//! names, `merges`, `cow_breaks`, `vmas_used`, `vma_limit`, `vma_limited_merges`,
+//! `worker_cpu_ns`, ...). Polled every second, it draws saving over time.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+use pageone_engine::proto::{self, Reply, Request};
+use serde_json::Value;
+
+use crate::config::Loaded;
+use crate::scope::{connect_trusted, socket_or_default};
+
+/// Options of `pageone status`.
+#[derive(clap::Args)]
+pub struct StatusOptions {
+    /// The daemon's socket [default: $PAGEONE_SOCKET, else the configuration's, else the
+    /// default one].
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Print the daemon's JSON instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The daemon's status JSON (as the caller's user sees it).
+pub fn fetch(path: &Path) -> Result<Value> {
+    let sock = connect_trusted(path)?;
+    let (reply, _) = proto::call(&sock, &Request::Status, None)?;
+    let Reply::Text(text) = reply else {
+        bail!("the daemon answered out of protocol");
+    };
+    Ok(serde_json::from_str(&text)?)
+}
+
+pub fn run(o: StatusOptions, loaded: &Loaded) -> Result<()> {
+    let path = socket_or_default(o.socket, loaded)?;
+    let v = fetch(&path)?;
+    if o.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    print_text(&v);
+    Ok(())
+}
+
+/// The summary `pageone status` prints.
+fn print_text(v: &Value) {
+    println!(
+        "pageone daemon pid {} on {} (up {} s), scopes by {}{}",
+        v["pid"],
+        v["socket"],
+        v["uptime_secs"],
+        v["scope_by"],
+        v["anonymous_bytes"]
+            .as_f64()
+            .map_or(String::new(), |b| format!(
+                ", its own memory {:.1} MiB",
+                b / 1048576.0
+            )),
+    );
+    for u in v["users"].as_array().into_iter().flatten() {
+        println!(
+            "uid {}: {} connections, {} store pages, {} notes, {} requests in flight",
+            u["uid"], u["connections"], u["store_pages"], u["notes"], u["requests_in_flight"]
+        );
+    }
+    for s in v["scopes"].as_array().into_iter().flatten() {
+        println!(
+            "scope {}: {} clients, pages shared {}, sharing {}, zero {}, saved {:.1} MiB, \
+             {:.0} merges/s, worker CPU {:.2} s, store resident {:.1} MiB, noted {}",
+            s["scope"],
+            s["clients"].as_array().map_or(0, |c| c.len()),
+            s["pages_shared"],
+            s["pages_sharing"],
+            s["zero_pages"],
+            s["saved_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+            s["merges_per_sec"].as_f64().unwrap_or(0.0),
+            s["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9,
+            s["store_resident_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+            s["noted_first_sightings"],
+        );
+        if let Some(cg) = s["cgroup"].as_str() {
+            println!("  cgroup {cg}");
+        }
+        if s["clients_not_listed"].as_u64() > Some(0) {
+            println!("  ({} more clients not listed)", s["clients_not_listed"]);
+        }
+        for c in s["clients"].as_array().into_iter().flatten() {
+            if c["connected"] == false {
+                println!(
+                    "  client {} pid {}: disconnected; its {} copies stay held until it exits",
+                    c["client"], c["pid"], c["held"]
+                );
+                continue;
+            }
+            let st = &c["stats"];
+            println!(
+                "  client {} pid {}: shared {} sharing {} zero {} merges {} ({:.0}/s) \
+                 CPU {:.2} s, mappings {}/{} ({} merges held back), watch {}, daemon {}",
+                c["client"],
+                c["pid"],
+                st["pages_shared"],
+                st["pages_sharing"],
+                st["zero_pages"],
+                st["merges"],
+                c["merges_per_sec"].as_f64().unwrap_or(0.0),
+                st["worker_cpu_ns"].as_f64().unwrap_or(0.0) / 1e9,
+                st["vmas_used"],
+                st["vma_limit"],
+                st["vma_limited_merges"],
+                st["watch_mode"],
+                st["daemon"],
+            );
+        }
+    }
+}
