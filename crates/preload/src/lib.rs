@@ -73,26 +73,36 @@ fn log(msg: &str) {
     let _ = writeln!(std::io::stderr(), "pageone: {msg}");
 }
 
-/// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`
-/// (ignored, like every `PAGEONE_*` variable, in set-user-ID and similar secure-execution
-/// programs).
+/// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS` and
+/// the worker threads from `PAGEONE_WORKERS` (ignored, like every `PAGEONE_*` variable, in
+/// set-user-ID and similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
     let b = Engine::builder();
     // SAFETY: getauxval only reads the auxiliary vector.
     if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
         return b;
     }
-    let Ok(text) = std::env::var("PAGEONE_MERGE_PERIOD_MS") else {
-        return b;
+    let b = match setting("PAGEONE_MERGE_PERIOD_MS", "milliseconds") {
+        Some(ms) => b.merge_period(std::time::Duration::from_millis(ms)),
+        None => b,
     };
+    match setting("PAGEONE_WORKERS", "worker threads") {
+        Some(n) => b.workers(n as usize),
+        None => b,
+    }
+}
+
+/// A positive number from the environment variable `name`, if set (a bad value is logged and
+/// ignored).
+fn setting(name: &str, what: &str) -> Option<u64> {
+    let text = std::env::var(name).ok()?;
     match text.trim().parse::<u64>() {
-        Ok(ms) if ms > 0 => b.merge_period(std::time::Duration::from_millis(ms)),
+        Ok(v) if v > 0 => Some(v),
         _ => {
             log(&format!(
-                "PAGEONE_MERGE_PERIOD_MS={text} is not a positive number of milliseconds; \
-                 using the default"
+                "{name}={text} is not a positive number of {what}; using the default"
             ));
-            b
+            None
         }
     }
 }
