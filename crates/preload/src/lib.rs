@@ -258,22 +258,53 @@ fn drop_pages(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
         return raw_madvise(addr, len, advice);
     };
     let _change = changing_mappings();
-    let mut r = raw_madvise(addr, len, advice);
-    if r != 0 && advice == libc::MADV_FREE && errno() == libc::EINVAL {
-        // Refused on the merged pages (file mappings): what MADV_FREE allows, dropping them,
-        // is what MADV_DONTNEED does.
-        r = raw_madvise(addr, len, libc::MADV_DONTNEED);
-        if r != 0 {
-            // SAFETY: errno is this thread's.
-            unsafe { *libc::__errno_location() = libc::EINVAL };
-        }
+    if raw_madvise(addr, len, advice) == 0 {
+        emptied(eng, a, e);
+        return 0;
     }
-    if r == 0 {
-        if let Some(Err(err)) = guarded(|| eng.discard(a as *mut u8, e - a)) {
-            log(&format!("dropped merged pages could not be emptied: {err}"));
-        }
+    // Refused somewhere: the kernel applies it mapping by mapping and stops at the first it
+    // refuses (a locked one; for MADV_FREE also a file mapping, which merged pages are), having
+    // dropped the pages before it. The same here, mapping by mapping, with MADV_FREE of merged
+    // pages answered by dropping them (what MADV_FREE allows).
+    drop_piecewise(eng, a, e, advice)
+}
+
+/// The engine empties the merged pages of `[a, e)`, which the kernel just dropped.
+fn emptied(eng: &Engine, a: usize, e: usize) {
+    if let Some(Err(err)) = guarded(|| eng.discard(a as *mut u8, e - a)) {
+        log(&format!("dropped merged pages could not be emptied: {err}"));
     }
-    r
+}
+
+/// `drop_pages` one mapping at a time (see there): the result and `errno` of the first refusal,
+/// or `ENOMEM` if part of the range is not mapped, as the kernel answers.
+fn drop_piecewise(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
+    let Ok(maps) = sys::self_mappings() else {
+        return -1;
+    };
+    let store =
+        |m: &sys::Mapping| m.path.contains("pageone-stable") || m.path.contains("pageone-scope");
+    let (mut cur, mut hole) = (a, false);
+    for m in maps.iter().filter(|m| m.end > a && m.start < e) {
+        hole |= m.start > cur;
+        let (s, t) = (m.start.max(a), m.end.min(e));
+        let this = if advice == libc::MADV_FREE && store(m) {
+            libc::MADV_DONTNEED
+        } else {
+            advice
+        };
+        if raw_madvise(s as *mut c_void, t - s, this) != 0 {
+            return -1;
+        }
+        emptied(eng, s, t);
+        cur = t;
+    }
+    if hole || cur < e {
+        // SAFETY: errno is this thread's.
+        unsafe { *libc::__errno_location() = libc::ENOMEM };
+        return -1;
+    }
+    0
 }
 
 /// `drop_pages` in a forked child: pages merged in the parent are mappings of its store here;
