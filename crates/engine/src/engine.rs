@@ -366,6 +366,16 @@ impl Engine {
         }
     }
 
+    /// For tests: unregisters `[addr, addr+len)` from the store mappings' context, as Linux 6.8 to
+    /// 6.16 did as a side effect of unregistering a range from the main context (the engine must
+    /// still give anonymous memory back on such a kernel).
+    #[doc(hidden)]
+    pub fn drop_store_registrations(&self, addr: *mut u8, len: usize) {
+        if let Some(u) = &self.shared.store_uffd {
+            let _ = u.unregister(addr as usize, len);
+        }
+    }
+
     /// Pages currently held in the stable store (for tests: 0 after unregistering everything).
     pub fn stable_pages(&self) -> usize {
         let st = lock(&self.shared.state);

@@ -406,7 +406,12 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
         return false;
     };
     let len = e - s;
-    if u2.writeprotect(s, len, true).is_err() {
+    // Registered for write-protection through the store mappings' context, which kernels before
+    // 6.17 dropped when the main context unregistered the range: register again if so.
+    let protected = u2.writeprotect(s, len, true).is_ok()
+        || (u2.register(s, len, UFFDIO_REGISTER_MODE_WP).is_ok()
+            && u2.writeprotect(s, len, true).is_ok());
+    if !protected {
         let _ = u2.writeprotect(s, len, false);
         return false;
     }

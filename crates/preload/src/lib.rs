@@ -349,6 +349,40 @@ fn errno() -> c_int {
     unsafe { *libc::__errno_location() }
 }
 
+/// The name under which `PR_SET_MEMORY_MERGE` is kept across `execve` (in the environment, which
+/// the new program inherits, as the kernel keeps its flag across `execve`).
+const MERGE_ALL_ENV: &std::ffi::CStr = c"PAGEONE_MEMORY_MERGE";
+
+fn remember_merge_all(on: bool) {
+    // SAFETY: NUL-terminated strings; the program asked for the process-wide setting (as with
+    // `setenv` in general, a thread reading the environment concurrently is the program's race).
+    unsafe {
+        if on {
+            libc::setenv(MERGE_ALL_ENV.as_ptr(), c"1".as_ptr(), 1);
+        } else {
+            libc::unsetenv(MERGE_ALL_ENV.as_ptr());
+        }
+    }
+}
+
+/// Run when the shim is loaded: a program started (by `execve`) from one that had
+/// `PR_SET_MEMORY_MERGE` on has it on too.
+extern "C" fn on_load() {
+    // SAFETY: a NUL-terminated name; read before the program's threads start.
+    let set = unsafe { libc::getenv(MERGE_ALL_ENV.as_ptr()) };
+    // SAFETY: getauxval only reads the auxiliary vector.
+    let secure = unsafe { libc::getauxval(libc::AT_SECURE) } != 0;
+    // SAFETY: a NUL-terminated value of the environment.
+    if !set.is_null() && !secure && unsafe { std::ffi::CStr::from_ptr(set) } == c"1" {
+        // Relaxed: see prctl; nothing else runs yet.
+        MERGE_ALL.store(true, Ordering::Relaxed);
+    }
+}
+
+#[used]
+#[link_section = ".init_array"]
+static ON_LOAD: extern "C" fn() = on_load;
+
 /// Registers the eligible mappings (see the crate doc) that are not registered yet.
 fn merge_all(eng: &Engine) {
     let Ok(maps) = sys::self_mappings() else {
@@ -391,6 +425,7 @@ pub unsafe extern "C" fn prctl(
                 let eng = engine()?;
                 // Relaxed: a mode flag read by later mmap calls; no data is published with it.
                 MERGE_ALL.store(on, Ordering::Relaxed);
+                remember_merge_all(on);
                 if on {
                     merge_all(eng);
                 }

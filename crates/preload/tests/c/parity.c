@@ -33,7 +33,11 @@ static int drop_sys_resource(void) {
     return (int)syscall(SYS_capset, &h, d);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "after-exec")) {
+        show("get merge, after exec", prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0));
+        return 0;
+    }
     char *p = mmap(NULL, 8 * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return 2;
@@ -67,5 +71,9 @@ int main(void) {
     int status = 0;
     waitpid(k, &status, 0);
     show("child exit", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-    return 0;
+    /* The flag survives execve (Linux keeps it since 6.x). */
+    show("set merge on, before exec", prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0));
+    execl("/proc/self/exe", argv[0], "after-exec", (char *)NULL);
+    show("exec", -1);
+    return 1;
 }
