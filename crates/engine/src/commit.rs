@@ -20,7 +20,7 @@ use crate::access::{equals_copy, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
 use crate::changes::{Change, Fate};
 use crate::classify::Classified;
-use crate::config::Config;
+use crate::config::{Config, WatchMode};
 use crate::freeze::{Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, MAX_RUN};
 use crate::layout::holding_still;
 use crate::state::{Page, PageKind, RegionState, Shared, State};
@@ -386,10 +386,23 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
     });
     drop(log);
     replace_frozen(cx, run, plan, &mut frozen, &mut out);
-    for (k, v) in out.verdict.iter().enumerate().take(run.n) {
-        if matches!(v, Some(Action::Zero | Action::Recycle(_))) {
-            frozen.consume(k);
+    let released = |k: usize| matches!(out.verdict[k], Some(Action::Zero | Action::Recycle(_)));
+    let mut k = 0;
+    while k < run.n {
+        if !released(k) {
+            k += 1;
+            continue;
         }
+        let m = (k..run.n).take_while(|&q| released(q)).count();
+        (k..k + m).for_each(|q| frozen.consume(q));
+        // Released pages read the shared zero page from now on, mapped before the writers are
+        // woken: a later touch is the kernel's, not a missing fault answered by the fault thread.
+        // (Checksum watching cannot tell the zero page from a page of zeros: it leaves them
+        // empty.)
+        if cx.sh.mode == WatchMode::UffdWp {
+            let _ = cx.sh.uffd.fill_zero_pages(run.start + k * PAGE, m * PAGE);
+        }
+        k += m;
     }
     out.restore = frozen.restore();
     out

@@ -229,4 +229,6 @@ pub(crate) struct Counters {
     pub(crate) joins: AtomicU64,
     /// Pages made private when leaving replaced stores (see `leave_replaced_stores`).
     pub(crate) left_private: AtomicU64,
+    /// Missing faults answered by the fault thread.
+    pub(crate) faults_answered: AtomicU64,
 }

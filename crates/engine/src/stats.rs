@@ -62,6 +62,11 @@ pub struct Stats {
     /// dropped by the program, or still waiting) and were made private so that the old store can
     /// be freed; they merge again like any page.
     pub pages_left_private: u64,
+    /// Missing faults the engine's fault thread answered (with the zero page): touches of
+    /// registered memory that was empty. Each costs the touching thread a round trip to that
+    /// thread; the engine maps the zero page over memory it registers and pages it releases so that
+    /// first touches stay in the kernel.
+    pub faults_answered: u64,
 }
 
 /// The engine's link to a `pageone daemon` (serialised in lower case: "none", "connected", "lost",
@@ -124,6 +129,7 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         pages_recycled: c.recycled.load(Ordering::Relaxed),
         daemon_joins: c.joins.load(Ordering::Relaxed),
         pages_left_private: c.left_private.load(Ordering::Relaxed),
+        faults_answered: c.faults_answered.load(Ordering::Relaxed),
         general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
         merges: c.merges.load(Ordering::Relaxed),
         cow_breaks: c.cow_breaks.load(Ordering::Relaxed),

@@ -47,15 +47,18 @@ fn holds(page: &[u8], v: u64) -> bool {
             .all(|w| u64::from_le_bytes(w.try_into().unwrap()) == v)
 }
 
-/// Present pages of `s` by the kernel's page tables.
+/// Pages of `s` holding memory of their own by the kernel's page tables (present, and not the
+/// shared zero page, which released pages map).
 fn present(s: &[u8]) -> usize {
     let pm = pageone_sys::Pagemap::open().unwrap();
-    pm.count_pages(
-        s.as_ptr() as usize,
-        s.len() / PAGE,
-        pageone_sys::uapi::PAGE_IS_PRESENT,
-    )
-    .unwrap()
+    let (start, n) = (s.as_ptr() as usize, s.len() / PAGE);
+    let present = pm
+        .pages_with(start, n, pageone_sys::uapi::PAGE_IS_PRESENT)
+        .unwrap();
+    let zero = pm
+        .pages_with(start, n, pageone_sys::uapi::PAGE_IS_PFNZERO)
+        .unwrap();
+    present.iter().zip(&zero).filter(|(&p, &z)| p && !z).count()
 }
 
 /// An engine with `period` recycling from `pool`, and a registered region of `pages` pages

@@ -21,6 +21,7 @@ pub const UFFDIO_REGISTER_MODE_MISSING: u64 = 1 << 0;
 pub const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 
 pub const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
+pub const UFFDIO_ZEROPAGE_MODE_DONTWAKE: u64 = 1 << 0;
 pub const UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES: u64 = 1 << 1;
 
 pub const UFFD_FEATURE_EVENT_REMAP: u64 = 1 << 2;

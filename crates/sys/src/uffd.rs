@@ -125,6 +125,42 @@ impl Uffd {
             .map(drop)
     }
 
+    /// Maps the shared zero page over every empty page of `[start, start+len)` without waking
+    /// anyone (the caller wakes): pages present already are skipped (the kernel stops at each
+    /// with `EEXIST`). Returns the pages filled; an error other than `EEXIST` ends it.
+    pub fn fill_zero_pages(&self, start: usize, len: usize) -> io::Result<usize> {
+        let (mut at, end, mut filled) = (start, start + len, 0);
+        while at < end {
+            let mut z = UffdioZeropage {
+                range: UffdioRange {
+                    start: at as u64,
+                    len: (end - at) as u64,
+                },
+                mode: UFFDIO_ZEROPAGE_MODE_DONTWAKE,
+                zeropage: 0,
+            };
+            // SAFETY: z is a live uffdio_zeropage.
+            let r = unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) };
+            let done = if z.zeropage > 0 {
+                z.zeropage as usize
+            } else {
+                0
+            };
+            filled += done / crate::PAGE_SIZE;
+            at += done;
+            if r == 0 {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return if filled > 0 { Ok(filled) } else { Err(e) };
+            }
+            // The page at `at` is present: skip it.
+            at += crate::PAGE_SIZE;
+        }
+        Ok(filled)
+    }
+
     /// Write-protects (`protect`) or un-protects `[start, start+len)`; un-protecting also clears
     /// the write-protect markers of unpopulated pages and wakes faulters.
     pub fn writeprotect(&self, start: usize, len: usize, protect: bool) -> io::Result<()> {
