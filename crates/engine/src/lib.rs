@@ -32,12 +32,19 @@
 //!
 //! Copy-on-write breaks are seen without hashing: a merged page that is present but no longer
 //! file-backed was written. Its copy's reference is dropped; a copy nobody maps is freed with
-//! `fallocate(PUNCH_HOLE)`. Missing faults that are not frozen pages (first touches, released zero
-//! pages) are answered with the shared zero page by a fault thread.
+//! `fallocate(PUNCH_HOLE)`. Registered memory is populated with the shared zero page when it is
+//! registered, and released zero pages get it back, so first touches stay in the kernel; the few
+//! missing faults left (memory the program dropped behind the shim's back) are answered with the
+//! zero page by a fault thread.
 //!
-//! A period holds the *period lock* from watch to the end of its last commit; `register` and
-//! `unregister` take it too, so a region never changes shape under a period. The state lock is
-//! held only for bookkeeping: copies are written, indexed, frozen and compared without it.
+//! The program may unmap, move, drop or re-protect registered memory at any time, also by calls
+//! no shim sees: the kernel reports those changes (userfaultfd events), the fault thread records
+//! them under a lock the committer holds while it freezes, and the engine applies them to its
+//! regions (see the `changes` module). A change the shim does see waits for the run being merged
+//! ([`changing_mappings`]), and so does `fork`. Registration calls never wait for a period. The
+//! state lock is held only for bookkeeping: copies are written, indexed, frozen and compared
+//! without it; between a run's freeze and its wake the committer takes no lock a program thread
+//! can hold, allocates and logs nothing, and runs at normal priority.
 //!
 //! One copy serves at most `max_sharing` pages (KSM's `max_page_sharing`): a larger group is split
 //! into chunks, each led by a page that gets a copy of its own, so content repeated many times
@@ -58,7 +65,9 @@
 //! holds what the stages keep between periods, and names the types `sightings`, `watch` and
 //! `read_ahead` define for it.
 //!
-//! * `access`: reading pages of live memory, and what a read finds.
+//! * `access`: reading pages of live memory (through the kernel), and what a read finds.
+//! * `changes`: changes to registered memory the kernel reports; `layout`: the regions cut and
+//!   moved by them, and the lock that holds mapping changes and `fork` off a frozen run.
 //! * `candidates`: the pages a period may merge, and their order into batches by content.
 //! * `freeze`: the guards that hold a run of pages still for a merge, and let it go on drop.
 //! * `state`: per-page and per-region bookkeeping, the state lock's contents, what the threads
