@@ -288,9 +288,10 @@ fn afford(
         } else {
             acts[k..k + m].fill(None);
             for q in k..k + m {
+                // It waits for room at no cost per period (see `PageKind::Parked`).
                 let p = &mut rs.region.pages[run.first_index + q];
                 p.unchanged = 0;
-                p.back_off(cx.config.max_backoff);
+                p.kind = PageKind::Parked;
             }
             limited += m as u64;
         }

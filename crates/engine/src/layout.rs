@@ -133,7 +133,7 @@ pub(crate) fn forget_pages(st: &mut State, piece: &RegionState) {
             PageKind::Merged => st.store.drop_ref(p.sid),
             PageKind::Zero => st.zero -= 1,
             PageKind::Unique => st.stale_sightings += 1,
-            PageKind::Anon | PageKind::Broken | PageKind::Foreign => {}
+            PageKind::Anon | PageKind::Broken | PageKind::Foreign | PageKind::Parked => {}
         }
     }
 }
@@ -197,7 +197,7 @@ fn dropped(st: &mut State, range: Range<usize>) {
         }
         for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
             match p.kind {
-                PageKind::Anon | PageKind::Unique => {
+                PageKind::Anon | PageKind::Unique | PageKind::Parked => {
                     if p.kind == PageKind::Unique {
                         *stale_sightings += 1;
                     }

@@ -320,6 +320,30 @@ fn run_period(cx: &PeriodCtx<'_>, kicked: bool) -> io::Result<()> {
 /// The watch, under the state lock: this period's candidates (less the pages marked free, which
 /// are released instead), the PPR tickets, a fresh VMA count when due, and what classification
 /// needs of the store.
+/// VMAs of room under the budget that make pages parked on it candidates again.
+const UNPARK_ROOM: usize = 64;
+
+/// Pages parked on the VMA budget (see `PageKind::Parked`) become candidates again at this watch
+/// once the budget has room: the limit was raised, or mappings went away.
+fn unpark_if_room(cx: &PeriodCtx<'_>, st: &mut State) {
+    if st.parked == 0 {
+        return;
+    }
+    // Relaxed: read each period by this thread (written above in `run_period`).
+    let limit = cx.sh.counters.vma_limit.load(Ordering::Relaxed) as usize;
+    let budget = limit.saturating_sub(cx.config.vma_margin);
+    if st.vmas + UNPARK_ROOM > budget {
+        return;
+    }
+    for r in st.regions.values_mut() {
+        for p in r.pages.iter_mut().filter(|p| p.kind == PageKind::Parked) {
+            p.kind = PageKind::Anon;
+            p.unchanged = cx.config.merge_periods;
+        }
+    }
+    st.parked = 0;
+}
+
 fn observe(
     cx: &PeriodCtx<'_>,
     kicked: bool,
@@ -327,6 +351,7 @@ fn observe(
     recycler: Option<&pageone_recycler::Pool>,
 ) -> io::Result<Watched> {
     let mut st = lock(&cx.sh.state);
+    unpark_if_room(cx, &mut st);
     let mut candidates = watch(cx.sh, &mut st, cx.config, kicked)?;
     // Pages marked free (PPR) are released this period: they skip the unchanged wait.
     let tickets = match recycler {

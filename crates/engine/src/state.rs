@@ -44,6 +44,10 @@ pub(crate) enum PageKind {
     /// joined): it still maps that store's copy, and is merged again onto the current store like a
     /// COW-broken page (the copy is in a store mapping). Written, it becomes `Broken`.
     Foreign,
+    /// An unchanged page whose merge the VMA budget could not afford: it waits, at no cost per
+    /// period, until the budget has room again (the limit was raised, or mappings went away), or
+    /// until it is written.
+    Parked,
 }
 
 impl PageKind {
@@ -113,6 +117,8 @@ pub(crate) struct State {
     pub(crate) scratch: usize,
     pub(crate) pagemap: Arc<sys::Pagemap>,
     pub(crate) unshared: u64,
+    /// Pages parked on the VMA budget at the last watch.
+    pub(crate) parked: u64,
     pub(crate) volatile: u64,
     pub(crate) zero: u64,
     /// VMAs of the process: counted at the start of each period, then kept by the committer.
@@ -146,6 +152,7 @@ impl State {
             scratch,
             pagemap: Arc::new(pagemap),
             unshared: 0,
+            parked: 0,
             volatile: 0,
             zero: 0,
             vmas: 0,

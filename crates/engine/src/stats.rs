@@ -41,6 +41,10 @@ pub struct Stats {
     /// VMAs of this process now, and the limit the engine respects.
     pub vmas_used: u64,
     pub vma_limit: u64,
+    /// Pages that would merge but wait for room under the VMA budget (`vm.max_map_count` minus
+    /// the margin): they cost nothing per period until the limit is raised or mappings go away.
+    /// Raising `vm.max_map_count` by twice this many lets them merge.
+    pub pages_waiting_on_limit: u64,
     /// Merges skipped because they would have exceeded the VMA budget.
     pub vma_limited_merges: u64,
     /// How writes are detected: [`WatchMode::UffdWp`] or [`WatchMode::Checksum`] (serialised as
@@ -137,6 +141,7 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         vmas_used: vmas,
         vma_limit: c.vma_limit.load(Ordering::Relaxed),
         vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
+        pages_waiting_on_limit: st.parked,
         watch_mode: sh.mode,
         worker_cpu_ns: lock(&sh.clocks).iter().map(sys::CpuClock::ns).sum(),
         registered_bytes: registered as u64,

@@ -34,6 +34,7 @@ pub(crate) fn watch(
         out: Vec::new(),
         volatile: 0,
         unique: 0,
+        parked: 0,
         all_pages: st.regions.values().map(|r| r.pages.len()).sum(),
     };
     let State {
@@ -66,6 +67,7 @@ pub(crate) fn watch(
     }
     st.volatile = tally.volatile;
     st.unshared = tally.unique;
+    st.parked = tally.parked;
     // Sized for the largest region (memory a region unregistered since does not keep).
     let largest = st
         .regions
@@ -159,6 +161,8 @@ struct Tally {
     volatile: u64,
     /// Unchanged pages waiting as first sightings.
     unique: u64,
+    /// Pages parked on the VMA budget.
+    parked: u64,
     /// Registered pages: room for every candidate is made at once.
     all_pages: usize,
 }
@@ -193,8 +197,10 @@ impl RegionWatch<'_> {
             // here). Both are handled below as well; this only skips to the next page.
             let merged_quiet = (p.kind == PageKind::Merged) & (c & 3 != 1);
             let unique_quiet = (p.kind == PageKind::Unique) & (c & 0b1101 == 1) & wp;
+            let parked_quiet = (p.kind == PageKind::Parked) & (c & 0b1101 == 1) & wp;
             self.tally.unique += u64::from(unique_quiet);
-            if merged_quiet | unique_quiet {
+            self.tally.parked += u64::from(parked_quiet);
+            if merged_quiet | unique_quiet | parked_quiet {
                 continue;
             }
             self.page(self.start + i * PAGE, p, sum, c);
@@ -256,6 +262,15 @@ impl RegionWatch<'_> {
                 }
             }
             PageKind::Unique => self.unique(addr, p, sum, c),
+            PageKind::Parked => {
+                let present = c & 1 != 0;
+                if present && c & 4 == 0 && !self.written(addr, sum, c) {
+                    self.tally.parked += 1;
+                    return;
+                }
+                p.kind = PageKind::Anon;
+                self.anonymous(addr, p, sum, c);
+            }
             PageKind::Anon => self.anonymous(addr, p, sum, c),
         }
     }

@@ -88,3 +88,55 @@ fn vma_limit_child() {
     }
     drop(r);
 }
+
+/// At its VMA budget (set low with the margin knob, not the sysctl) the engine stops spending:
+/// pages it cannot afford to merge wait without being classified or frozen again, the engine's
+/// CPU stays near zero, and they merge once the budget has room again.
+#[test]
+fn at_the_budget_waiting_pages_cost_nothing_until_there_is_room() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let n = 4096;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    let content = |i: usize| {
+        if i % 2 == 0 {
+            (i % n) as u64 + 1
+        } else {
+            (i + 10 * n) as u64
+        }
+    };
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    // Room for about 300 more VMAs: each merge here is one or two.
+    let limit = sys::max_map_count().unwrap();
+    let margin = limit - sys::map_count().unwrap() - 300;
+    e.reconfigure(|c| c.vma_margin = margin).unwrap();
+    let s = wait_for(&e, |s| s.pages_waiting_on_limit > 0 && s.merges > 0);
+    assert!(s.pages_waiting_on_limit > 0, "{s:?}");
+    // Settled at the budget: a few seconds of periods cost next to nothing.
+    e.wait_periods(10, Duration::from_secs(10));
+    let (t0, cpu0) = (std::time::Instant::now(), e.stats().worker_cpu_ns);
+    std::thread::sleep(Duration::from_secs(2));
+    let cpu = (e.stats().worker_cpu_ns - cpu0) as f64 / t0.elapsed().as_nanos() as f64;
+    assert!(
+        cpu < 0.05,
+        "the engine used {:.1}% of a CPU at its budget: {:?}",
+        cpu * 100.0,
+        e.stats()
+    );
+    let merged = e.stats().pages_sharing;
+    // Room again: the waiting pages merge.
+    e.reconfigure(|c| c.vma_margin = 1024).unwrap();
+    let s = wait_for(&e, |s| {
+        s.pages_waiting_on_limit == 0 && s.pages_sharing > merged
+    });
+    assert!(s.pages_sharing > merged, "{s:?}");
+    assert_eq!(s.pages_waiting_on_limit, 0, "{s:?}");
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed");
+    }
+    drop(r);
+}
