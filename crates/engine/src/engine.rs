@@ -166,6 +166,7 @@ impl Engine {
             frozen: FrozenRange::default(),
             changes: Mutex::default(),
             stop: AtomicBool::new(false),
+            faults_done: AtomicBool::new(false),
             stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
             periods: Mutex::new(0),
             period_cv: Condvar::new(),
@@ -361,6 +362,9 @@ impl Engine {
             let _ = t.join();
         }
         registry::unregister_all(&self.shared);
+        // SeqCst: pairs with the fault thread's load.
+        self.shared.faults_done.store(true, Ordering::SeqCst);
+        let _ = sys::eventfd_signal(std::os::fd::AsRawFd::as_raw_fd(&self.shared.stop_fd));
         if let Some(t) = self.fault_thread.take() {
             let _ = t.join();
         }

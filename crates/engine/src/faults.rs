@@ -26,7 +26,10 @@ pub(crate) fn fault_loop(sh: &Shared) {
     ];
     fds.extend(sh.store_uffd.as_ref().map(|u| u.as_raw_fd()));
     loop {
-        if sh.stop.load(Ordering::SeqCst) && lock(&sh.state).regions.is_empty() {
+        // Never the state lock here: its holder may be waiting in the kernel for this thread
+        // to read an event (an unregistering making store mappings anonymous, say).
+        // SeqCst: pairs with the store in `Engine::stop`, after every region was unregistered.
+        if sh.faults_done.load(Ordering::SeqCst) {
             return;
         }
         if sys::poll_readable(&fds, 100).is_err() {

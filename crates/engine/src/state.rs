@@ -194,6 +194,9 @@ pub(crate) struct Shared {
     /// gate.
     pub(crate) changes: Mutex<ChangeLog>,
     pub(crate) stop: AtomicBool,
+    /// Set once every region is unregistered at the stop: the fault thread ends then (it must
+    /// answer faults and read events until then).
+    pub(crate) faults_done: AtomicBool,
     pub(crate) stop_fd: std::os::fd::OwnedFd,
     /// Periods completed, with a condvar for `wait_periods`.
     pub(crate) periods: Mutex<u64>,
