@@ -404,8 +404,9 @@ enum pageone_status pageone_engine_register(const struct pageone_engine *engine,
                                             size_t len);
 
 /**
- * Unregisters the registered regions inside `[addr, addr + len)`, the equivalent of
- * `madvise(MADV_UNMERGEABLE)`: every page becomes private again with its contents intact.
+ * Unregisters the registered pages inside `[addr, addr + len)`, the equivalent of
+ * `madvise(MADV_UNMERGEABLE)`: those pages become private again with their contents intact, and
+ * the rest of each region stays registered. `PAGEONE_NOT_REGISTERED` if none was.
  *
  * # Safety
  *

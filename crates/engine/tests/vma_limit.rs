@@ -100,6 +100,11 @@ fn at_the_budget_waiting_pages_cost_nothing_until_there_is_room() {
         .unwrap();
     let n = 4096;
     let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    // Room for about 300 more VMAs: each merge here is one or two. The budget is set before
+    // the pages are written, so no merge happens before it is in place.
+    let limit = sys::max_map_count().unwrap();
+    let margin = limit - sys::map_count().unwrap() - 300;
+    e.reconfigure(|c| c.vma_margin = margin).unwrap();
     let content = |i: usize| {
         if i % 2 == 0 {
             (i % n) as u64 + 1
@@ -110,10 +115,6 @@ fn at_the_budget_waiting_pages_cost_nothing_until_there_is_room() {
     for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
         fill(p, content(i));
     }
-    // Room for about 300 more VMAs: each merge here is one or two.
-    let limit = sys::max_map_count().unwrap();
-    let margin = limit - sys::map_count().unwrap() - 300;
-    e.reconfigure(|c| c.vma_margin = margin).unwrap();
     let s = wait_for(&e, |s| s.pages_waiting_on_limit > 0 && s.merges > 0);
     assert!(s.pages_waiting_on_limit > 0, "{s:?}");
     // Settled at the budget: a few seconds of periods cost next to nothing.

@@ -160,12 +160,16 @@ fn engine_errors_map_to_their_status() {
         assert_eq!(pageone_engine_register(e, private, len), PAGEONE_OK);
         let inner = private.cast::<u8>().add(PAGE).cast();
         assert_eq!(pageone_engine_register(e, inner, PAGE), PAGEONE_OVERLAP);
-        // A part of a region cannot be unregistered.
-        assert_eq!(pageone_engine_unregister(e, private, PAGE), PAGEONE_OVERLAP);
+        // A part of a region can be unregistered; the rest stays registered.
+        assert_eq!(pageone_engine_unregister(e, private, PAGE), PAGEONE_OK);
+        assert_eq!(
+            pageone_engine_unregister(e, private, PAGE),
+            PAGEONE_NOT_REGISTERED
+        );
 
         let mut s = pageone_stats::default();
         assert_eq!(pageone_engine_stats(e, &mut s), PAGEONE_OK);
-        assert_eq!(s.registered_bytes, len as u64);
+        assert_eq!(s.registered_bytes, (len - PAGE) as u64);
         assert_eq!(
             s.daemon,
             pageone_daemon_link::PAGEONE_DAEMON_LINK_NONE as u32
