@@ -117,14 +117,11 @@ pub fn run(total_mib: usize, copies: usize, workers: usize, hard: bool) -> Resul
         mib(pss1.saturating_sub(pss2))
     );
     println!("stats: {}", serde_json::to_string_pretty(&s)?);
-    if s.vma_limited_merges > 0 {
+    if let Some(n) = s.max_map_count_to_merge() {
         println!(
-            "the process reached its VMA limit (vm.max_map_count = {}): merges waited {} times; \
-             each run of merged pages costs up to two VMAs, so raise the limit \
-             (sysctl -w vm.max_map_count={}) to merge more",
-            s.vma_limit,
-            s.vma_limited_merges,
-            s.vma_limit.saturating_mul(4)
+            "the process reached its mapping limit (vm.max_map_count = {}): {} pages wait to \
+             merge; sysctl -w vm.max_map_count={n} would let them",
+            s.vma_limit, s.pages_waiting_on_limit
         );
     }
     // Every byte is still what was written.

@@ -116,6 +116,44 @@ fn print_text(v: &Value) {
                 st["watch_mode"],
                 st["daemon"],
             );
+            if let Some(line) = limit_advice(st) {
+                println!("    {line}");
+            }
         }
+    }
+}
+
+/// What a client's report says about its mapping limit when pages wait on it: how many, and
+/// the setting that would let them merge.
+fn limit_advice(st: &Value) -> Option<String> {
+    let n = |k: &str| st[k].as_u64().unwrap_or(0);
+    let stats = pageone_engine::Stats {
+        vmas_used: n("vmas_used"),
+        vma_limit: n("vma_limit"),
+        pages_waiting_on_limit: n("pages_waiting_on_limit"),
+        ..Default::default()
+    };
+    let to = stats.max_map_count_to_merge()?;
+    Some(format!(
+        "the mapping limit binds: {} pages wait to merge; vm.max_map_count={to} \
+         (pageone daemon --max-map-count {to}) would let them",
+        stats.pages_waiting_on_limit
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_at_its_limit_is_told_the_setting_that_lets_its_pages_merge() {
+        let st = serde_json::json!({
+            "vmas_used": 65_000, "vma_limit": 65_530, "pages_waiting_on_limit": 1000
+        });
+        let line = limit_advice(&st).unwrap();
+        assert!(line.contains("1000 pages wait"), "{line}");
+        assert!(line.contains("vm.max_map_count=131072"), "{line}");
+        let free = serde_json::json!({"vmas_used": 100, "vma_limit": 65_530});
+        assert_eq!(limit_advice(&free), None);
     }
 }

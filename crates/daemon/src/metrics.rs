@@ -88,6 +88,10 @@ const CLIENT_GAUGES: &[(&str, &str)] = &[
         "The mapping limit the engine respects (vm.max_map_count, read every period)",
     ),
     ("registered_bytes", "Memory registered with the engine"),
+    (
+        "pages_waiting_on_limit",
+        "Pages that would merge but wait for room under the mapping limit (vm.max_map_count)",
+    ),
 ];
 
 /// A client's reported counters (the metric's name gets `_total`).

@@ -73,6 +73,28 @@ pub struct Stats {
     pub faults_answered: u64,
 }
 
+impl Stats {
+    /// The `vm.max_map_count` that would let the pages waiting on the limit merge, or `None`
+    /// when none waits: the mappings in use, two more per waiting page (a merged page between
+    /// private neighbours splits its mapping in three), and the engine's default margin,
+    /// rounded up to a multiple of 65536. Never below the limit in force.
+    pub fn max_map_count_to_merge(&self) -> Option<u64> {
+        if self.pages_waiting_on_limit == 0 {
+            return None;
+        }
+        let margin = crate::config::Config::default().vma_margin as u64;
+        let need = self
+            .vmas_used
+            .saturating_add(self.pages_waiting_on_limit.saturating_mul(2))
+            .saturating_add(margin);
+        Some(
+            need.div_ceil(65536)
+                .saturating_mul(65536)
+                .max(self.vma_limit),
+        )
+    }
+}
+
 /// The engine's link to a `pageone daemon` (serialised in lower case: "none", "connected", "lost",
 /// "unreachable").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -185,5 +207,23 @@ mod tests {
             let json = serde_json::to_string(&link).unwrap();
             assert_eq!(json, format!("\"{link}\""));
         }
+    }
+
+    /// The advised limit covers every waiting page, is a multiple of 65536 and never lowers
+    /// the limit in force; with nothing waiting there is no advice.
+    #[test]
+    fn the_advised_limit_lets_every_waiting_page_merge() {
+        let mut s = Stats {
+            vmas_used: 65_000,
+            vma_limit: 65_530,
+            ..Stats::default()
+        };
+        assert_eq!(s.max_map_count_to_merge(), None);
+        s.pages_waiting_on_limit = 100_000;
+        let n = s.max_map_count_to_merge().unwrap();
+        assert!(n >= 65_000 + 200_000 + 1024, "{n}");
+        assert_eq!(n % 65536, 0);
+        s.vma_limit = 10_000_000;
+        assert_eq!(s.max_map_count_to_merge(), Some(10_000_000));
     }
 }
