@@ -7,6 +7,12 @@ prints the md5 of its data, idles while the host measures, then prints the md5 a
 asks for merging (`-machine mem-merge=on`: madvise(MADV_MERGEABLE) on guest RAM); under
 `pageone run` the shim answers it, with both QEMU processes in one scope of one daemon.
 
+A third boot under `pageone run` gives each guest a virtio balloon with free page reporting
+(`-device virtio-balloon,free-page-reporting=on`): each guest writes a file of random bytes, frees it
+once its data has merged, and the guest reports the freed pages, which QEMU drops with
+`madvise(MADV_DONTNEED)` on merged guest RAM. Asserts that the host got that memory back, that the
+merged pages stayed merged and that the data is intact.
+
 Asserts: every checksum is the expected one (before and after merging), and host memory was saved
 (the QEMU processes' Pss and the daemon's stats; MemAvailable is reported next to them). Prints the saving with pageone
 next to KSM's for the same guests and data. Needs root (KSM knobs), qemu-system-x86,
@@ -60,18 +66,58 @@ poweroff -f
 """
 
 
-def build_initramfs(work, data, wait_secs):
-    root = os.path.join(work, "root")
+JUNK_MIB = 48
+
+# The balloon guest: loads the virtio balloon's modules, writes JUNK_MIB of random bytes, prints
+# its checksum; once the host has measured, frees the random file (the balloon reports the freed
+# pages to QEMU) and prints the checksum again; then once more after the host measured again.
+BALLOON_INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon; do
+    [ -f /lib/$m.ko ] && insmod /lib/$m.ko
+done
+echo "DRIVERS $(ls /sys/bus/virtio/drivers 2>/dev/null | tr '\\n' ' ')"
+dd if=/dev/urandom of=/junk bs=1M count={junk} 2>/dev/null
+echo "CHECKSUM $(md5sum /data | cut -d' ' -f1)"
+read -t {wait} -r go
+rm /junk
+echo "FREED $(md5sum /data | cut -d' ' -f1)"
+read -t {wait} -r go
+echo "CHECK2 $(md5sum /data | cut -d' ' -f1)"
+echo "GUEST-DONE"
+poweroff -f
+"""
+
+BALLOON_MODULES = ["virtio", "virtio_ring", "virtio_pci_legacy_dev", "virtio_pci_modern_dev",
+                   "virtio_pci", "virtio_balloon"]
+
+
+def build_initramfs(work, data, wait_secs, name="initramfs", balloon=False):
+    root = os.path.join(work, name)
     os.makedirs(os.path.join(root, "bin"))
-    for d in ("proc", "sys", "dev"):
+    for d in ("proc", "sys", "dev", "lib"):
         os.makedirs(os.path.join(root, d))
     shutil.copy("/bin/busybox", os.path.join(root, "bin", "busybox"))
     with open(os.path.join(root, "init"), "w") as f:
-        f.write(INIT.format(wait=wait_secs))
+        if balloon:
+            f.write(BALLOON_INIT.format(wait=wait_secs, junk=JUNK_MIB))
+        else:
+            f.write(INIT.format(wait=wait_secs))
     os.chmod(os.path.join(root, "init"), 0o755)
+    if balloon:
+        version = os.path.basename(kernel())[len("vmlinuz-"):]
+        mods = f"/lib/modules/{version}/kernel/drivers/virtio"
+        for m in BALLOON_MODULES:
+            if os.path.exists(f"{mods}/{m}.ko"):
+                shutil.copy(f"{mods}/{m}.ko", os.path.join(root, "lib"))
+        if not os.path.exists(os.path.join(root, "lib", "virtio_balloon.ko")):
+            sys.exit(f"no virtio_balloon.ko in {mods}: the balloon guest needs it")
     with open(os.path.join(root, "data"), "wb") as f:
         f.write(data)
-    img = os.path.join(work, "initramfs.cpio")
+    img = os.path.join(work, name + ".cpio")
     subprocess.run(
         # The small files first: if unpacking ran short of memory, /init would still be there.
         f"cd {root} && (find . ! -name data; echo ./data) | cpio -o -H newc --quiet > {img}",
@@ -88,13 +134,13 @@ def kernel():
     return ks[-1]
 
 
-def qemu_cmd(initrd):
+def qemu_cmd(initrd, extra=()):
     return [
         "qemu-system-x86_64", "-accel", "tcg", "-machine", "pc,mem-merge=on",
         "-m", str(GUEST_MIB), "-smp", "1", "-nographic", "-no-reboot",
         "-kernel", kernel(), "-initrd", initrd,
         "-append", "console=ttyS0 quiet panic=-1 rdinit=/init rootfstype=ramfs",
-    ]
+    ] + list(extra)
 
 
 def mem_available_kib(drop=True):
@@ -216,13 +262,13 @@ def qemu_pids(parent_pids):
 class Guests:
     """Starts the guests (through `launcher` + QEMU) and collects their console lines."""
 
-    def __init__(self, launcher, initrd, env):
+    def __init__(self, launcher, initrd, env, extra=()):
         self.procs = []
         self.lines = []
         self.lock = threading.Lock()
         for g in range(GUESTS):
             p = subprocess.Popen(
-                launcher + qemu_cmd(initrd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                launcher + qemu_cmd(initrd, extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 stdin=subprocess.PIPE, env=env,
             )
             self.procs.append(p)
@@ -267,6 +313,11 @@ class Guests:
 
     def pids(self):
         return qemu_pids({p.pid for p in self.procs})
+
+    def console(self, prefix):
+        """The console lines starting with `prefix`."""
+        with self.lock:
+            return [(g, l) for g, l in self.lines if l.startswith(prefix)]
 
     def finish(self, timeout=120):
         for p in self.procs:
@@ -343,6 +394,52 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     log(f"{name}: every guest's data is still intact")
     guests.finish()
     return pss, used, merging_cpu
+
+
+def check_sums(name, what, sums, expected):
+    for g, v in sums.items():
+        if v != expected:
+            raise SystemExit(f"{name}: guest {g} checksum {what} {v} != expected {expected}")
+
+
+def balloon_side(launcher, initrd, env, expected, scope_saved):
+    """Guests with a free-page-reporting balloon under pageone: each frees JUNK_MIB once its data
+    merged. Returns (Pss KiB with the junk, Pss KiB after it was freed, bytes saved by the
+    daemon before and after)."""
+    name = "pageone with a balloon"
+    log(f"{name}: booting {GUESTS} guests of {GUEST_MIB} MiB, each writing {JUNK_MIB} MiB to free")
+    guests = Guests(launcher, initrd, env,
+                    extra=["-device", "virtio-balloon,free-page-reporting=on"])
+    try:
+        check_sums(name, "at boot", guests.wait_for("CHECKSUM", 240), expected)
+        drivers = guests.console("DRIVERS")
+        if len(drivers) != GUESTS or not all("virtio_balloon" in l for _, l in drivers):
+            raise SystemExit(f"{name}: the balloon driver is not in every guest: {drivers}")
+        pss_full, _, secs = settle(guests, scope_saved)
+        saved_full = scope_saved()
+        log(f"{name}: settled after {secs:.0f} s: QEMU Pss {pss_full / 1024:.0f} MiB, "
+            f"daemon saved {saved_full / 1048576:.0f} MiB; the guests free their files")
+        guests.go()
+        check_sums(name, "after freeing", guests.wait_for("FREED", 240), expected)
+        want = pss_full - GUESTS * JUNK_MIB * 1024 // 2
+        t0 = time.time()
+        pss_freed = pss_full
+        while time.time() - t0 < 60:
+            time.sleep(1)
+            pss_freed = sum(pss_kib(p) for p in guests.pids())
+            if pss_freed <= want:
+                break
+        time.sleep(2)
+        pss_freed = sum(pss_kib(p) for p in guests.pids())
+        saved_freed = scope_saved()
+        log(f"{name}: {time.time() - t0:.0f} s after the guests freed their files: QEMU Pss "
+            f"{pss_freed / 1024:.0f} MiB, daemon saved {saved_freed / 1048576:.0f} MiB")
+        guests.go()
+        check_sums(name, "at the end", guests.wait_for("CHECK2", 240), expected)
+        log(f"{name}: every guest's data is still intact")
+    finally:
+        guests.finish()
+    return pss_full, pss_freed, saved_full, saved_freed
 
 
 class KsmKnobs:
@@ -452,9 +549,37 @@ def main():
                         st.get("vma_limited_merges"), st.get("worker_cpu_ns", 0) / 1e9,
                     )
                 )
+            balloon_initrd = build_initramfs(
+                work, data, wait_secs=SETTLE_SECS + 60, name="initramfs-balloon", balloon=True
+            )
+
+            def balloon_saved():
+                status()
+                s = next(
+                    (s for s in last_status.get("scopes", []) if s["scope"] == "balloon"), None
+                )
+                return s["saved_bytes"] if s else 0
+
+            b_full, b_freed, b_saved_full, b_saved_freed = balloon_side(
+                [PAGEONE, "run", "--scope", "balloon", "--daemon", sock, "--"],
+                balloon_initrd, env, expected, balloon_saved,
+            )
         finally:
             daemon.kill()
             daemon.wait()
+
+        # The freed files went back to the host (at least half of them), and freeing them did
+        # not unmerge the merged data (the daemon's saving stays within 10%).
+        back = (b_full - b_freed) / 1024
+        if back < GUESTS * JUNK_MIB / 2:
+            raise SystemExit(
+                f"the balloon guests freed {GUESTS * JUNK_MIB} MiB but the host got {back:.0f} MiB back"
+            )
+        if b_saved_full < DATA_MIB * 0.8 * 1048576 or b_saved_freed < 0.9 * b_saved_full:
+            raise SystemExit(
+                f"freeing guest memory unmerged the rest: saved {b_saved_full / 1048576:.0f} MiB "
+                f"before, {b_saved_freed / 1048576:.0f} MiB after"
+            )
 
         ksm_counters = {}
 
@@ -482,7 +607,9 @@ def main():
             f"  MemAvailable:        pageone {p_avail:.0f} MiB, KSM {k_avail:.0f} MiB\n"
             f"  pageone daemon: {scope['saved_bytes'] / 1048576:.0f} MiB saved\n"
             f"  CPU of merging (boot to measurement): pageone {p_cpu:.1f} s (engines + daemon), "
-            f"KSM {k_cpu:.1f} s (ksmd)"
+            f"KSM {k_cpu:.1f} s (ksmd)\n"
+            f"  balloon guests freeing {GUESTS} x {JUNK_MIB} MiB under pageone: {back:.0f} MiB back "
+            f"to the host, saving {b_saved_full / 1048576:.0f} -> {b_saved_freed / 1048576:.0f} MiB"
         )
         # The guests' data is identical: one guest's copy of it must be saved at least.
         want = DATA_MIB * 0.8
