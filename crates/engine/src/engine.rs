@@ -353,7 +353,8 @@ impl Engine {
     fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.kick();
-        let _ = sys::eventfd_signal(std::os::fd::AsRawFd::as_raw_fd(&self.shared.stop_fd));
+        // The fault thread keeps reading until every region is unregistered (that may need it);
+        // `stop_fd` wakes it only once it may end (signalled earlier, it would spin meanwhile).
         if let Some(t) = self.engine_thread.take() {
             let _ = t.join();
         }
