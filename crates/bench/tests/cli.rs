@@ -73,6 +73,7 @@ fn every_bench_subcommand_and_flag_is_there() {
                 "--processes",
                 "--pageone-only",
                 "--json",
+                "--plot",
             ],
         ),
         ("plot", &["--out", "--title"]),
@@ -84,6 +85,17 @@ fn every_bench_subcommand_and_flag_is_there() {
             assert!(text(&o).contains(f), "{sub} has no {f}:\n{}", text(&o));
         }
     }
+}
+
+/// `--plot` draws a run's results as it ends, as `plot` would from its `--json`.
+#[test]
+fn a_run_draws_its_plot_when_asked() {
+    let d = scratch("run-plot");
+    let out = d.join("sdtree.png");
+    let o = bench(&["sdtree", "--quick", "--plot", out.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (w, h) = png_size(&out);
+    assert!(w > 0 && h > 0);
 }
 
 #[test]

@@ -37,6 +37,12 @@ const RELOOK_PERIODS: u64 = 16;
 const RELOOK_SKIPS: u32 = 3;
 /// Periods without anything to merge before the engine scans less often (see `engine_loop`).
 const IDLE_PERIODS: u32 = 8;
+/// Once idle, the engine sleeps at least this many times the CPU its last period took: an idle
+/// process costs at most 1% of a core, however many pages and mappings each scan walks.
+const IDLE_CPU_SHARE_INV: u32 = 100;
+/// The longest sleep between idle periods (a write to an idle region waits this long at most
+/// before it counts).
+const MAX_IDLE_SLEEP: Duration = Duration::from_secs(30);
 /// Every this many periods the VMA count is read again once it is large (see `observe`).
 const VMA_RECOUNT_PERIODS: u64 = 16;
 /// Below this many VMAs, counting them (reading `/proc/self/maps`) every period is cheap.
@@ -67,12 +73,15 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
     let mut kicked = false;
     // Periods in a row that changed little (merges, zero pages released and copy-on-write
     // breaks under 1/1024 of the registered pages): after IDLE_PERIODS of them the engine
-    // sleeps 2, 4, then 8 periods between scans. Scanning tens of thousands of VMAs is most of a
+    // sleeps 2, 4, then 8 periods between scans, and at least 100 times what the last period
+    // cost (see `pace`). Scanning tens of thousands of VMAs is most of a
     // settled process's cost, and a settled guest keeps rewriting a few hundred unique pages,
     // which become candidates again and again without merging, so "no candidates" never
     // comes. A busy period, a registration or a kick brings the period back.
     let mut idle = 0u32;
     let mut rejoin = Rejoin::new();
+    // The engine threads' CPU when the last period ended: what a period costs sets the idle pace.
+    let mut cpu_before = engine_cpu_ns(sh);
     while !sh.stop.load(Ordering::SeqCst) {
         let t0 = Instant::now();
         let config = Arc::new(lock(&sh.config).clone());
@@ -103,8 +112,28 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
             *lock(&sh.periods) += 1;
             sh.period_cv.notify_all();
         }
-        kicked = sleep_out_period(sh, t0, config.merge_period, &mut idle);
+        let cpu_now = engine_cpu_ns(sh);
+        let spent = Duration::from_nanos(cpu_now.saturating_sub(cpu_before));
+        cpu_before = cpu_now;
+        kicked = sleep_out_period(sh, t0, config.merge_period, spent, &mut idle);
     }
+}
+
+/// CPU time the engine's threads used so far.
+fn engine_cpu_ns(sh: &Shared) -> u64 {
+    lock(&sh.clocks).iter().map(sys::CpuClock::ns).sum()
+}
+
+/// How long after its start the next period begins, when no kick or registration comes first:
+/// one period while busy; after `IDLE_PERIODS` idle ones, 2, 4, then 8 periods, and never sooner
+/// than `IDLE_CPU_SHARE_INV` times the CPU the last period `spent` (up to `MAX_IDLE_SLEEP`).
+fn pace(period: Duration, idle: u32, spent: Duration) -> Duration {
+    let Some(n) = idle.checked_sub(IDLE_PERIODS) else {
+        return period;
+    };
+    let stretched = period * (1u32 << (n + 1).min(3));
+    let paced = spent.saturating_mul(IDLE_CPU_SHARE_INV).min(MAX_IDLE_SLEEP);
+    stretched.max(paced)
 }
 
 /// What one period works with.
@@ -153,13 +182,15 @@ fn locked_period(cx: &PeriodCtx<'_>, kicked: bool) -> bool {
 }
 
 /// Sleeps out the period that began at `t0` unless kicked or stopped: one `period`, stretched
-/// after idle periods, or until the deadline registrations set (see `Shared::not_before`).
-/// Returns whether it was kicked.
-fn sleep_out_period(sh: &Shared, t0: Instant, period: Duration, idle: &mut u32) -> bool {
-    let stretch = match idle.checked_sub(IDLE_PERIODS) {
-        None => 1,
-        Some(n) => 1u32 << (n + 1).min(3),
-    };
+/// after idle periods (see [`pace`]; the period `spent` that much CPU), or until the deadline
+/// registrations set (see `Shared::not_before`). Returns whether it was kicked.
+fn sleep_out_period(
+    sh: &Shared,
+    t0: Instant,
+    period: Duration,
+    spent: Duration,
+    idle: &mut u32,
+) -> bool {
     let (m, cv) = &sh.kick;
     let mut k = lock(m);
     while !*k && !sh.stop.load(Ordering::SeqCst) {
@@ -173,7 +204,7 @@ fn sleep_out_period(sh: &Shared, t0: Instant, period: Duration, idle: &mut u32) 
                 *idle = 0;
                 t.min(cap)
             }
-            None => t0 + period * stretch,
+            None => t0 + pace(period, *idle, spent),
         };
         let now = Instant::now();
         if now >= deadline {
@@ -570,6 +601,29 @@ fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> Tickets {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Busy: one period. Idle: stretched 2, 4, 8 periods, and never sooner than 100 times the
+    /// CPU of the last period, up to the cap.
+    #[test]
+    fn an_idle_engine_sleeps_in_proportion_to_what_a_period_costs() {
+        let p = Duration::from_millis(50);
+        let ms = Duration::from_millis;
+        assert_eq!(pace(p, 0, ms(400)), p, "busy periods keep the pace");
+        assert_eq!(pace(p, IDLE_PERIODS - 1, ms(400)), p);
+        assert_eq!(pace(p, IDLE_PERIODS, ms(0)), 2 * p);
+        assert_eq!(pace(p, IDLE_PERIODS + 1, ms(1)), 4 * p);
+        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(1)), 8 * p);
+        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(100)), ms(10_000));
+        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(5_000)), MAX_IDLE_SLEEP);
+        for spent_ms in [0, 1, 3, 10, 50, 299] {
+            let spent = ms(spent_ms);
+            let sleep = pace(p, IDLE_PERIODS + 2, spent);
+            assert!(
+                sleep >= spent * IDLE_CPU_SHARE_INV,
+                "{spent_ms} ms: {sleep:?}"
+            );
+        }
+    }
     use proptest::prelude::*;
 
     proptest! {

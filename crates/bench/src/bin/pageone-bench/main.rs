@@ -23,9 +23,16 @@ use clap::{Parser, Subcommand};
     about = "pageone's benchmarks, each next to its baseline in the same run"
 )]
 struct Cli {
+    /// Also draw the results as a PNG to this file (the plot `pageone-bench plot` draws from
+    /// `--json`): for sdtree, ksm, ppr and overhead.
+    #[arg(long, global = true, value_name = "FILE.png")]
+    plot: Option<PathBuf>,
     #[command(subcommand)]
     which: Bench,
 }
+
+/// Where `--plot` asked for the results' PNG.
+static PLOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
 #[derive(Subcommand)]
 enum Bench {
@@ -108,7 +115,11 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().which {
+    let cli = Cli::parse();
+    if let Some(p) = cli.plot {
+        let _ = PLOT.set(p);
+    }
+    match cli.which {
         Bench::Sdtree { quick, runs, json } => sdtree::run(quick, runs, json),
         Bench::Ppr(a) => ppr::run(&a),
         Bench::PprTrace(a) => ppr::trace(&a),
@@ -138,12 +149,17 @@ fn main() -> Result<()> {
     }
 }
 
-/// Writes `value` as pretty JSON to `path`, if one was given.
+/// Writes `value` as pretty JSON to `path`, if one was given, and draws it where `--plot` asked.
 fn write_json(path: &Option<PathBuf>, value: &serde_json::Value) -> Result<()> {
     if let Some(p) = path {
         std::fs::write(p, serde_json::to_string_pretty(value)?)
             .with_context(|| format!("could not write {}", p.display()))?;
         println!("wrote {}", p.display());
+    }
+    if let Some(png) = PLOT.get() {
+        let fig = plot::figure(value).context("could not plot these results")?;
+        chart::draw(&fig, png)?;
+        println!("wrote {}", png.display());
     }
     Ok(())
 }
