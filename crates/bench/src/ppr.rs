@@ -31,7 +31,8 @@ pub struct PprSample {
     /// From the marks to the last page released by the engine, and its CPU meanwhile.
     pub recycle_seconds: f64,
     pub recycle_cpu_seconds: f64,
-    /// Pages of the region still present in the page tables after recycling (0: all given back).
+    /// Pages of the region still holding memory after recycling: present in the page tables and
+    /// not the shared zero page, which the engine maps over released pages (0: all given back).
     pub present_after: usize,
     /// What the engine's claim costs each period when nothing is marked, for a pool of
     /// [`IDLE_POOL_SLOTS`] slots (marks for 16 GiB of pages), in microseconds.
@@ -142,9 +143,14 @@ pub fn run_once(mib: usize, period: Duration) -> Result<PprSample, String> {
     }
     s.recycle_seconds = t.elapsed().as_secs_f64();
     s.recycle_cpu_seconds = (engine.stats().worker_cpu_ns - cpu0) as f64 / 1e9;
-    s.present_after = pagemap
-        .count_pages(base as usize, pages, pageone_sys::uapi::PAGE_IS_PRESENT)
-        .map_err(|e| format!("PAGEMAP_SCAN: {e}"))?;
+    let count = |mask| {
+        pagemap
+            .count_pages(base as usize, pages, mask)
+            .map_err(|e| format!("PAGEMAP_SCAN: {e}"))
+    };
+    // The zero page is present too: what is left holds memory.
+    s.present_after = count(pageone_sys::uapi::PAGE_IS_PRESENT)?
+        .saturating_sub(count(pageone_sys::uapi::PAGE_IS_PFNZERO)?);
     engine
         .unregister(base, pages * PAGE)
         .map_err(|e| format!("unregister: {e}"))?;

@@ -102,7 +102,7 @@ fn marks(mib: usize, runs: usize, period: Duration) -> Result<Vec<pageone_bench:
     for k in 0..runs {
         let s = run_once(mib, period).map_err(|e| anyhow::anyhow!(e))?;
         eprintln!(
-            "  run {}: mark {:.1} ns ({:.0} cycles), write-protected {:.1} ns, unmark {:.1} ns, madvise {:.1} ns ({:.0} cycles); released in {:.3} s, {:.3} CPU-s, {} pages still present",
+            "  run {}: mark {:.1} ns ({:.0} cycles), write-protected {:.1} ns, unmark {:.1} ns, madvise {:.1} ns ({:.0} cycles); released in {:.3} s, {:.3} CPU-s, {} pages still holding memory",
             k + 1,
             s.mark_ns,
             s.mark_cycles,
@@ -141,7 +141,7 @@ fn marks(mib: usize, runs: usize, period: Duration) -> Result<Vec<pageone_bench:
         m(|s| s.dontneed_ns) / m(|s| s.mark_ns).max(f64::MIN_POSITIVE)
     );
     println!(
-        "memory back: all {} pages released {:.3} s after marking ({:.3} CPU-s of the engine), {:.0} pages still present",
+        "memory back: all {} pages released {:.3} s after marking ({:.3} CPU-s of the engine), {:.0} pages still holding memory (present, not the zero page)",
         samples[0].pages,
         m(|s| s.recycle_seconds),
         m(|s| s.recycle_cpu_seconds),
