@@ -38,7 +38,7 @@ const RELOOK_SKIPS: u32 = 3;
 /// Periods without anything to merge before the engine scans less often (see `engine_loop`).
 const IDLE_PERIODS: u32 = 8;
 /// Once idle, the engine sleeps at least this many times the CPU its last period took: an idle
-/// process costs at most 1% of a core, however many pages and mappings each scan walks.
+/// engine costs about 1% of a core, however many pages and mappings each scan walks.
 const IDLE_CPU_SHARE_INV: u32 = 100;
 /// The longest sleep between idle periods (a write to an idle region waits this long at most
 /// before it counts).
@@ -81,7 +81,7 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
     let mut idle = 0u32;
     let mut rejoin = Rejoin::new();
     // The engine threads' CPU when the last period ended: what a period costs sets the idle pace.
-    let mut cpu_before = engine_cpu_ns(sh);
+    let mut cpu_before = sh.cpu_ns();
     while !sh.stop.load(Ordering::SeqCst) {
         let t0 = Instant::now();
         let config = Arc::new(lock(&sh.config).clone());
@@ -112,16 +112,11 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
             *lock(&sh.periods) += 1;
             sh.period_cv.notify_all();
         }
-        let cpu_now = engine_cpu_ns(sh);
+        let cpu_now = sh.cpu_ns();
         let spent = Duration::from_nanos(cpu_now.saturating_sub(cpu_before));
         cpu_before = cpu_now;
         kicked = sleep_out_period(sh, t0, config.merge_period, spent, &mut idle);
     }
-}
-
-/// CPU time the engine's threads used so far.
-fn engine_cpu_ns(sh: &Shared) -> u64 {
-    lock(&sh.clocks).iter().map(sys::CpuClock::ns).sum()
 }
 
 /// How long after its start the next period begins, when no kick or registration comes first:
@@ -601,6 +596,7 @@ fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> Tickets {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     /// Busy: one period. Idle: stretched 2, 4, 8 periods, and never sooner than 100 times the
     /// CPU of the last period, up to the cap.
@@ -624,7 +620,6 @@ mod tests {
             );
         }
     }
-    use proptest::prelude::*;
 
     proptest! {
         /// Relooks come only every RELOOK_PERIODS periods, always when no offers came, and are

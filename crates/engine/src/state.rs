@@ -223,6 +223,11 @@ impl Shared {
             lock(&self.clocks).push(c);
         }
     }
+
+    /// CPU time the engine's threads used so far, in nanoseconds.
+    pub(crate) fn cpu_ns(&self) -> u64 {
+        lock(&self.clocks).iter().map(sys::CpuClock::ns).sum()
+    }
 }
 
 #[derive(Default)]

@@ -3,7 +3,6 @@
 use std::sync::atomic::Ordering;
 
 use pageone_sync::lock;
-use pageone_sys as sys;
 
 use crate::access::PAGE;
 use crate::candidates::PagePre;
@@ -165,7 +164,7 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
         pages_waiting_on_limit: st.parked,
         watch_mode: sh.mode,
-        worker_cpu_ns: lock(&sh.clocks).iter().map(sys::CpuClock::ns).sum(),
+        worker_cpu_ns: sh.cpu_ns(),
         registered_bytes: registered as u64,
         daemon: match st.store.daemon_state() {
             "connected" => DaemonLink::Connected,

@@ -110,7 +110,7 @@ fn the_shim_answers_with_the_kernels_results_and_errno() {
 /// partial madvise, mprotect, mlock, forks and signals on merged memory, checked against a shadow
 /// after every step. `PAGEONE_MODEL_SECONDS` (default 30) and `PAGEONE_MODEL_SEED` (default: from
 /// the clock, printed) replay or lengthen a run:
-/// `PAGEONE_MODEL_SEED=N PAGEONE_MODEL_SECONDS=600 cargo test --release -p pageone-preload --test shim model`.
+/// `PAGEONE_MODEL_SEED=N PAGEONE_MODEL_SECONDS=600 cargo test --release -p pageone-preload --test shim randomized`.
 #[test]
 fn a_randomized_program_never_reads_a_wrong_page() {
     let seconds: f64 = std::env::var("PAGEONE_MODEL_SECONDS")
