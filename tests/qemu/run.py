@@ -349,6 +349,12 @@ def settle(guests, status=None):
     return sum(pss_kib(p) for p in guests.pids()), mem_available_kib(), time.time() - t0
 
 
+def check_sums(name, what, sums, expected):
+    for g, v in sums.items():
+        if v != expected:
+            raise SystemExit(f"{name}: guest {g} checksum {what} {v} != expected {expected}")
+
+
 def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0, extra=()):
     """Boots the guests, checks their data, lets memory settle; returns (Pss KiB of the QEMU
     processes, host memory used since before the boot in KiB by MemAvailable, CPU-seconds the
@@ -361,9 +367,7 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     guests = Guests(launcher, initrd, env)
     sums = guests.wait_for("CHECKSUM", 240)
     log(f"{name}: guests printed their checksums after {time.time() - t0:.1f} s")
-    for g, v in sums.items():
-        if v != expected:
-            raise SystemExit(f"{name}: guest {g} checksum {v} != expected {expected}")
+    check_sums(name, "at boot", sums, expected)
     pids = guests.pids()
     if len(pids) != GUESTS:
         raise SystemExit(f"{name}: found QEMU pids {pids}")
@@ -387,19 +391,10 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
             f"other file Rss {other / 1024:.1f} MiB"
         )
     guests.go()
-    again = guests.wait_for("CHECK2", 240)
-    for g, v in again.items():
-        if v != expected:
-            raise SystemExit(f"{name}: guest {g} checksum after merging {v} != expected {expected}")
+    check_sums(name, "after merging", guests.wait_for("CHECK2", 240), expected)
     log(f"{name}: every guest's data is still intact")
     guests.finish()
     return pss, used, merging_cpu
-
-
-def check_sums(name, what, sums, expected):
-    for g, v in sums.items():
-        if v != expected:
-            raise SystemExit(f"{name}: guest {g} checksum {what} {v} != expected {expected}")
 
 
 def balloon_side(launcher, initrd, env, expected, scope_saved):

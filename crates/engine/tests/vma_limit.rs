@@ -17,6 +17,16 @@ impl Drop for MapCountGuard {
     }
 }
 
+/// Page `i` of a region of `2n` pages: every other page duplicates a page of the other half,
+/// and its neighbours are unique, so each merge is a separate VMA.
+fn content(n: usize, i: usize) -> u64 {
+    if i % 2 == 0 {
+        (i % n) as u64 + 1
+    } else {
+        (i + 10 * n) as u64
+    }
+}
+
 /// The parent runs the test body in a child process and restores `vm.max_map_count` after it
 /// exits, however it exits.
 #[test]
@@ -57,15 +67,7 @@ fn vma_limit_child() {
         .unwrap();
     let n = 4096;
     let mut r = e.alloc_region(2 * n * PAGE).unwrap();
-    // Every other page duplicates a page of the other half, and its neighbours are unique:
-    // each merge is a separate VMA.
-    let content = |i: usize| {
-        if i % 2 == 0 {
-            (i % n) as u64 + 1
-        } else {
-            (i + 10 * n) as u64
-        }
-    };
+    let content = |i: usize| content(n, i);
     for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
         fill(p, content(i));
     }
@@ -105,13 +107,7 @@ fn at_the_budget_waiting_pages_cost_nothing_until_there_is_room() {
     let limit = sys::max_map_count().unwrap();
     let margin = limit - sys::map_count().unwrap() - 300;
     e.reconfigure(|c| c.vma_margin = margin).unwrap();
-    let content = |i: usize| {
-        if i % 2 == 0 {
-            (i % n) as u64 + 1
-        } else {
-            (i + 10 * n) as u64
-        }
-    };
+    let content = |i: usize| content(n, i);
     for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
         fill(p, content(i));
     }
