@@ -9,6 +9,7 @@ use pageone_index::KeyId;
 
 use crate::access::{HashOfHash, Pre, PAGE};
 use crate::pool::Pool;
+use crate::zero_holes::MAX_HOLE_GAP;
 
 /// Candidates classified together and handed to the committer as one batch (16 MiB of pages):
 /// small enough that the committer's frees feed the next batch's copies and the two stages overlap
@@ -271,12 +272,37 @@ impl Iterator for ContentBatches {
         if take.is_empty() {
             return None;
         }
+        self.pull_zero_followers(&mut take);
         take.sort_unstable_by_key(|&i| self.cands[i as usize].addr());
         Some(take.iter().map(|&i| self.cands[i as usize]).collect())
     }
 }
 
 impl ContentBatches {
+    /// Zero pages read ahead just after a page taken (at most `MAX_HOLE_GAP` in a row, at the
+    /// following addresses) join its batch: a run of merges with zero pages inside is then
+    /// committed as one, the zero pages merging onto the holes between the copies (see the
+    /// `zero_holes` module), instead of coming alone in a later batch and splitting the run.
+    fn pull_zero_followers(&mut self, take: &mut Vec<u32>) {
+        for t in 0..take.len() {
+            let i = take[t] as usize;
+            let mut j = i + 1;
+            // Heads before `at` are taken already.
+            while j < self.cands.len()
+                && j >= self.at
+                && j - i <= MAX_HOLE_GAP
+                && self.head[j]
+                && self.cands[j].pre() == Pre::Zero
+                && self.cands[j].region == self.cands[i].region
+                && self.cands[j].addr() == self.cands[j - 1].addr() + PAGE
+            {
+                self.head[j] = false;
+                take.push(j as u32);
+                j += 1;
+            }
+        }
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.cands.is_empty()
     }

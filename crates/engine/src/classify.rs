@@ -18,13 +18,14 @@ use pageone_sync::lock;
 
 use crate::access::{classify_bytes, joined, stable_copy, HashOfHash, PageReader, Pre};
 use crate::candidates::{push_candidate, Action, Candidate, CandidateSet};
-use crate::config::Config;
+use crate::config::{Config, WatchMode};
 use crate::pool::Pool;
 use crate::proto;
 use crate::remote::{Offers, Remote};
 use crate::sightings::take_waiting;
 use crate::state::{PageKind, Shared, State};
 use crate::store::{Store, StoreKeys};
+use crate::zero_holes::{self, Slot};
 
 /// A batch classified and ready for the committer.
 pub(crate) struct Classified {
@@ -128,7 +129,10 @@ pub(crate) fn classify(
     let mut copies = g.copies(&cx, guard, fresh_groups);
     write_local_copies(&cx, &mut copies);
     let t_copy = Instant::now();
-    let new_copies = g.publish(&cx, &copies.todo, &chunk_leaders);
+    let mut new_copies = g.publish(&cx, &copies.todo, &chunk_leaders);
+    // The committer merges zero pages onto the holes between the copies around them (this
+    // batch's or a later one's); those left unmapped are freed after the commit.
+    new_copies.extend(copies.holes.iter().map(|&(_, id)| id));
     tracing::debug!(
         phase1_to_group_ms = (t_group - t_phase1).as_secs_f64() * 1e3,
         copy_ms = (t_copy - t_group).as_secs_f64() * 1e3,
@@ -249,6 +253,8 @@ struct Grouping {
     member_of: Vec<(u32, u32)>,
     /// Candidates that adopt a copy the daemon holds: (candidate, slot).
     adopted: Vec<(u32, KeyId)>,
+    /// Zero pages given zero holes between new local copies: (candidate, id).
+    holes: Vec<(u32, KeyId)>,
 }
 
 /// A hash asked about at the daemon: its first candidate, and whether that leads a group.
@@ -272,6 +278,8 @@ struct Copies {
     todo: Vec<GroupCopy>,
     srcs: Vec<usize>,
     to_write: Option<Vec<KeyId>>,
+    /// Zero holes between the local copies: (candidate, id), never written.
+    holes: Vec<(u32, KeyId)>,
 }
 
 impl Grouping {
@@ -283,6 +291,7 @@ impl Grouping {
             groups: Vec::new(),
             member_of: Vec::new(),
             adopted: Vec::new(),
+            holes: Vec::new(),
         }
     }
 
@@ -534,7 +543,7 @@ impl Grouping {
                 (made, None)
             }
             Some(_) => (Vec::new(), None),
-            None => match guard.store.alloc(srcs.len()) {
+            None => match self.alloc_local(cx, &mut guard, &srcs) {
                 Some(ids) => (ids.iter().map(|&id| Some((id, true))).collect(), Some(ids)),
                 None => {
                     tracing::warn!(
@@ -568,7 +577,51 @@ impl Grouping {
             todo,
             srcs,
             to_write,
+            holes: std::mem::take(&mut self.holes),
         }
+    }
+
+    /// Allocates the local copies of the pages at `srcs` (ids in the same order), with zero holes
+    /// between them where they fit (see the `zero_holes` module), recorded in `self.holes`.
+    /// `None` if the store is full.
+    fn alloc_local(&mut self, cx: &Ctx<'_>, st: &mut State, srcs: &[usize]) -> Option<Vec<KeyId>> {
+        let zero_at = self.zero_pages_for_holes(cx, st);
+        let slots = zero_holes::lay_out(srcs, &zero_at);
+        let ids = st.store.alloc(slots.len())?;
+        let mut copies = Vec::with_capacity(srcs.len());
+        for (slot, &id) in slots.iter().zip(&ids) {
+            match *slot {
+                Slot::Copy(_) => copies.push(id),
+                Slot::Hole(cand) => self.holes.push((cand, id)),
+            }
+        }
+        let hole_ids: Vec<KeyId> = self.holes.iter().map(|&(_, id)| id).collect();
+        st.store.mark_zero_holes(&hole_ids);
+        Some(copies)
+    }
+
+    /// The zero pages of the batch that may be kept in runs of merged pages, by address: all of
+    /// them released as zero pages, in anonymous memory (not in store mappings: those merge
+    /// under write-protection, which compares with the copy's bytes). Only where the zero page
+    /// can be mapped over holes in store mappings (the store mappings' userfaultfd) and the
+    /// watch tells it from a page written (the write-protect mode's scans report it as the zero
+    /// page; checksums do not).
+    fn zero_pages_for_holes(&self, cx: &Ctx<'_>, st: &State) -> HashMap<usize, u32> {
+        if cx.sh.store_uffd.is_none() || cx.sh.mode != WatchMode::UffdWp {
+            return HashMap::new();
+        }
+        let anonymous = |c: &Candidate| {
+            st.regions
+                .get(&c.region)
+                .and_then(|r| r.pages.get(c.index()))
+                .is_some_and(|p| !p.kind.in_store_mapping())
+        };
+        self.cands
+            .iter()
+            .enumerate()
+            .filter(|&(i, c)| self.actions[i] == Some(Action::Zero) && anonymous(c))
+            .map(|(i, c)| (c.addr(), i as u32))
+            .collect()
     }
 
     /// Indexes the new copies on the workers (the SD tree takes concurrent inserts), then records
@@ -648,6 +701,9 @@ fn write_local_copies(cx: &Ctx<'_>, copies: &mut Copies) {
         tracing::warn!(error = %e, "stable copies could not be written; not merging them");
         let mut st = lock(&cx.sh.state);
         for &id in ids {
+            st.store.free_unmapped(id);
+        }
+        for (_, id) in copies.holes.drain(..) {
             st.store.free_unmapped(id);
         }
         let written: HashSet<KeyId> = ids.iter().copied().collect();

@@ -8,6 +8,7 @@
 //! run at a time (at most `MAX_RUN` pages), so the classifier can record its next batch between
 //! runs.
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -161,7 +162,7 @@ fn commit_run(
         pagemap: &pagemap,
         changes: &sh.changes,
     };
-    map_copies_before_freeze(&plan.acts[..run.n], plan.store_base);
+    map_copies_before_freeze(&plan.acts[..run.n], &plan.holes, plan.store_base);
     let tf = Instant::now();
     let outcome = merge_frozen(cx, &run, &plan, freezer);
     cx.times[0] += tf.elapsed().as_secs_f64();
@@ -220,6 +221,23 @@ struct Plan {
     left: Option<KeyId>,
     /// VMAs counted for the run's mappings (their worst case).
     vmas: usize,
+    /// The pages whose merge is onto a zero hole (see the `zero_holes` module): verified all
+    /// zero, and given the zero page once their subrun is mapped.
+    holes: HoleSet,
+}
+
+/// Which pages of a run merge onto zero holes.
+#[derive(Clone, Copy, Default)]
+struct HoleSet([u64; MAX_RUN / 64]);
+
+impl HoleSet {
+    fn insert(&mut self, k: usize) {
+        self.0[k / 64] |= 1 << (k % 64);
+    }
+
+    fn contains(&self, k: usize) -> bool {
+        self.0[k / 64] & (1 << (k % 64)) != 0
+    }
 }
 
 /// Plans the run (see [`Plan`]): merges onto copies that are gone or full, or that the VMA budget
@@ -246,6 +264,16 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
         .map(|i| rs.region.pages[i])
         .filter(|p| p.kind == PageKind::Merged)
         .map(|p| p.sid);
+    merge_zero_pages_onto_holes(&mut acts[..run.n], left, rs.store);
+    let mut holes = HoleSet::default();
+    for (k, a) in acts.iter().enumerate().take(run.n) {
+        if let Some(Action::Merge(sid)) = *a {
+            if rs.store.is_zero_hole(sid) {
+                holes.insert(k);
+            }
+        }
+    }
+    release_lone_holes(&mut acts[..run.n], &holes, left);
     let vmas = afford(cx, rs, run, &mut acts, left);
     for a in acts.iter().take(run.n) {
         if let Some(Action::Merge(sid)) = *a {
@@ -261,7 +289,67 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
         store_base: rs.store.addr(0),
         left,
         vmas,
+        holes,
     })
+}
+
+/// Zero pages between two merges whose copies lie around zero holes (see the `zero_holes`
+/// module) merge onto those holes: the copies and the holes then map with one mapping of the
+/// store. (Made for another batch's pages or this one's: the holes of a run of copies serve
+/// every run of pages with the same contents.)
+fn merge_zero_pages_onto_holes(acts: &mut [Option<Action>], left: Option<KeyId>, store: &Store) {
+    let mut before = left;
+    let mut k = 0;
+    while k < acts.len() {
+        let z = acts[k..]
+            .iter()
+            .take_while(|&&a| a == Some(Action::Zero))
+            .count();
+        if z == 0 {
+            before = match acts[k] {
+                Some(Action::Merge(sid)) => Some(sid),
+                _ => None,
+            };
+            k += 1;
+            continue;
+        }
+        let after = match acts.get(k + z) {
+            Some(Some(Action::Merge(sid))) => Some(*sid),
+            _ => None,
+        };
+        if let (Some(b), Some(a)) = (before, after) {
+            let holes = (1..=z as KeyId).map(|d| b.wrapping_add(d));
+            if a == b.wrapping_add(z as KeyId + 1)
+                && holes
+                    .clone()
+                    .all(|h| store.is_allocated(h) && store.is_zero_hole(h))
+            {
+                for (q, h) in (k..k + z).zip(holes) {
+                    acts[q] = Some(Action::Merge(h));
+                }
+            }
+        }
+        before = None;
+        k += z;
+    }
+}
+
+/// Zero pages merging onto zero holes with no copy beside them in their subrun (nor a left
+/// neighbour mapping the copy before) would cost a mapping of their own: they are released as
+/// zero pages instead.
+fn release_lone_holes(acts: &mut [Option<Action>], holes: &HoleSet, left: Option<KeyId>) {
+    let mut k = 0;
+    while k < acts.len() {
+        let Some((sid, m)) = merge_subrun(acts, k) else {
+            k += 1;
+            continue;
+        };
+        let continues = k == 0 && left.is_some_and(|l| l.wrapping_add(1) == sid);
+        if !continues && (k..k + m).all(|q| holes.contains(q)) {
+            acts[k..k + m].fill(Some(Action::Zero));
+        }
+        k += m;
+    }
 }
 
 /// Keeps the run's merges the VMA budget affords, in address order (a subrun continuing its left
@@ -360,7 +448,14 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
         out.verdict[k] = match plan.acts[k] {
             // SAFETY: as said above.
             Some(Action::Zero) if unsafe { page_is_zero(page) } => Some(Action::Zero),
-            Some(Action::Merge(sid)) if frozen_equals_copy(page, plan, sid) => {
+            // A zero hole reads zeros (and is never read through the view).
+            // SAFETY: as said above.
+            Some(Action::Merge(sid)) if plan.holes.contains(k) && unsafe { page_is_zero(page) } => {
+                Some(Action::Merge(sid))
+            }
+            Some(Action::Merge(sid))
+                if !plan.holes.contains(k) && frozen_equals_copy(page, plan, sid) =>
+            {
                 Some(Action::Merge(sid))
             }
             Some(Action::Recycle(slot)) if still_marked(cx, page, slot, run.start + k * PAGE) => {
@@ -382,6 +477,8 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
             *v = None;
         }
     }
+    // Holes whose neighbours turned out unequal are released as zero pages.
+    release_lone_holes(&mut out.verdict[..run.n], &plan.holes, plan.left);
     for_each_subrun(&out.verdict[..run.n], |k, _, m| {
         log.expect(mapping_change(run.start + k * PAGE, m));
     });
@@ -431,6 +528,7 @@ fn replace_frozen(
             Ok(()) => {
                 (k..k + m).for_each(|q| frozen.consume(q));
                 watch_store_mapping(cx.sh, addr, m);
+                map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
             }
             Err(e) => {
                 lock(&cx.sh.changes).unexpect(mapping_change(addr, m));
@@ -438,6 +536,24 @@ fn replace_frozen(
                 out.map_error = Some(e);
             }
         }
+        k += m;
+    }
+}
+
+/// Maps the kernel's zero page over the zero holes among pages `ks` of the run at `start`, just
+/// mapped from the store (through the store mappings' userfaultfd, which they are registered
+/// with): reading them then takes no page in the store's file. A hole read before this, or not
+/// filled, reads zeros all the same, from a page the store's file gets for it.
+fn map_zero_page_over_holes(sh: &Shared, start: usize, ks: Range<usize>, holes: &HoleSet) {
+    let Some(u) = &sh.store_uffd else { return };
+    let mut k = ks.start;
+    while k < ks.end {
+        if !holes.contains(k) {
+            k += 1;
+            continue;
+        }
+        let m = (k..ks.end).take_while(|&q| holes.contains(q)).count();
+        let _ = u.fill_zero_pages(start + k * PAGE, m * PAGE);
         k += m;
     }
 }
@@ -509,7 +625,11 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
                     p.back_off(cx.config.max_backoff);
                 }
             }
-            (_, Some(Action::Zero | Action::Recycle(_))) => {
+            (planned, Some(Action::Zero | Action::Recycle(_))) => {
+                // A zero page planned onto a zero hole and released instead.
+                if let Some(Action::Merge(sid)) = planned {
+                    rs.store.undo_ref(sid);
+                }
                 p.kind = PageKind::Zero;
                 p.unchanged = 0;
                 *rs.zero += 1;
@@ -592,24 +712,21 @@ unsafe fn pages_equal(a: usize, b: usize) -> bool {
 /// compare with the run frozen. Cheaper than `MADV_POPULATE_READ`, which walks every page, and
 /// than reading every page (measured: docs/benchmarks/history.md). Pages left unmapped fault in
 /// during the compare, as before.
-fn map_copies_before_freeze(acts: &[Option<Action>], store_base: usize) {
-    let mut k = 0;
-    while k < acts.len() {
-        let Some((sid, m)) = merge_subrun(acts, k) else {
-            k += 1;
+/// Zero holes are skipped: reading one would put a page in the store's file.
+fn map_copies_before_freeze(acts: &[Option<Action>], holes: &HoleSet, store_base: usize) {
+    let mut mapped_window = usize::MAX;
+    for (k, a) in acts.iter().enumerate() {
+        let Some(Action::Merge(sid)) = *a else {
             continue;
         };
-        let (mut at, end) = (
-            store_base + sid as usize * PAGE,
-            store_base + (sid as usize + m) * PAGE,
-        );
-        while at < end {
-            // SAFETY: a copy the plan holds stays allocated and lies in the view, a read-only
-            // mapping of the store; volatile, as the bytes are another process's to publish.
-            unsafe { std::ptr::read_volatile(at as *const u64) };
-            at = (at / FAULT_AROUND_BYTES + 1) * FAULT_AROUND_BYTES;
+        let at = store_base + sid as usize * PAGE;
+        if holes.contains(k) || at / FAULT_AROUND_BYTES == mapped_window {
+            continue;
         }
-        k += m;
+        mapped_window = at / FAULT_AROUND_BYTES;
+        // SAFETY: a copy the plan holds stays allocated and lies in the view, a read-only
+        // mapping of the store; volatile, as the bytes are another process's to publish.
+        unsafe { std::ptr::read_volatile(at as *const u64) };
     }
 }
 
@@ -645,7 +762,11 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
         let Some(Action::Merge(sid)) = run.acts[k] else {
             continue;
         };
-        if rs.store.refs(sid) >= cx.config.max_sharing {
+        if rs.store.is_zero_hole(sid) {
+            // Only anonymous zero pages get holes (see `zero_holes`); never read through the
+            // view.
+            continue;
+        } else if rs.store.refs(sid) >= cx.config.max_sharing {
             rs.store.retire(sid);
         } else if reader
             .read_one(start + k * PAGE)

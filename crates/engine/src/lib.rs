@@ -101,6 +101,7 @@ mod state;
 mod stats;
 mod store;
 mod watch;
+mod zero_holes;
 
 pub use config::{Builder, Config, WatchMode};
 pub use engine::{Engine, Region};

@@ -134,6 +134,8 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
     let registered: usize = st.regions.values().map(|r| r.len()).sum();
     let shared = st.store.shared;
     let sharing = st.store.sharing_refs.saturating_sub(shared);
+    // Zero pages released, and zero pages kept inside runs of merged pages (zero holes).
+    let zero = st.zero + st.store.hole_refs;
     let vmas = c.vmas.load(Ordering::Relaxed);
     // Our costs: per-page state, the store's index, each VMA (~200 bytes in the kernel),
     // read-ahead results while kept (an address and a result per page), and the watch's scratch.
@@ -150,12 +152,12 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         pages_volatile: st.volatile,
         pages_scanned: c.scanned.load(Ordering::Relaxed),
         full_scans: *lock(&sh.periods),
-        zero_pages: st.zero,
+        zero_pages: zero,
         pages_recycled: c.recycled.load(Ordering::Relaxed),
         daemon_joins: c.joins.load(Ordering::Relaxed),
         pages_left_private: c.left_private.load(Ordering::Relaxed),
         faults_answered: c.faults_answered.load(Ordering::Relaxed),
-        general_profit: ((sharing + st.zero) * PAGE as u64) as i64 - meta as i64,
+        general_profit: ((sharing + zero) * PAGE as u64) as i64 - meta as i64,
         merges: c.merges.load(Ordering::Relaxed),
         cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
         compare_mismatches: c.mismatches.load(Ordering::Relaxed),

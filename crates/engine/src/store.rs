@@ -123,10 +123,16 @@ pub(crate) struct Store {
     /// Ids freed and not yet punched: `punch_pending` punches runs of them with one call each
     /// (unregistering frees hundreds of thousands), then they are reusable.
     pending: Vec<KeyId>,
+    /// Whether the id is a zero hole: allocated to keep a zero page inside a run of merged pages,
+    /// never written (it reads zeros and takes no memory) and never indexed. Pages mapping it are
+    /// counted as zero pages, not in `shared`/`sharing_refs`.
+    zero_hole: Vec<bool>,
     /// Copies with refs > 0.
     pub(crate) shared: u64,
     /// Sum of refs.
     pub(crate) sharing_refs: u64,
+    /// Pages mapping zero holes.
+    pub(crate) hole_refs: u64,
     /// The daemon, when the store is a scope's shared store: it makes and frees the copies, and
     /// ids are its slots.
     pub(crate) remote: Option<Arc<Remote>>,
@@ -195,8 +201,10 @@ impl Store {
             bump: 0,
             free: Vec::new(),
             pending: Vec::new(),
+            zero_hole: Vec::new(),
             shared: 0,
             sharing_refs: 0,
+            hole_refs: 0,
             remote,
             retired_inodes: Vec::new(),
             inode,
@@ -276,6 +284,7 @@ impl Store {
         for &id in &out {
             self.allocated[id as usize] = true;
             self.allocated_at[id as usize] = self.allocs;
+            self.zero_hole[id as usize] = false;
         }
         self.allocs += 1;
         Some(out)
@@ -423,11 +432,47 @@ impl Store {
     /// One more page maps copy `id`.
     pub(crate) fn add_ref(&mut self, id: KeyId) {
         let r = &mut self.refs[id as usize];
-        if *r == 0 {
+        *r += 1;
+        if self.zero_hole[id as usize] {
+            self.hole_refs += 1;
+            return;
+        }
+        if *r == 1 {
             self.shared += 1;
         }
-        *r += 1;
         self.sharing_refs += 1;
+    }
+
+    /// Takes one page's reference off copy `id`; returns whether none is left.
+    fn take_ref(&mut self, id: KeyId) -> bool {
+        let r = &mut self.refs[id as usize];
+        debug_assert!(*r > 0);
+        *r -= 1;
+        let none_left = *r == 0;
+        if self.zero_hole[id as usize] {
+            self.hole_refs -= 1;
+        } else {
+            self.sharing_refs -= 1;
+            if none_left {
+                self.shared -= 1;
+            }
+        }
+        none_left
+    }
+
+    /// Marks the freshly allocated, unpublished ids `ids` as zero holes (see `zero_hole`): the
+    /// caller leaves them unwritten. Allocated ids read zeros: fresh ones were never written, and
+    /// freed ones are punched before they are given out again.
+    pub(crate) fn mark_zero_holes(&mut self, ids: &[KeyId]) {
+        for &id in ids {
+            debug_assert!(self.allocated[id as usize] && self.refs[id as usize] == 0);
+            self.zero_hole[id as usize] = true;
+        }
+    }
+
+    /// Whether `id` is a zero hole (see `zero_hole`).
+    pub(crate) fn is_zero_hole(&self, id: KeyId) -> bool {
+        self.zero_hole.get(id as usize).copied().unwrap_or(false)
     }
 
     /// Takes copy `id` out of the index (it stays mapped by its pages) so that a new copy is made
@@ -443,22 +488,12 @@ impl Store {
     /// other pages of this period may still merge with it (new copies left unmapped are freed at
     /// the end of the period).
     pub(crate) fn undo_ref(&mut self, id: KeyId) {
-        let r = &mut self.refs[id as usize];
-        *r -= 1;
-        self.sharing_refs -= 1;
-        if *r == 0 {
-            self.shared -= 1;
-        }
+        self.take_ref(id);
     }
 
     /// One page fewer maps copy `id`; frees the copy when none does.
     pub(crate) fn drop_ref(&mut self, id: KeyId) {
-        let r = &mut self.refs[id as usize];
-        debug_assert!(*r > 0);
-        *r -= 1;
-        self.sharing_refs -= 1;
-        if *r == 0 {
-            self.shared -= 1;
+        if self.take_ref(id) {
             self.free_unmapped(id);
         }
     }
@@ -500,6 +535,7 @@ impl Store {
             self.in_tree.resize(need, 0);
             self.allocated.resize(need, false);
             self.allocated_at.resize(need, 0);
+            self.zero_hole.resize(need, false);
             // `entries` grows only with insertions into the tree (none with a daemon).
         }
     }

@@ -212,7 +212,8 @@ impl RegionWatch<'_> {
         let present = c & 1 != 0;
         match p.kind {
             PageKind::Merged => {
-                if present && c & 2 == 0 {
+                // (The zero page over a zero hole is neither file-backed nor written.)
+                if present && c & 2 == 0 && c & 4 == 0 {
                     // Written since the merge: the kernel gave it a private copy. Merging it
                     // again costs a freeze, a mapping and another copy-on-write fault if it
                     // is written again, so each break doubles its wait (to max_backoff).
