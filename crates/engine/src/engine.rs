@@ -168,6 +168,7 @@ impl Engine {
             stop: AtomicBool::new(false),
             faults_done: AtomicBool::new(false),
             stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
+            maps: sys::Maps::open().map_err(EngineError::Map)?,
             periods: Mutex::new(0),
             period_cv: Condvar::new(),
             kick: (Mutex::new(false), Condvar::new()),

@@ -145,8 +145,12 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
     if changes.is_empty() {
         return;
     }
-    // Read-ahead results name addresses that may have changed.
-    forget_read_ahead(st);
+    // Read-ahead results name addresses that may have changed. Dropped pages change none: their
+    // epochs move on (see `dropped`), so their results go unused, and the wait for a read-ahead
+    // under way (a whole registration's) is not put on a `MADV_DONTNEED`.
+    if changes.iter().any(|c| !matches!(c, Change::Remove { .. })) {
+        forget_read_ahead(st);
+    }
     for c in changes {
         match c {
             Change::Unmap { start, end } => {

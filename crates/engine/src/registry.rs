@@ -123,18 +123,7 @@ fn register_locked(
 /// page tables (8 bytes a page); registered memory is kept on small pages (`MADV_NOHUGEPAGE`),
 /// as KSM splits huge pages it merges.
 fn populate_zero_pages(range: Range<usize>, skip: &[Range<usize>]) {
-    let mut cur = range.start;
-    let mut pieces: Vec<Range<usize>> = Vec::new();
-    for s in skip {
-        if s.start > cur {
-            pieces.push(cur..s.start);
-        }
-        cur = s.end;
-    }
-    if cur < range.end {
-        pieces.push(cur..range.end);
-    }
-    for p in pieces {
+    for p in uncovered(range, skip) {
         // SAFETY: neither advice changes the contents of the program's anonymous memory: holes
         // read zeros either way.
         unsafe {
@@ -142,6 +131,25 @@ fn populate_zero_pages(range: Range<usize>, skip: &[Range<usize>]) {
             let _ = sys::madvise(p.start as *mut u8, p.len(), libc::MADV_POPULATE_READ);
         }
     }
+}
+
+/// The parts of `range` outside `skip` (ranges in address order, not overlapping).
+fn uncovered(range: Range<usize>, skip: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut cur = range.start;
+    let mut out = Vec::new();
+    for s in skip
+        .iter()
+        .filter(|s| s.end > range.start && s.start < range.end)
+    {
+        if s.start > cur {
+            out.push(cur..s.start);
+        }
+        cur = cur.max(s.end);
+    }
+    if cur < range.end {
+        out.push(cur..range.end);
+    }
+    out
 }
 
 /// Checks that `[a, end)` can be registered: private anonymous memory, or pages this engine
@@ -268,16 +276,14 @@ struct StorePiece {
     prot: libc::c_int,
 }
 
-/// The pieces of `range` that are mappings of the store, from the process's mappings.
-fn store_pieces(st: &State, range: Range<usize>) -> Vec<StorePiece> {
-    sys::self_mappings()
+/// The pieces of `range` that are mappings of the store, from the process's mappings there
+/// (asked of the kernel for the range alone).
+fn store_pieces(sh: &Shared, st: &State, range: Range<usize>) -> Vec<StorePiece> {
+    sh.maps
+        .in_range(range.start, range.end)
         .unwrap_or_default()
         .iter()
-        .filter(|m| {
-            (st.store.maps_inode(m.inode) || st.store.replaced_inode(m.inode))
-                && m.end > range.start
-                && m.start < range.end
-        })
+        .filter(|m| st.store.maps_inode(m.inode) || st.store.replaced_inode(m.inode))
         .map(|m| StorePiece {
             start: m.start.max(range.start),
             end: m.end.min(range.end),
@@ -288,54 +294,79 @@ fn store_pieces(st: &State, range: Range<usize>) -> Vec<StorePiece> {
 
 /// The program dropped the pages of `[a, a+len)` (`MADV_DONTNEED`; see `Engine::discard`): those
 /// in mappings of the store would read their copy again, not zeros, so they become anonymous
-/// memory holding nothing (reading zeros), with writers held off while it happens. The other
-/// pages are not touched: the kernel dropped them.
+/// memory holding nothing (reading zeros). The other pages are not touched: the kernel dropped
+/// them. Everything here costs what the range holds: its regions, its mappings, its pages.
 pub(crate) fn discard(sh: &Shared, a: usize, len: usize) -> Result<(), EngineError> {
     let end = checked_range(a, len)?;
     let _change = changing_mappings();
     let mut st = lock(&sh.state);
     apply_changes(sh, &mut st);
-    let in_store = st.regions.range(..end).any(|(_, r)| {
-        let (lo, hi) = (r.start.max(a), (r.start + r.len()).min(end));
-        lo < hi
-            && r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE]
-                .iter()
-                .any(|p| {
-                    matches!(
-                        p.kind,
-                        PageKind::Merged | PageKind::Broken | PageKind::Foreign
-                    )
-                })
+    let in_store = overlapping(&st, a..end).any(|(r, pages)| {
+        r.pages[pages].iter().any(|p| {
+            matches!(
+                p.kind,
+                PageKind::Merged | PageKind::Broken | PageKind::Foreign
+            )
+        })
     });
+    let mut emptied = Vec::new();
     if in_store {
-        for piece in store_pieces(&st, a..end) {
-            empty_store_piece(sh, &st, &piece)?;
+        for piece in store_pieces(sh, &st, a..end) {
+            empty_store_piece(sh, &piece)?;
             dropped_pages(&mut st, piece.start..piece.end);
+            emptied.push(piece.start..piece.end);
+            watch_emptied(sh, &st, piece.start..piece.end)?;
         }
         st.store.punch_pending();
     }
     // The dropped pages read the shared zero page from now on: a later touch is the kernel's own
-    // copy-on-write, not a missing fault answered by the fault thread.
-    for r in st.regions.range(..end).map(|(_, r)| r) {
-        let (lo, hi) = (r.start.max(a), (r.start + r.len()).min(end));
-        if lo < hi && sh.mode == WatchMode::UffdWp {
-            let _ = sh.uffd.fill_zero_pages(lo, hi - lo);
-            let _ = sh.uffd.wake(lo, hi - lo);
+    // copy-on-write, not a missing fault answered by the fault thread. (Emptied store pieces
+    // have it already.)
+    if sh.mode == WatchMode::UffdWp {
+        for (r, pages) in overlapping(&st, a..end) {
+            let (lo, hi) = (r.start + pages.start * PAGE, r.start + pages.end * PAGE);
+            for g in uncovered(lo..hi, &emptied) {
+                let _ = sh.uffd.fill_zero_pages(g.start, g.len());
+                let _ = sh.uffd.wake(g.start, g.len());
+            }
         }
     }
     Ok(())
 }
 
+/// The regions that meet `range`, each with the indices of its pages inside it (regions do not
+/// overlap: those below `range` are not visited).
+fn overlapping(
+    st: &State,
+    range: Range<usize>,
+) -> impl Iterator<Item = (&RegionState, Range<usize>)> {
+    st.regions
+        .range(..range.end)
+        .rev()
+        .map(|(_, r)| r)
+        .take_while(move |r| r.start + r.len() > range.start)
+        .map(move |r| {
+            let (lo, hi) = (r.start.max(range.start), (r.start + r.len()).min(range.end));
+            (r, (lo - r.start) / PAGE..(hi - r.start) / PAGE)
+        })
+}
+
 /// Replaces the store mapping of `piece` by an anonymous mapping of the same protection holding
-/// nothing, registered and watched like the region around it. Writers are held off meanwhile
-/// (through the store mappings' context) and retry in the new mapping.
-fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), EngineError> {
+/// nothing (to be watched like the region around it: [`watch_emptied`]).
+///
+/// The piece leaves the store mappings' context first, so replacing it reports nothing there:
+/// the kernel would hold this thread until the fault thread read the report, a round trip that
+/// cost more than all the rest. A write to the old mapping meanwhile is dropped with it, as if
+/// made before the program's `MADV_DONTNEED` (it is concurrent with the call); one after the
+/// replacement lands in the new mapping.
+fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError> {
     let (s, len) = (piece.start, piece.end - piece.start);
-    let held = sh
+    let unregistered = sh
         .store_uffd
         .as_ref()
-        .filter(|u| u.writeprotect(s, len, true).is_ok());
-    // Its report is the engine's own.
+        .filter(|u| u.unregister(s, len).is_ok());
+    // Announced all the same, for a context still registered there: its report is the engine's
+    // own.
     let change = Change::Unmap {
         start: s,
         end: s + len,
@@ -353,19 +384,32 @@ fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), 
             0,
         )
     };
-    if let Some(u) = held {
-        let _ = u.wake(s, len);
-    }
-    if mapped == libc::MAP_FAILED {
-        let e = std::io::Error::last_os_error();
-        lock(&sh.changes).unexpect(change);
+    let err = (mapped == libc::MAP_FAILED).then(std::io::Error::last_os_error);
+    // A report was read before the call returned (the kernel waits for that), and the fault
+    // thread records what it reads before it lets go of the log: an announcement still there
+    // now had no report, and must not swallow a later one.
+    lock(&sh.changes).unexpect(change);
+    if let Some(e) = err {
+        if let Some(u) = unregistered {
+            // Still the store mapping: watched again, so that it can be merged again.
+            let _ = u.register(s, len, UFFDIO_REGISTER_MODE_WP);
+        }
         return Err(EngineError::Map(e));
     }
+    Ok(())
+}
+
+/// Registers `range`, fresh anonymous memory, like the region around it; when watching by
+/// write-protection, with the shared zero page mapped first (as registration does).
+fn watch_emptied(sh: &Shared, st: &State, range: Range<usize>) -> Result<(), EngineError> {
+    if sh.mode == WatchMode::UffdWp {
+        populate_zero_pages(range.clone(), &[]);
+    }
     sh.uffd
-        .register(s, len, sh.reg_mode)
+        .register(range.start, range.len(), sh.reg_mode)
         .map_err(EngineError::Uffd)?;
     if sh.mode == WatchMode::UffdWp {
-        let _ = st.pagemap.write_protect(s, s + len);
+        let _ = st.pagemap.write_protect(range.start, range.end);
     }
     Ok(())
 }
@@ -373,11 +417,13 @@ fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), 
 /// Records that the pages of `range` hold nothing now: anonymous, their copies released.
 fn dropped_pages(st: &mut State, range: Range<usize>) {
     let State { regions, store, .. } = st;
-    for r in regions.values_mut() {
+    let meeting = regions
+        .range_mut(..range.end)
+        .rev()
+        .map(|(_, r)| r)
+        .take_while(|r| r.start + r.len() > range.start);
+    for r in meeting {
         let (lo, hi) = (r.start.max(range.start), (r.start + r.len()).min(range.end));
-        if lo >= hi {
-            continue;
-        }
         for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
             if p.kind == PageKind::Merged {
                 store.drop_ref(p.sid);
@@ -414,7 +460,7 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     // through the main context dropped the other context's registration too, and then the pages
     // could not be held still to be copied.
     let mut failed = Vec::new();
-    for p in store_pieces(st, start..end) {
+    for p in store_pieces(sh, st, start..end) {
         if !anonymize(sh, p.start, p.end, p.prot) {
             failed.push((p.start, p.end));
         }
@@ -526,5 +572,23 @@ fn break_cow(addr: usize) {
     // Relaxed: only the write itself matters, not ordering with other memory.
     while let Err(cur) = w.compare_exchange_weak(v, v, Ordering::Relaxed, Ordering::Relaxed) {
         v = cur;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_uncovered_parts_of_a_range_lie_inside_it() {
+        let p = PAGE;
+        let skip = [0..2 * p, 4 * p..5 * p, 7 * p..12 * p];
+        assert_eq!(
+            uncovered(p..10 * p, &skip),
+            vec![2 * p..4 * p, 5 * p..7 * p]
+        );
+        assert_eq!(uncovered(5 * p..6 * p, &skip), vec![5 * p..6 * p]);
+        assert_eq!(uncovered(8 * p..9 * p, &skip), Vec::<Range<usize>>::new());
+        assert_eq!(uncovered(0..3 * p, &[]), vec![0..3 * p]);
     }
 }

@@ -198,6 +198,9 @@ pub(crate) struct Shared {
     /// answer faults and read events until then).
     pub(crate) faults_done: AtomicBool,
     pub(crate) stop_fd: std::os::fd::OwnedFd,
+    /// The process's `/proc/self/maps`, asked for the mappings of a range (the store mappings
+    /// among the pages the program drops or unregisters).
+    pub(crate) maps: sys::Maps,
     /// Periods completed, with a condvar for `wait_periods`.
     pub(crate) periods: Mutex<u64>,
     pub(crate) period_cv: Condvar,

@@ -195,6 +195,87 @@ fn cow_broken_page_merges_again() {
     assert!(check(&mem[(n + 7) * PAGE..(n + 8) * PAGE], 8));
 }
 
+/// `MADV_DONTNEED` of merged pages, then `Engine::discard` (what the shim does): the dropped
+/// pages read zeros and hold no reference to their copies; every other page keeps its bytes and
+/// stays merged; the emptied pages are watched like the rest (written, the bytes stay; equal to
+/// a copy again, they merge again).
+fn discard_merged_pages_on(mode: WatchMode) {
+    let _g = serial();
+    let e = engine(mode);
+    let n = 64;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    let (ptr, base) = (r.as_ptr(), r.as_ptr() as usize);
+    let drop_pages = |first: usize, pages: usize| {
+        // SAFETY: pages of the test's own region; no reference into it is live.
+        unsafe { sys::madvise(ptr.add(first * PAGE), pages * PAGE, libc::MADV_DONTNEED) }.unwrap();
+        e.discard(ptr.wrapping_add(first * PAGE), pages * PAGE)
+            .unwrap();
+    };
+    let faults = e.stats().faults_answered;
+    drop_pages(5, 1);
+    let mem = r.as_mut_slice();
+    assert!(
+        check(&mem[5 * PAGE..6 * PAGE], 0),
+        "a dropped page is not zero"
+    );
+    if s.watch_mode == WatchMode::UffdWp {
+        assert_eq!(
+            e.stats().faults_answered,
+            faults,
+            "reading a dropped page waited for the fault thread (no zero page mapped there)"
+        );
+    }
+    for i in (0..2 * n).filter(|&i| i != 5) {
+        assert!(
+            check(&mem[i * PAGE..(i + 1) * PAGE], (i % n) as u64 + 1),
+            "page {i}"
+        );
+        assert!(file_backed(base + i * PAGE), "page {i} is no longer merged");
+    }
+    assert!(!file_backed(base + 5 * PAGE));
+    assert_eq!(
+        e.stats().pages_sharing,
+        n as u64 - 1,
+        "the copy keeps a reference"
+    );
+    // Several pages, one of them written since its merge (a private copy in a store mapping).
+    mem[9 * PAGE + 100] = 0xAB;
+    wait_for(&e, |s| s.cow_breaks >= 1);
+    drop_pages(8, 4);
+    let mem = r.as_mut_slice();
+    assert!(mem[8 * PAGE..12 * PAGE].iter().all(|&b| b == 0));
+    assert_eq!(e.stats().pages_sharing, n as u64 - 5);
+    // Written after the drop: kept.
+    fill(&mut mem[5 * PAGE..6 * PAGE], 1000);
+    e.wait_periods(3, Duration::from_secs(10));
+    assert!(
+        check(&r.as_mut_slice()[5 * PAGE..6 * PAGE], 1000),
+        "a write was lost"
+    );
+    // Equal to its twin again: merged again.
+    fill(&mut r.as_mut_slice()[5 * PAGE..6 * PAGE], 6);
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64 - 4);
+    assert_eq!(s.pages_sharing, n as u64 - 4, "{s:?}");
+    // (Read first: a merge maps the copy without a page table entry.)
+    assert!(check(&r.as_mut_slice()[5 * PAGE..6 * PAGE], 6));
+    assert!(file_backed(base + 5 * PAGE), "the page did not merge again");
+}
+
+#[test]
+fn discarding_merged_pages_gives_zeros_and_keeps_the_rest_merged() {
+    discard_merged_pages_on(WatchMode::Auto);
+}
+
+#[test]
+fn discarding_merged_pages_gives_zeros_and_keeps_the_rest_merged_checksum_fallback() {
+    discard_merged_pages_on(WatchMode::Checksum);
+}
+
 /// After unregister the range is plain anonymous memory again: no mapping of the store is left,
 /// and discarding a page gives zeros (not a stable copy's bytes).
 #[test]

@@ -279,7 +279,7 @@ fn emptied(eng: &Engine, a: usize, e: usize) {
 /// `drop_pages` one mapping at a time (see there): the result and `errno` of the first refusal,
 /// or `ENOMEM` if part of the range is not mapped, as the kernel answers.
 fn drop_piecewise(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
-    let Ok(maps) = sys::self_mappings() else {
+    let Ok(maps) = sys::self_mappings_in(a, e) else {
         return -1;
     };
     let store =
@@ -315,7 +315,7 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
     if r != 0 && !refused {
         return r;
     }
-    let Ok(maps) = sys::self_mappings() else {
+    let Ok(maps) = sys::self_mappings_in(a, e) else {
         return r;
     };
     let store =

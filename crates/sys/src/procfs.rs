@@ -1,8 +1,13 @@
 //! What `/proc` and `/proc/sys` say about this process and the machine: the mappings of
-//! `/proc/self/maps` ([`Mapping`]), the VMA count and limit, and fields of `meminfo`,
-//! `smaps_rollup` and `status`.
+//! `/proc/self/maps` ([`Mapping`]; those of one range through [`Maps`]), the VMA count and limit,
+//! and fields of `meminfo`, `smaps_rollup` and `status`.
 
+use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
+
+use crate::cvt;
+use crate::uapi::*;
 
 /// The kernel's VMA limit per process (`vm.max_map_count`).
 pub fn max_map_count() -> io::Result<usize> {
@@ -82,6 +87,109 @@ pub fn self_mappings() -> io::Result<Vec<Mapping>> {
     Ok(out)
 }
 
+/// The mappings of `self_mappings` that meet `[start, end)`.
+fn self_mappings_filtered(start: usize, end: usize) -> io::Result<Vec<Mapping>> {
+    let mut all = self_mappings()?;
+    all.retain(|m| m.end > start && m.start < end);
+    Ok(all)
+}
+
+/// The process's mappings that meet `[start, end)`, in address order (see [`Maps::in_range`]),
+/// with `/proc/self/maps` opened for the call: for a process that may have forked since a
+/// [`Maps`] was opened.
+pub fn self_mappings_in(start: usize, end: usize) -> io::Result<Vec<Mapping>> {
+    Maps::open()?.in_range(start, end)
+}
+
+/// Longest mapping name asked of the kernel (`PATH_MAX`).
+const NAME_MAX_BYTES: usize = 4096;
+
+/// This process's `/proc/self/maps`, kept open to ask for the mappings of a range with the
+/// `PROCMAP_QUERY` ioctl (Linux 6.11): a call per mapping, which costs what the range holds, not
+/// what the process holds (reading the whole file costs tens of microseconds per call). Opened by
+/// one process, it answers for that process (not for a child after `fork`).
+#[derive(Debug)]
+pub struct Maps {
+    file: File,
+}
+
+impl Maps {
+    /// Opens `/proc/self/maps`.
+    pub fn open() -> io::Result<Self> {
+        Ok(Self {
+            file: File::open("/proc/self/maps")?,
+        })
+    }
+
+    /// The mappings that meet `[start, end)`, in address order, whole (not cut to the range):
+    /// asked one by one where the kernel has `PROCMAP_QUERY`, else read from the whole file.
+    pub fn in_range(&self, start: usize, end: usize) -> io::Result<Vec<Mapping>> {
+        let mut out = Vec::new();
+        let mut name = vec![0u8; NAME_MAX_BYTES];
+        let mut at = start;
+        while at < end {
+            match self.query(at, &mut name) {
+                Ok(Some(m)) if m.start < end => {
+                    at = m.end;
+                    out.push(m);
+                }
+                Ok(_) => break,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTTY | libc::EINVAL)) => {
+                    return self_mappings_filtered(start, end);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The mapping holding `addr` or else the first above it (`None`: there is none), its name
+    /// read into `name`.
+    fn query(&self, addr: usize, name: &mut [u8]) -> io::Result<Option<Mapping>> {
+        let mut q = ProcmapQuery {
+            size: std::mem::size_of::<ProcmapQuery>() as u64,
+            query_flags: PROCMAP_QUERY_COVERING_OR_NEXT_VMA,
+            query_addr: addr as u64,
+            vma_name_size: name.len() as u32,
+            vma_name_addr: name.as_mut_ptr() as u64,
+            ..Default::default()
+        };
+        // SAFETY: q is a live procmap_query whose name buffer is `name`, writable for the size
+        // given; no build id is asked for.
+        let r = unsafe { crate::raw_ioctl(self.file.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+        match cvt(r as libc::c_long) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+            Err(e) => Err(e),
+            Ok(_) => Ok(Some(mapping_of(&q, name))),
+        }
+    }
+}
+
+/// The [`Mapping`] a `PROCMAP_QUERY` answer describes, as its line of `/proc/self/maps` would.
+fn mapping_of(q: &ProcmapQuery, name: &[u8]) -> Mapping {
+    let flag = |bit: u64, c: char| if q.vma_flags & bit != 0 { c } else { '-' };
+    let perms = [
+        flag(PROCMAP_QUERY_VMA_READABLE, 'r'),
+        flag(PROCMAP_QUERY_VMA_WRITABLE, 'w'),
+        flag(PROCMAP_QUERY_VMA_EXECUTABLE, 'x'),
+        if q.vma_flags & PROCMAP_QUERY_VMA_SHARED != 0 {
+            's'
+        } else {
+            'p'
+        },
+    ];
+    // The size returned counts the terminating NUL; 0 when the mapping has no name.
+    let len = (q.vma_name_size as usize).saturating_sub(1).min(name.len());
+    Mapping {
+        start: q.vma_start as usize,
+        end: q.vma_end as usize,
+        perms: perms.iter().collect(),
+        offset: q.vma_offset,
+        inode: q.inode,
+        path: String::from_utf8_lossy(&name[..len]).into_owned(),
+    }
+}
+
 /// Process-wide memory figures from `/proc/meminfo` and `/proc/self/smaps_rollup`, in KiB.
 pub fn meminfo_kib(field: &str) -> io::Result<u64> {
     read_kib("/proc/meminfo", field)
@@ -114,4 +222,65 @@ fn read_kib(path: &str, field: &str) -> io::Result<u64> {
         io::ErrorKind::NotFound,
         format!("no field {field} in {path}"),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{memfd_create, mmap_anonymous, mmap_private_fixed, munmap, raw_mprotect};
+
+    const PAGE: usize = 4096;
+
+    /// Eight pages: a private mapping of a memfd at page 2, page 5 read-only, the rest
+    /// anonymous read/write: five mappings.
+    fn mixed_mappings() -> (*mut u8, std::os::fd::OwnedFd) {
+        let p = mmap_anonymous(8 * PAGE).unwrap();
+        let fd = memfd_create(c"procfs-test").unwrap();
+        crate::ftruncate(fd.as_raw_fd(), PAGE as u64).unwrap();
+        // SAFETY: the test's own fresh mapping; nothing refers into it.
+        unsafe {
+            mmap_private_fixed(p.add(2 * PAGE), PAGE, fd.as_raw_fd(), 0).unwrap();
+            assert_eq!(
+                raw_mprotect(p.add(5 * PAGE).cast(), PAGE, libc::PROT_READ),
+                0
+            );
+        }
+        (p, fd)
+    }
+
+    #[test]
+    fn the_mappings_of_a_range_are_those_the_whole_file_lists() {
+        let (p, _fd) = mixed_mappings();
+        let (a, e) = (p as usize, p as usize + 8 * PAGE);
+        let asked = Maps::open().unwrap().in_range(a + PAGE, e - PAGE).unwrap();
+        let listed = self_mappings_filtered(a + PAGE, e - PAGE).unwrap();
+        assert_eq!(asked, listed);
+        assert_eq!(asked.len(), 5, "{asked:?}");
+        assert!(asked[1].inode != 0 && asked[1].path.contains("procfs-test"));
+        assert_eq!((asked[1].start, asked[1].end), (a + 2 * PAGE, a + 3 * PAGE));
+        assert_eq!(asked[3].perms, "r--p");
+        assert!(asked[0].is_private_anonymous_rw() && asked[0].start <= a);
+        // The ioctl itself, where the kernel has it (else the answers above are the file's).
+        let mut name = vec![0u8; NAME_MAX_BYTES];
+        match Maps::open().unwrap().query(a + 2 * PAGE, &mut name) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTTY) => {}
+            r => assert_eq!(r.unwrap().as_ref(), Some(&asked[1])),
+        }
+        // SAFETY: the test's own mapping, unmapped whole.
+        unsafe { munmap(p, 8 * PAGE).unwrap() };
+    }
+
+    #[test]
+    fn a_range_with_nothing_mapped_has_no_mappings() {
+        let p = mmap_anonymous(3 * PAGE).unwrap();
+        // SAFETY: the middle page of the test's own mapping.
+        unsafe { munmap(p.add(PAGE), PAGE).unwrap() };
+        let a = p as usize + PAGE;
+        assert_eq!(self_mappings_in(a, a + PAGE).unwrap(), Vec::new());
+        // SAFETY: the test's own pages, unmapped.
+        unsafe {
+            munmap(p, PAGE).unwrap();
+            munmap(p.add(2 * PAGE), PAGE).unwrap();
+        }
+    }
 }

@@ -204,6 +204,35 @@ pub const PAGE_IS_SWAPPED: u64 = 1 << 4;
 pub const PAGE_IS_PFNZERO: u64 = 1 << 5;
 pub const PAGE_IS_HUGE: u64 = 1 << 6;
 
+/// `struct procmap_query` (6.11+): one mapping of the process, asked of `/proc/PID/maps`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProcmapQuery {
+    pub size: u64,
+    pub query_flags: u64,
+    pub query_addr: u64,
+    pub vma_start: u64,
+    pub vma_end: u64,
+    pub vma_flags: u64,
+    pub vma_page_size: u64,
+    pub vma_offset: u64,
+    pub inode: u64,
+    pub dev_major: u32,
+    pub dev_minor: u32,
+    pub vma_name_size: u32,
+    pub build_id_size: u32,
+    pub vma_name_addr: u64,
+    pub build_id_addr: u64,
+}
+
+pub const PROCMAP_QUERY: u64 = ioc(IOC_RW, b'f' as u64, 17, std::mem::size_of::<ProcmapQuery>());
+pub const PROCMAP_QUERY_VMA_READABLE: u64 = 1 << 0;
+pub const PROCMAP_QUERY_VMA_WRITABLE: u64 = 1 << 1;
+pub const PROCMAP_QUERY_VMA_EXECUTABLE: u64 = 1 << 2;
+pub const PROCMAP_QUERY_VMA_SHARED: u64 = 1 << 3;
+/// The mapping holding the address, or else the first one above it.
+pub const PROCMAP_QUERY_COVERING_OR_NEXT_VMA: u64 = 1 << 4;
+
 /// Classic pagemap entry bits.
 pub const PM_PRESENT: u64 = 1 << 63;
 pub const PM_SWAPPED: u64 = 1 << 62;
@@ -225,6 +254,7 @@ mod tests {
         assert_eq!(UFFDIO_MOVE, 0xc028_aa05);
         assert_eq!(UFFDIO_WRITEPROTECT, 0xc018_aa06);
         assert_eq!(PAGEMAP_SCAN, 0xc060_6610);
+        assert_eq!(PROCMAP_QUERY, 0xc068_6611);
         assert_eq!(std::mem::size_of::<UffdMsg>(), 32);
     }
 }
