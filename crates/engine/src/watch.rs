@@ -1,10 +1,11 @@
 //! The watch: which pages were written since the last period, and which stayed unchanged long
 //! enough to be candidates.
 //!
-//! In the write-protect mode one `PAGEMAP_SCAN` per region returns the pages written since the
-//! last scan and write-protects them again (userfaultfd async write-protection: a write costs one
-//! minor fault in the kernel and nothing in user space); pages are never read to find out whether
-//! they changed. In the checksum mode, a per-page xxh3 checksum is compared instead, as KSM does.
+//! In the write-protect mode one `PAGEMAP_SCAN` per region returns the pages present and written
+//! since the last scan and write-protects the written ones again (userfaultfd async
+//! write-protection: a write costs one minor fault in the kernel and nothing in user space), and
+//! a second one the store mappings of a region with merged pages; pages are never read to find
+//! out whether they changed. In the checksum mode, a per-page xxh3 checksum is compared instead, as KSM does.
 
 use std::io;
 use std::sync::atomic::Ordering;
@@ -112,30 +113,15 @@ fn scan_categories(
     cats.resize(n, 0);
     if mode == WatchMode::UffdWp {
         regions_buf.clear();
+        // One walk returns the categories of every page of the anonymous pieces and
+        // write-protects the written ones again. It skips the store mappings merged pages live
+        // in (see `store_mappings`), so a region with merged pages walks those in a second one.
+        // A walk costs about as much per mapping whether it looks into it or skips it, and a
+        // region with tens of thousands of merged runs pays that per walk: so the written and
+        // the present anonymous pages come from the same walk, not from one walk each.
+        pagemap.scan(r.start, end, &anonymous_pages(), regions_buf)?;
         if r.merged_ever {
-            // Write-protect scans skip the store mappings merged pages live in, so those are
-            // seen by more scans: which pages are present in the anonymous pieces, and in the
-            // store mappings which are present and file-backed (or written: copy-on-write
-            // broken). Each piece is walked for presence once (see `present_pages`).
-            pagemap.scan(r.start, end, &written_query(), regions_buf)?;
-            pagemap.scan(r.start, end, &present_pages(mode), regions_buf)?;
-            let store_mappings = sys::ScanQuery {
-                category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
-                category_inverted: PAGE_IS_WPALLOWED,
-                return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
-                ..Default::default()
-            };
-            pagemap.scan(r.start, end, &store_mappings, regions_buf)?;
-        } else {
-            // Only anonymous memory: one walk returns every page's categories and
-            // write-protects the written ones again.
-            let all = sys::ScanQuery {
-                flags: PM_SCAN_WP_MATCHING,
-                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
-                return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
-                ..Default::default()
-            };
-            pagemap.scan(r.start, end, &all, regions_buf)?;
+            pagemap.scan(r.start, end, &store_mappings(), regions_buf)?;
         }
         mark_pages(cats, r.start, regions_buf);
     } else {
@@ -374,12 +360,31 @@ pub(crate) fn present_pages(mode: WatchMode) -> sys::ScanQuery {
     }
 }
 
-/// Pages written since the last scan, write-protected again by the same call.
-fn written_query() -> sys::ScanQuery {
+/// The pages of the anonymous pieces of a region that are present or written (swapped pages
+/// too), with whether each is the zero page: one walk, which also write-protects the written
+/// pages again (`PM_SCAN_WP_MATCHING` protects the matching pages that are `PAGE_IS_WRITTEN`).
+/// With `PM_SCAN_WP_MATCHING` the kernel skips every mapping that is not write-protectable
+/// (`PAGE_IS_WPALLOWED`: registered with a context that has async write-protection), which
+/// leaves out the store mappings.
+fn anonymous_pages() -> sys::ScanQuery {
     sys::ScanQuery {
         flags: PM_SCAN_WP_MATCHING,
-        category_mask: PAGE_IS_WRITTEN,
-        return_mask: PAGE_IS_WRITTEN,
+        category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
+        ..Default::default()
+    }
+}
+
+/// The present pages of the store mappings in a region, with whether each is file-backed (a
+/// present page that is not was written: copy-on-write broken) or the zero page. The store
+/// mappings are registered with the second context, which has no async write-protection, so
+/// they are the mappings that are not `PAGE_IS_WPALLOWED`: a write-protect walk cannot see them,
+/// and their `PAGE_IS_WRITTEN` says nothing (their entries carry no write-protect bit).
+fn store_mappings() -> sys::ScanQuery {
+    sys::ScanQuery {
+        category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
+        category_inverted: PAGE_IS_WPALLOWED,
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
         ..Default::default()
     }
 }
@@ -436,6 +441,137 @@ impl ScanBuffers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::Page;
+    use std::os::fd::AsRawFd;
+
+    /// Each range found adds its categories to its pages: present 1, file-backed 2, zero pfn 4,
+    /// written 8; other categories add nothing, and pages outside every range get none.
+    #[test]
+    fn scan_results_become_per_page_categories() {
+        let start = 0x10_0000usize;
+        let at = |k: usize| (start + k * PAGE) as u64;
+        let range = |a: usize, b: usize, categories: u64| PageRegion {
+            start: at(a),
+            end: at(b),
+            categories,
+        };
+        let found = [
+            range(0, 2, PAGE_IS_PRESENT | PAGE_IS_WRITTEN),
+            range(2, 3, PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_WPALLOWED),
+            range(4, 6, PAGE_IS_PRESENT | PAGE_IS_FILE),
+            range(6, 7, PAGE_IS_WRITTEN | PAGE_IS_SWAPPED),
+            // A second walk's range over a page the first reported adds to it.
+            range(1, 2, PAGE_IS_PFNZERO),
+        ];
+        let mut cats = vec![0u8; 8];
+        mark_pages(&mut cats, start, &found);
+        assert_eq!(cats, [0b1001, 0b1101, 0b0101, 0, 0b0011, 0b0011, 0b1000, 0]);
+    }
+
+    /// Page `k` of a test region: its address.
+    fn page(base: usize, k: usize) -> *mut u8 {
+        (base + k * PAGE) as *mut u8
+    }
+
+    /// A region laid out as the engine leaves one with merged pages, on the real kernel: pieces
+    /// of private anonymous memory registered for async write-protection (as the engine
+    /// registers memory; without missing faults, which nothing here answers) and pieces that are
+    /// private mappings of a file registered with a second context without it (the store
+    /// mappings). The watch's walks give every page the categories the watch decides by, and
+    /// the written pages are write-protected again: a second scan finds them unwritten, and a
+    /// new write is found.
+    #[test]
+    fn a_region_with_merged_pages_gets_every_page_category_and_is_protected_again() {
+        const N: usize = 12;
+        let uffd = sys::Uffd::open(UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED).unwrap();
+        if uffd.features() & UFFD_FEATURE_WP_ASYNC == 0 || !sys::pagemap_scan_supported() {
+            eprintln!("skipped: this kernel lacks async write-protection or PAGEMAP_SCAN");
+            return;
+        }
+        let base = sys::mmap_anonymous(N * PAGE).unwrap() as usize;
+        for k in 0..N {
+            if k != 2 {
+                // SAFETY: a page of the fresh mapping above, which only this test uses.
+                unsafe { std::ptr::write_volatile(page(base, k), k as u8 + 1) };
+            }
+        }
+        // SAFETY: as above; page 2 is read only, so it maps the zero page.
+        unsafe { std::ptr::read_volatile(page(base, 2)) };
+        uffd.register(base, N * PAGE, UFFDIO_REGISTER_MODE_WP)
+            .unwrap();
+        let pagemap = sys::Pagemap::open().unwrap();
+        pagemap.write_protect(base, base + N * PAGE).unwrap();
+        // The store: pages 4, 5 and 6 each map a page of it on their own, 8, 9 and 10 one run.
+        let store = sys::memfd_create(c"watch-test-store").unwrap();
+        sys::ftruncate(store.as_raw_fd(), 16 * PAGE as u64).unwrap();
+        let store_uffd = sys::Uffd::open(UFFD_FEATURE_WP_HUGETLBFS_SHMEM)
+            .ok()
+            .filter(|u| u.features() & UFFD_FEATURE_WP_HUGETLBFS_SHMEM != 0);
+        for (k, n, copy) in [(4, 1, 9), (5, 1, 3), (6, 1, 12), (8, 3, 0)] {
+            let offset = (copy * PAGE) as u64;
+            // SAFETY: pages of this test's region, replaced by a mapping of the store (nothing
+            // refers to them).
+            unsafe { sys::mmap_private_fixed(page(base, k), n * PAGE, store.as_raw_fd(), offset) }
+                .unwrap();
+            if let Some(u) = &store_uffd {
+                u.register(base + k * PAGE, n * PAGE, UFFDIO_REGISTER_MODE_WP)
+                    .unwrap();
+            }
+        }
+        // SAFETY: pages of this test's region, which only this thread uses.
+        unsafe {
+            // Written since the protection: anonymous pages 0 and 11; store page 5 (its copy is
+            // broken).
+            std::ptr::write_volatile(page(base, 0), 100);
+            std::ptr::write_volatile(page(base, 11), 100);
+            std::ptr::write_volatile(page(base, 5), 100);
+            // Read: the store pages 4, 8, 9 and 10 map the file's pages.
+            for k in [4, 8, 9, 10] {
+                std::ptr::read_volatile(page(base, k));
+            }
+            // Released: page 3 has no page (nor a write-protect marker) left.
+            sys::madvise(page(base, 3), PAGE, libc::MADV_DONTNEED).unwrap();
+        }
+        let r = RegionState {
+            start: base,
+            pages: vec![Page::default(); N],
+            merged_ever: true,
+            armed_at: None,
+            sums: Vec::new(),
+        };
+        let mut scan = ScanBuffers::default();
+        let mut categories = || {
+            scan_categories(WatchMode::UffdWp, &pagemap, &r, &mut scan).unwrap();
+            scan.cats.clone()
+        };
+        // Present 1, file-backed 2, zero pfn 4, written 8 (anonymous pieces only).
+        let (anon, zero, file, written) = (1, 0b0101, 0b0011, 0b1001);
+        let mut want = [
+            written, anon, zero, 0, file, anon, 0, anon, file, file, file, written,
+        ];
+        let first = categories();
+        // The released page: no page, and written on kernels whose walks count an entry with
+        // no page and no write-protect marker as written (both walks then arm a marker there).
+        assert!(first[3] == 0 || first[3] == 8, "released page: {first:?}");
+        want[3] = first[3];
+        assert_eq!(first, want, "first scan");
+        want[3] = 0;
+        want[0] = anon;
+        want[11] = anon;
+        assert_eq!(
+            categories(),
+            want,
+            "the written pages were not protected again"
+        );
+        // SAFETY: as above.
+        unsafe { std::ptr::write_volatile(page(base, 1), 100) };
+        want[1] = written;
+        assert_eq!(categories(), want, "a write after the second scan");
+        drop(uffd);
+        drop(store_uffd);
+        // SAFETY: this test's region; nothing refers to it any more.
+        unsafe { sys::munmap(base as *mut u8, N * PAGE) }.unwrap();
+    }
 
     /// The watch's scratch keeps its room between periods, but not more than twice what the
     /// largest region needs.

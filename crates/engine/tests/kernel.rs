@@ -707,6 +707,67 @@ fn settled_memory_is_scanned_less_and_writes_are_still_seen() {
     break_and_restore(&e, &mut r, n, 5 * PAGE + 3);
 }
 
+/// A region whose merged pages are mappings of their own (every other page merged, the unique
+/// pages between them anonymous): the unique pages are still watched for writes, and protected
+/// again once seen written. Rewritten to duplicate each other, they are seen written, then
+/// unchanged, and merge; a merged page written is seen as a copy-on-write break.
+#[test]
+fn written_pages_between_merged_runs_are_seen_and_merge() {
+    let _g = serial();
+    let e = engine(WatchMode::UffdWp);
+    let n = 256;
+    // Even pages duplicate the other half's, odd ones are unique.
+    let content = |i: usize| {
+        if i % 2 == 0 {
+            (i % n) as u64 + 1
+        } else {
+            (i + 10 * n) as u64
+        }
+    };
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    let half = n as u64 / 2;
+    // (Settled: the unique pages wait as first sightings.)
+    let s = wait_for(&e, |s| {
+        s.pages_sharing >= half && s.pages_unshared == n as u64
+    });
+    assert_eq!((s.pages_shared, s.pages_sharing), (half, half), "{s:?}");
+    assert_eq!(s.pages_unshared, n as u64, "{s:?}");
+    // The unique pages of the first half become copies of those of the second.
+    let mem = r.as_mut_slice();
+    for i in (1..n).step_by(2) {
+        fill(&mut mem[i * PAGE..(i + 1) * PAGE], content(i + n));
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(
+        (s.pages_shared, s.pages_sharing),
+        (n as u64, n as u64),
+        "the rewritten unique pages did not merge: {s:?}"
+    );
+    assert_eq!(s.cow_breaks, 0, "{s:?}");
+    // A merged page written: its own copy again.
+    let mem = r.as_mut_slice();
+    mem[6 * PAGE + 1] ^= 1;
+    let s = wait_for(&e, |s| s.cow_breaks >= 1);
+    assert_eq!((s.cow_breaks, s.pages_sharing), (1, n as u64 - 1), "{s:?}");
+    let mem = r.as_slice();
+    for i in 0..2 * n {
+        let want = if i % 2 == 1 && i < n {
+            content(i + n)
+        } else {
+            content(i)
+        };
+        let page = &mem[i * PAGE..(i + 1) * PAGE];
+        if i == 6 {
+            assert_eq!(page[1], 1, "the write to the merged page");
+        } else {
+            assert!(check(page, want), "page {i}");
+        }
+    }
+}
+
 /// First touches of registered memory stay in the kernel: the engine maps the zero page over
 /// what it registers and over the zero pages it releases, so no touch waits for its fault thread
 /// (a round trip, 30 times the kernel's own first touch).

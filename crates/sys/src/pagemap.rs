@@ -8,6 +8,9 @@ use std::os::fd::AsRawFd;
 use crate::uapi::*;
 use crate::{cvt, PAGE_SIZE};
 
+/// The least room (in ranges) a `PAGEMAP_SCAN` call gets for its output.
+const MIN_SCAN_ROOM: usize = 1024;
+
 /// What a `PAGEMAP_SCAN` matches and reports (fields of `struct pm_scan_arg`): a page matches
 /// when `(categories ^ category_inverted) & category_mask == category_mask` and, if
 /// `category_anyof_mask` is set, `categories & category_anyof_mask != 0`.
@@ -49,8 +52,16 @@ impl Pagemap {
     }
 
     /// The `PAGEMAP_SCAN` loop of [`Pagemap::scan`] and [`Pagemap::write_protect`]: resumes at
-    /// `walk_end` until `end`. Without `out` the kernel gets no output vector (then, with
-    /// `PM_SCAN_WP_MATCHING`, it takes its exclusive write-protect path).
+    /// `walk_end` until `end`. The kernel writes the ranges found straight into the spare room of
+    /// `out`, which grows (doubling) when a call fills it: a vector kept from walk to walk takes
+    /// one call per walk, where a fixed buffer took one per 1024 ranges (a region with tens of
+    /// thousands of merged runs returns as many). Without `out` the kernel gets no output vector
+    /// (then, with `PM_SCAN_WP_MATCHING`, it takes its exclusive write-protect path).
+    ///
+    /// A call whose walk filled the kernel's own buffer (512 ranges) and then went on to `end`
+    /// reports (Linux up to at least 6.18) a `walk_end` where that buffer last filled, not `end`:
+    /// the next call walks from there again, and the ranges after it (512 at most) come twice,
+    /// each as then found. The loop follows `walk_end` all the same: it is what the call reports.
     fn walk(
         &self,
         start: usize,
@@ -58,38 +69,47 @@ impl Pagemap {
         q: &ScanQuery,
         mut out: Option<&mut Vec<PageRegion>>,
     ) -> io::Result<()> {
-        let mut buf = match out {
-            Some(_) => vec![PageRegion::default(); 1024],
-            None => Vec::new(),
-        };
         let mut cur = start as u64;
         while cur < end as u64 {
+            let (vec, vec_len) = match out.as_deref_mut() {
+                Some(out) => {
+                    if out.capacity() - out.len() < MIN_SCAN_ROOM {
+                        out.reserve(out.len().max(MIN_SCAN_ROOM));
+                    }
+                    let spare = out.spare_capacity_mut();
+                    (spare.as_mut_ptr() as u64, spare.len() as u64)
+                }
+                None => (0, 0),
+            };
             let mut arg = PmScanArg {
                 size: std::mem::size_of::<PmScanArg>() as u64,
                 flags: q.flags,
                 start: cur,
                 end: end as u64,
                 walk_end: 0,
-                vec: if buf.is_empty() {
-                    0
-                } else {
-                    buf.as_mut_ptr() as u64
-                },
-                vec_len: buf.len() as u64,
+                vec,
+                vec_len,
                 max_pages: 0,
                 category_inverted: q.category_inverted,
                 category_mask: q.category_mask,
                 category_anyof_mask: q.category_anyof_mask,
                 return_mask: q.return_mask,
             };
-            // SAFETY: arg is a live pm_scan_arg whose vec points to buf.len() live regions, or
-            // has no vector at all (vec and vec_len 0).
+            // SAFETY: arg is a live pm_scan_arg whose vec points to the vec_len regions of room
+            // `out` has past its length (not read, only written by the kernel), or has no vector
+            // at all (vec and vec_len 0).
             let n = cvt(
                 unsafe { crate::raw_ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut arg) }
                     as libc::c_long,
             )? as usize;
             if let Some(out) = out.as_deref_mut() {
-                out.extend_from_slice(&buf[..n]);
+                assert!(
+                    n as u64 <= vec_len,
+                    "PAGEMAP_SCAN reported more than its room"
+                );
+                // SAFETY: the kernel wrote `n` whole regions (plain integers) at the start of the
+                // spare room, within its capacity.
+                unsafe { out.set_len(out.len() + n) };
             }
             if arg.walk_end <= cur {
                 break;
@@ -170,4 +190,50 @@ pub fn pagemap_scan_supported() -> bool {
         ..ScanQuery::default()
     };
     pm.scan(a, a + PAGE_SIZE, &q, &mut v).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scan that finds more ranges than a call's room returns every one of them, after what the
+    /// vector held already: every other page of 4096 present is 2048 ranges of one page.
+    #[test]
+    fn a_scan_returns_every_range_however_many() {
+        if !pagemap_scan_supported() {
+            eprintln!("skipped: this kernel lacks PAGEMAP_SCAN");
+            return;
+        }
+        const N: usize = 4096;
+        let base = crate::mmap_anonymous(N * PAGE_SIZE).unwrap() as usize;
+        for k in (0..N).step_by(2) {
+            // SAFETY: a page of the fresh mapping above, which only this test uses.
+            unsafe { std::ptr::write_volatile((base + k * PAGE_SIZE) as *mut u8, 1) };
+        }
+        let pm = Pagemap::open().unwrap();
+        let q = ScanQuery {
+            category_mask: PAGE_IS_PRESENT,
+            return_mask: PAGE_IS_PRESENT,
+            ..ScanQuery::default()
+        };
+        let kept = PageRegion {
+            start: 1,
+            end: 2,
+            categories: 3,
+        };
+        let mut out = vec![kept];
+        pm.scan(base, base + N * PAGE_SIZE, &q, &mut out).unwrap();
+        assert_eq!(out[0], kept, "what the vector held stays");
+        let mut present = vec![false; N];
+        for r in &out[1..] {
+            assert_eq!(r.categories, PAGE_IS_PRESENT);
+            let (lo, hi) = (r.start as usize - base, r.end as usize - base);
+            present[lo / PAGE_SIZE..hi / PAGE_SIZE].fill(true);
+        }
+        let want: Vec<bool> = (0..N).map(|k| k % 2 == 0).collect();
+        assert!(present == want, "the ranges are not the present pages");
+        assert!(out.len() > N / 2, "{} ranges", out.len() - 1);
+        // SAFETY: the mapping above; nothing refers to it any more.
+        unsafe { crate::munmap(base as *mut u8, N * PAGE_SIZE) }.unwrap();
+    }
 }
