@@ -332,6 +332,16 @@ enum pageone_status pageone_config_set_max_sharing(struct pageone_config *cfg, u
 enum pageone_status pageone_config_set_vma_margin(struct pageone_config *cfg, size_t vmas);
 
 /**
+ * Sets whether merged pages are mapped as they merge (`populate_merged` in the Rust API: a first
+ * read is then a load, not a page fault; merging costs more CPU).
+ *
+ * # Safety
+ *
+ * `cfg` must be NULL or a live configuration not used by another thread during the call.
+ */
+enum pageone_status pageone_config_set_populate_merged(struct pageone_config *cfg, bool on);
+
+/**
  * Sets how written pages are detected: a `pageone_watch_mode`. Other values give
  * `PAGEONE_INVALID_ARGUMENT`.
  *

@@ -26,6 +26,9 @@ Environment:
   PAGEONE_SCOPE               the scope an engine joins (default: \"default\")
   PAGEONE_CONFIG              the configuration file instead of /etc/pageone/pageone.toml
   PAGEONE_MERGE_PERIOD_MS     the merge period of engines the shim starts
+  PAGEONE_WORKERS             their worker threads
+  PAGEONE_POPULATE_MERGED=1   their merged pages are mapped as they merge (a first read is
+                              then a load, not a page fault; merging costs more CPU)
   PAGEONE_PRELOAD             the shim `pageone run` preloads
   PAGEONE_LOG                 log filter (e.g. info, pageone_engine=debug)";
 

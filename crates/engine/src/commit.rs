@@ -167,6 +167,9 @@ fn commit_run(
     let outcome = merge_frozen(cx, &run, &plan, freezer);
     cx.times[0] += tf.elapsed().as_secs_f64();
     outcome.log();
+    if cx.config.populate_merged {
+        map_merged_pages(sh, &run, &outcome);
+    }
     let mut guard = lock(&sh.state);
     record_outcome(cx, &mut guard, &run, &plan, &outcome);
     run.n
@@ -556,6 +559,25 @@ fn map_zero_page_over_holes(sh: &Shared, start: usize, ks: Range<usize>, holes: 
         let _ = u.fill_zero_pages(start + k * PAGE, m * PAGE);
         k += m;
     }
+}
+
+/// (`Config::populate_merged`) Maps the page-table entries of the copies just mapped over the
+/// run, once its writers are
+/// woken and while the program's mapping changes are still held off (`holding_still`): the
+/// kernel does no fault-around on a mapping registered with userfaultfd, so the first read of
+/// every merged page would take a page fault of its own (as KSM, which merges in place, does
+/// not). Read-only: the copies are mapped, not copied. A subrun the program changed meanwhile
+/// (a report in the log) is left alone.
+fn map_merged_pages(sh: &Shared, run: &Run, out: &Outcome) {
+    for_each_subrun(&out.verdict[..run.n], |k, _, m| {
+        let (a, len) = (run.start + k * PAGE, m * PAGE);
+        if lock(&sh.changes).touches(a..a + len) {
+            return;
+        }
+        // SAFETY: populating for reading changes no contents; the range is the subrun just
+        // mapped from the store (a page-aligned range of this process).
+        let _ = unsafe { sys::madvise(a as *mut u8, len, libc::MADV_POPULATE_READ) };
+    });
 }
 
 /// Calls `f(k, sid, m)` for each subrun of merges in `acts` (`m` pages from `k`, copies from

@@ -46,6 +46,13 @@ pub struct Config {
     pub watch: WatchMode,
     /// VMAs kept free below `vm.max_map_count`.
     pub vma_margin: usize,
+    /// Map the page-table entries of merged pages as they are merged (`MADV_POPULATE_READ`), so
+    /// that the program's first read of each is a load, not a page fault (the kernel does no
+    /// fault-around on memory registered with userfaultfd). Off by default: it costs merging
+    /// about a quarter more CPU and settled periods about three times as much (every merged
+    /// page is then present, and the watch asks the kernel whether each is still the store's);
+    /// see `docs/benchmarks.md`.
+    pub populate_merged: bool,
     /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
     /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET` (ignored, like every
     /// `PAGEONE_*` variable, in a set-user-ID, set-group-ID or file-capability program).
@@ -67,6 +74,7 @@ impl Default for Config {
                 .unwrap_or_else(|| "default".into()),
             watch: WatchMode::Auto,
             vma_margin: 1024,
+            populate_merged: false,
             daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
         }
     }
@@ -112,6 +120,10 @@ impl Builder {
     }
     pub fn max_sharing(mut self, n: u32) -> Self {
         self.config.max_sharing = n;
+        self
+    }
+    pub fn populate_merged(mut self, on: bool) -> Self {
+        self.config.populate_merged = on;
         self
     }
     pub fn scope(mut self, s: impl Into<String>) -> Self {

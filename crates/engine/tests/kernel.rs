@@ -813,3 +813,34 @@ fn first_touches_of_registered_and_released_memory_do_not_reach_the_engine() {
     );
     drop(r);
 }
+
+/// `populate_merged`: merged pages are mapped as they merge (a first read is a load, not a
+/// fault); without it they are mapped by the program's first touch.
+#[test]
+fn merged_pages_are_mapped_as_they_merge_when_asked() {
+    let _g = serial();
+    for populate in [false, true] {
+        let e = Engine::builder()
+            .merge_period(Duration::from_millis(20))
+            .populate_merged(populate)
+            .build()
+            .expect("the engine starts on this kernel");
+        let n = 256;
+        // Two identical halves of distinct pages, filled before they are registered.
+        let mem = common::filled(2 * n, |i| (i % n) as u64 + 1);
+        let base = mem.as_ptr() as usize;
+        e.register(base as *mut u8, mem.len()).unwrap();
+        let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+        assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+        let mapped = (0..2 * n).filter(|&i| file_backed(base + i * PAGE)).count();
+        if populate {
+            assert_eq!(mapped, 2 * n, "every merged page is mapped");
+        } else {
+            assert_eq!(mapped, 0, "merged pages are mapped by a first touch only");
+        }
+        for (i, p) in mem.chunks(PAGE).enumerate() {
+            assert!(check(p, (i % n) as u64 + 1), "page {i} changed by merging");
+        }
+        e.unregister(base as *mut u8, mem.len()).unwrap();
+    }
+}

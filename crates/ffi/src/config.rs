@@ -169,6 +169,21 @@ pub unsafe extern "C" fn pageone_config_set_vma_margin(
     unsafe { config_setter!(cfg.vma_margin = vmas) }
 }
 
+/// Sets whether merged pages are mapped as they merge (`populate_merged` in the Rust API: a first
+/// read is then a load, not a page fault; merging costs more CPU).
+///
+/// # Safety
+///
+/// `cfg` must be NULL or a live configuration not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_config_set_populate_merged(
+    cfg: *mut pageone_config,
+    on: bool,
+) -> pageone_status {
+    // SAFETY: NULL or a live configuration used by no other thread, by the contract.
+    unsafe { config_setter!(cfg.populate_merged = on) }
+}
+
 /// Sets how written pages are detected: a `pageone_watch_mode`. Other values give
 /// `PAGEONE_INVALID_ARGUMENT`.
 ///

@@ -31,6 +31,7 @@ fn start(c: &Config) -> Result<Engine, EngineError> {
         .scope(c.scope.clone())
         .watch(c.watch)
         .vma_margin(c.vma_margin)
+        .populate_merged(c.populate_merged)
         .daemon(c.daemon.clone())
         .build()?;
     // The builder has no setter for the back-off cap.

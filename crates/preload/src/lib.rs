@@ -73,9 +73,9 @@ fn log(msg: &str) {
     let _ = writeln!(std::io::stderr(), "pageone: {msg}");
 }
 
-/// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS` and
-/// the worker threads from `PAGEONE_WORKERS` (ignored, like every `PAGEONE_*` variable, in
-/// set-user-ID and similar secure-execution programs).
+/// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`,
+/// the worker threads from `PAGEONE_WORKERS` and `PAGEONE_POPULATE_MERGED=1` (ignored, like every
+/// `PAGEONE_*` variable, in set-user-ID and similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
     let b = Engine::builder();
     // SAFETY: getauxval only reads the auxiliary vector.
@@ -86,8 +86,15 @@ fn builder() -> pageone_engine::Builder {
         Some(ms) => b.merge_period(std::time::Duration::from_millis(ms)),
         None => b,
     };
-    match setting("PAGEONE_WORKERS", "worker threads") {
+    let b = match setting("PAGEONE_WORKERS", "worker threads") {
         Some(n) => b.workers(n as usize),
+        None => b,
+    };
+    match setting(
+        "PAGEONE_POPULATE_MERGED",
+        "(1 to map merged pages as they merge)",
+    ) {
+        Some(_) => b.populate_merged(true),
         None => b,
     }
 }
