@@ -21,6 +21,13 @@
 //!   makes the merged pages in it empty anonymous memory ([`Engine::discard`]), so they read
 //!   zeros. `MADV_FREE` of merged pages (which the kernel refuses on file mappings) is answered
 //!   the same way, which `MADV_FREE` allows.
+//! * **Memory that is not read/write.** The engine registers read/write memory only; the kernel
+//!   marks a `PROT_NONE` or read-only mapping mergeable all the same and merges it once the
+//!   program makes it read/write. Of a range the engine refuses as a whole, the shim registers
+//!   the read/write private parts now and remembers the others ([`pending`]) until an `mprotect`
+//!   (or `pkey_mprotect`) makes them read/write, when they are registered. `MADV_UNMERGEABLE`,
+//!   `munmap`, `mmap` over them and `mremap` (which moves them with the memory) forget them
+//!   first, so nothing mapped there later is registered. The answer is the kernel's (0).
 //! * **`userfaultfd` on mergeable memory.** A program that registers mergeable memory with a
 //!   userfaultfd of its own (QEMU's postcopy migration) gets it: the engine unregisters that
 //!   range first (as KSM has no such conflict).
@@ -33,13 +40,18 @@
 //!   engine threads: it passes everything to the kernel, but for `MADV_DONTNEED`/`MADV_FREE` of
 //!   merged pages it inherited, which it makes empty anonymous memory as above.
 
+mod pending;
+
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use libc::{c_int, c_ulong, c_void, size_t};
 use pageone_engine::{changing_mappings, Engine};
+use pageone_sync::lock;
 use pageone_sys as sys;
+
+use pending::{Pending, Span};
 
 const PR_SET_MEMORY_MERGE: c_int = 67;
 const PR_GET_MEMORY_MERGE: c_int = 68;
@@ -61,6 +73,12 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 static MERGE_ALL: AtomicBool = AtomicBool::new(false);
 /// Set in a child after `fork`: no engine runs there.
 static CHILD: AtomicBool = AtomicBool::new(false);
+/// Ranges the program asked to merge that wait to be made read/write (see [`pending`]).
+static PENDING: Mutex<Pending> = Mutex::new(Pending::new());
+/// `PENDING` holds a range: read without the lock, so the hot paths take it only then.
+static ANY_PENDING: AtomicBool = AtomicBool::new(false);
+/// Read and write: what the engine registers.
+const RW: c_int = libc::PROT_READ | libc::PROT_WRITE;
 
 extern "C" fn in_child() {
     // Relaxed: the child is single-threaded at this point.
@@ -216,11 +234,16 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
     }
 }
 
-/// `MADV_MERGEABLE` and `MADV_UNMERGEABLE` (see the crate documentation).
+/// `MADV_MERGEABLE` and `MADV_UNMERGEABLE` (see the crate documentation). `errno` is the
+/// kernel's: left as it was where the call succeeds.
 fn merge_advice(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     let Some((a, e)) = page_range(addr, len) else {
         return raw_madvise(addr, len, advice);
     };
+    let saved = errno();
+    if advice == libc::MADV_UNMERGEABLE {
+        forget(a, e);
+    }
     let done = guarded(|| {
         if advice == libc::MADV_UNMERGEABLE {
             if let Some(eng) = running() {
@@ -234,21 +257,212 @@ fn merge_advice(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
         let eng = engine()?;
         match eng.merge(a as *mut u8, e - a) {
             Ok(()) => {
-                // Merging works on 4 KiB pages: a huge page that is partly merged or released
-                // keeps all its memory until the kernel splits it under memory pressure, so
-                // registered memory gets no new huge pages (KSM splits them too).
-                // SAFETY: MADV_NOHUGEPAGE changes no contents.
-                let _ = unsafe { sys::madvise(a as *mut u8, e - a, libc::MADV_NOHUGEPAGE) };
+                no_huge_pages(a, e);
                 Some(0)
             }
-            Err(_) => None,
+            // Refused as a whole: perhaps for the protection of part of it.
+            Err(_) => merge_by_protection(eng, a, e),
         }
     });
-    match done {
+    let r = match done {
         Some(Some(r)) => r,
         // Not ours to answer (no engine, not anonymous memory, re-entered): the kernel's KSM.
         _ => raw_madvise(addr, len, advice),
+    };
+    if r == 0 {
+        set_errno_raw(saved);
     }
+    r
+}
+
+/// Registered memory gets no new huge pages: merging works on 4 KiB pages, and a huge page partly
+/// merged or released keeps all its memory until the kernel splits it under memory pressure (KSM
+/// splits them too).
+fn no_huge_pages(a: usize, e: usize) {
+    // SAFETY: MADV_NOHUGEPAGE changes no contents.
+    let _ = unsafe { sys::madvise(a as *mut u8, e - a, libc::MADV_NOHUGEPAGE) };
+}
+
+/// A mapping of a store of pageone's (merged pages).
+fn is_store(m: &sys::Mapping) -> bool {
+    m.path.contains("pageone-stable") || m.path.contains("pageone-scope")
+}
+
+/// What `MADV_MERGEABLE` does with a mapping of its range: private memory is registered now if it
+/// is read/write, else later (see [`pending`]); `None` for any other mapping.
+fn registers_now(m: &sys::Mapping) -> Option<bool> {
+    let anonymous =
+        m.inode == 0 && (m.path.is_empty() || m.path == "[heap]" || m.path.starts_with("[anon:"));
+    let private = m.perms.ends_with('p') && (anonymous || is_store(m));
+    private.then(|| m.prot() & RW == RW)
+}
+
+/// `MADV_MERGEABLE` of `[a, e)`, which the engine refused as a whole, when part of it is private
+/// memory that is not read/write (a `PROT_NONE` reservation or guard page, read-only memory):
+/// the read/write runs are registered now (what the engine refuses of them goes to the kernel's
+/// flag), the others remembered until the program makes them read/write (see [`pending`]).
+/// `None` (the kernel answers, as before) when no part is of that kind, or part of the range is
+/// unmapped or not private memory. Otherwise the kernel's answer, 0 unless it refuses a part.
+fn merge_by_protection(eng: &Engine, a: usize, e: usize) -> Option<c_int> {
+    let maps = sys::self_mappings_in(a, e).ok()?;
+    // (start, end, registered now)
+    let mut runs: Vec<(usize, usize, bool)> = Vec::new();
+    let mut cur = a;
+    for m in maps.iter().filter(|m| m.end > a && m.start < e) {
+        if m.start > cur {
+            return None;
+        }
+        let now = registers_now(m)?;
+        let (s, t) = (m.start.max(a), m.end.min(e));
+        match runs.last_mut() {
+            Some(r) if r.2 == now => r.1 = t,
+            _ => runs.push((s, t, now)),
+        }
+        cur = m.end;
+    }
+    if cur < e || runs.iter().all(|r| r.2) {
+        return None;
+    }
+    let mut refused = None;
+    for &(s, t, now) in &runs {
+        if !now {
+            pending_locked(|p| remember(p, (s, t)));
+            continue;
+        }
+        if eng.merge(s as *mut u8, t - s).is_ok() {
+            no_huge_pages(s, t);
+        } else if raw_madvise(s as *mut c_void, t - s, libc::MADV_MERGEABLE) != 0 {
+            refused = refused.or(Some(errno()));
+        }
+    }
+    Some(match refused {
+        Some(err) => {
+            set_errno_raw(err);
+            -1
+        }
+        None => 0,
+    })
+}
+
+/// Runs `f` on the remembered ranges (the caller does not hold the lock). `errno` is kept (a
+/// contended lock may set it).
+fn pending_locked<T>(f: impl FnOnce(&mut Pending) -> T) -> T {
+    let saved = errno();
+    let mut p = lock(&PENDING);
+    let r = f(&mut p);
+    // Relaxed: a hint for `with_pending`; the ranges themselves are read under the lock.
+    ANY_PENDING.store(!p.is_empty(), Ordering::Relaxed);
+    drop(p);
+    set_errno_raw(saved);
+    r
+}
+
+/// Runs `f` on the remembered ranges if there are any and the shim may act: not re-entered (this
+/// thread may hold the lock) and not in a forked child (its copy of the lock may have been held
+/// by a thread that does not exist there; it has no engine either).
+fn with_pending<T>(f: impl FnOnce(&mut Pending) -> T) -> Option<T> {
+    // Relaxed: a range added by a call that happens before this one (in the program's order of
+    // its calls) is seen, as a load reads the value of a store that happens before it or a later
+    // one. A range added concurrently with a call on the same memory is the program's race.
+    if !ANY_PENDING.load(Ordering::Relaxed) || INSIDE.get() || CHILD.load(Ordering::Relaxed) {
+        return None;
+    }
+    Some(pending_locked(f))
+}
+
+/// Remembers `span`; when every slot is in use, it goes to the kernel's flag instead (as before
+/// ranges were remembered).
+fn remember(p: &mut Pending, span: Span) {
+    if p.add(span.0, span.1).is_err() {
+        to_kernel(span);
+    }
+}
+
+/// Gives `span`, which the program asked to merge, to the kernel's flag (logged once). `errno`
+/// is kept.
+fn to_kernel((s, t): Span) {
+    static LOGGED: AtomicBool = AtomicBool::new(false);
+    // Relaxed: a flag for the log alone.
+    if !LOGGED.swap(true, Ordering::Relaxed) {
+        log("too many mergeable ranges wait to be made read/write; the kernel's KSM has the rest");
+    }
+    let saved = errno();
+    raw_madvise(s as *mut c_void, t - s, libc::MADV_MERGEABLE);
+    set_errno_raw(saved);
+}
+
+/// Forgets the remembered ranges in `[a, e)`: the memory there is unmapped, replaced or no longer
+/// to be merged (before the call that changes it: nothing mapped there afterwards is registered).
+fn forget(a: usize, e: usize) {
+    if let Some(Some(d)) = with_pending(|p| p.cut(a, e).dropped) {
+        to_kernel(d);
+    }
+}
+
+/// [`forget`] for a call's own arguments (nothing if they are not a page range).
+fn forget_call(addr: *mut c_void, len: size_t) {
+    if let Some((a, e)) = page_range(addr, len) {
+        forget(a, e);
+    }
+}
+
+/// After an `mprotect` of `[addr, addr+len)` to `prot` that answered `r`: see [`made_writable`].
+/// A refused call may have changed the mappings before the one it refused (the kernel stops
+/// there, `ENOMEM` at a hole): the remembered parts of those that are now read/write are
+/// registered all the same.
+fn protected(addr: *mut c_void, len: size_t, prot: c_int, r: c_int) {
+    if r == 0 {
+        return made_writable(addr, len, prot);
+    }
+    // Relaxed: see `with_pending`.
+    let Some((a, e)) = page_range(addr, len).filter(|_| ANY_PENDING.load(Ordering::Relaxed)) else {
+        return;
+    };
+    if prot & RW != RW {
+        return;
+    }
+    let saved = errno();
+    for m in sys::self_mappings_in(a, e).unwrap_or_default() {
+        if m.prot() & RW == RW {
+            let (s, t) = (m.start.max(a), m.end.min(e));
+            made_writable(s as *mut c_void, t - s, prot);
+        }
+    }
+    set_errno_raw(saved);
+}
+
+/// After a successful `mprotect` of `[addr, addr+len)` to `prot`: the remembered parts of the
+/// range (see [`pending`]) are registered if they are now read/write, as KSM merges them from now
+/// on. `errno` is kept.
+fn made_writable(addr: *mut c_void, len: size_t, prot: c_int) {
+    if prot & RW != RW {
+        return;
+    }
+    let Some((a, e)) = page_range(addr, len) else {
+        return;
+    };
+    let saved = errno();
+    // The lock is held while registering: an `munmap` of the range waits to forget it before it
+    // unmaps, so nothing mapped there after it is registered.
+    with_pending(|p| {
+        let cut = p.cut(a, e);
+        if let Some(d) = cut.dropped {
+            to_kernel(d);
+        }
+        guarded(|| {
+            let Some(eng) = running() else { return };
+            for &(s, t) in cut.spans() {
+                match eng.merge(s as *mut u8, t - s) {
+                    Ok(()) => no_huge_pages(s, t),
+                    Err(err) => log(&format!(
+                        "mergeable memory made read/write could not be registered ({err}); \
+                         it is not merged"
+                    )),
+                }
+            }
+        });
+    });
+    set_errno_raw(saved);
 }
 
 /// `MADV_DONTNEED`, `MADV_DONTNEED_LOCKED` and `MADV_FREE`: the kernel drops the pages; merged
@@ -289,13 +503,11 @@ fn drop_piecewise(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
     let Ok(maps) = sys::self_mappings_in(a, e) else {
         return -1;
     };
-    let store =
-        |m: &sys::Mapping| m.path.contains("pageone-stable") || m.path.contains("pageone-scope");
     let (mut cur, mut hole) = (a, false);
     for m in maps.iter().filter(|m| m.end > a && m.start < e) {
         hole |= m.start > cur;
         let (s, t) = (m.start.max(a), m.end.min(e));
-        let this = if advice == libc::MADV_FREE && store(m) {
+        let this = if advice == libc::MADV_FREE && is_store(m) {
             libc::MADV_DONTNEED
         } else {
             advice
@@ -325,9 +537,10 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
     let Ok(maps) = sys::self_mappings_in(a, e) else {
         return r;
     };
-    let store =
-        |m: &sys::Mapping| m.path.contains("pageone-stable") || m.path.contains("pageone-scope");
-    for m in maps.iter().filter(|m| m.end > a && m.start < e && store(m)) {
+    for m in maps
+        .iter()
+        .filter(|m| m.end > a && m.start < e && is_store(m))
+    {
         let (s, t) = (m.start.max(a), m.end.min(e));
         // SAFETY: pages the program asked to drop, replaced by an empty private mapping with the
         // same protection.
@@ -354,6 +567,11 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
 fn errno() -> c_int {
     // SAFETY: errno is this thread's.
     unsafe { *libc::__errno_location() }
+}
+
+fn set_errno_raw(value: c_int) {
+    // SAFETY: errno is this thread's.
+    unsafe { *libc::__errno_location() = value };
 }
 
 /// The name under which `PR_SET_MEMORY_MERGE` is kept across `execve` (in the environment, which
@@ -466,7 +684,9 @@ fn raw_mmap(
 }
 
 /// `mmap(2)`: a fixed mapping is a change of mappings (see the crate doc); with
-/// `PR_SET_MEMORY_MERGE`, large private anonymous mappings are registered.
+/// `PR_SET_MEMORY_MERGE`, large private anonymous mappings are registered. Mergeable ranges
+/// waiting to be made read/write are forgotten where the new mapping is (before a fixed one: an
+/// address given back by a call the shim did not see may be handed out again too).
 ///
 /// # Safety
 /// As `mmap(2)`.
@@ -480,9 +700,14 @@ pub unsafe extern "C" fn mmap(
     off: libc::off_t,
 ) -> *mut c_void {
     let p = if flags & libc::MAP_FIXED != 0 {
+        forget_call(addr, len);
         covered(|| raw_mmap(addr, len, prot, flags, fd, off))
     } else {
-        raw_mmap(addr, len, prot, flags, fd, off)
+        let p = raw_mmap(addr, len, prot, flags, fd, off);
+        if p != libc::MAP_FAILED {
+            forget_call(p, len);
+        }
+        p
     };
     // Relaxed: see prctl.
     let wanted = MERGE_ALL.load(Ordering::Relaxed)
@@ -518,28 +743,58 @@ pub unsafe extern "C" fn mmap64(
     unsafe { mmap(addr, len, prot, flags, fd, off) }
 }
 
-/// `munmap(2)`: a change of mappings (see the crate doc).
+/// `munmap(2)`: a change of mappings (see the crate doc); mergeable ranges waiting to be made
+/// read/write there are forgotten first.
 ///
 /// # Safety
 /// As `munmap(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    forget_call(addr, len);
     // SAFETY: the program asked for exactly this call.
     covered(|| unsafe { sys::raw_munmap(addr, len) })
 }
 
-/// `mprotect(2)`: a change of mappings (see the crate doc).
+/// `mprotect(2)`: a change of mappings (see the crate doc); mergeable memory it makes read/write
+/// is registered (see [`protected`]).
 ///
 /// # Safety
 /// As `mprotect(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
     // SAFETY: the program asked for exactly this call.
-    covered(|| unsafe { sys::raw_mprotect(addr, len, prot) })
+    let r = covered(|| unsafe { sys::raw_mprotect(addr, len, prot) });
+    protected(addr, len, prot, r);
+    r
 }
 
-/// `mremap(2)`: a change of mappings (see the crate doc). (Variadic in C; the optional fifth
-/// argument is read as passed, which the x86-64 convention allows.)
+/// `pkey_mprotect(2)`: as [`mprotect`] (and as glibc, `mprotect` itself for key -1).
+///
+/// # Safety
+/// As `pkey_mprotect(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn pkey_mprotect(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    pkey: c_int,
+) -> c_int {
+    let r = covered(|| {
+        if pkey == -1 {
+            // SAFETY: the program asked for this call, which is mprotect's for key -1.
+            unsafe { sys::raw_mprotect(addr, len, prot) }
+        } else {
+            // SAFETY: the program asked for exactly this call.
+            unsafe { libc::syscall(libc::SYS_pkey_mprotect, addr, len, prot, pkey) as c_int }
+        }
+    });
+    protected(addr, len, prot, r);
+    r
+}
+
+/// `mremap(2)`: a change of mappings (see the crate doc); mergeable ranges waiting to be made
+/// read/write move with the memory (see [`Remap`]). (Variadic in C; the optional fifth argument
+/// is read as passed, which the x86-64 convention allows.)
 ///
 /// # Safety
 /// As `mremap(2)`.
@@ -551,6 +806,92 @@ pub unsafe extern "C" fn mremap(
     flags: c_int,
     new: *mut c_void,
 ) -> *mut c_void {
+    let call = Remap {
+        old: old as usize,
+        old_len,
+        new_len,
+        flags,
+        new: new as usize,
+    };
+    let moving = call.before();
+    let p = remap(&call);
+    if let Some(cut) = moving {
+        call.after(&cut, p);
+    }
+    p
+}
+
+/// The arguments of an `mremap` call.
+struct Remap {
+    old: usize,
+    old_len: usize,
+    new_len: usize,
+    flags: c_int,
+    new: usize,
+}
+
+impl Remap {
+    /// Before the call: the mergeable ranges waiting to be made read/write in the old range are
+    /// taken out (to move with it), and those where a fixed new range goes are forgotten.
+    fn before(&self) -> Option<pending::Cut> {
+        if self.flags & libc::MREMAP_FIXED != 0 {
+            forget_call(self.new as *mut c_void, self.new_len);
+        }
+        let (a, e) = page_range(self.old as *mut c_void, self.old_len)?;
+        let cut = with_pending(|p| p.cut(a, e))?;
+        if let Some(d) = cut.dropped {
+            to_kernel(d);
+        }
+        Some(cut)
+    }
+
+    /// After the call, which answered `to` (`errno` is kept): the ranges taken out go back where
+    /// the memory is now (also at the old place with `MREMAP_DONTUNMAP`, which keeps that
+    /// mapping), a range that reached the old end growing with it (the kernel's mapping grows,
+    /// flag and all); where the call failed, back where they were. What the new range replaced
+    /// is forgotten first.
+    fn after(&self, cut: &pending::Cut, to: *mut c_void) {
+        if to == libc::MAP_FAILED {
+            pending_locked(|p| cut.spans().iter().for_each(|&s| remember(p, s)));
+            return;
+        }
+        let round = |n: usize| n.div_ceil(sys::PAGE_SIZE) * sys::PAGE_SIZE;
+        let (to, old_end) = (to as usize, self.old + round(self.old_len));
+        let (keep, new_len) = (
+            round(self.old_len).min(round(self.new_len)),
+            round(self.new_len),
+        );
+        forget(to, to + new_len);
+        pending_locked(|p| {
+            for &(s, t) in cut.spans() {
+                if self.flags & libc::MREMAP_DONTUNMAP != 0 {
+                    remember(p, (s, t));
+                }
+                let (s2, t2) = (s.min(self.old + keep), t.min(self.old + keep));
+                if s2 < t2 {
+                    let grown = t == old_end && new_len > keep;
+                    let end = if grown {
+                        to + new_len
+                    } else {
+                        to + (t2 - self.old)
+                    };
+                    remember(p, (to + (s2 - self.old), end));
+                }
+            }
+        });
+    }
+}
+
+/// `mremap` as asked, covered (see [`mremap`]).
+fn remap(call: &Remap) -> *mut c_void {
+    let &Remap {
+        old,
+        old_len,
+        new_len,
+        flags,
+        new,
+    } = call;
+    let (old, new) = (old as *mut c_void, new as *mut c_void);
     // SAFETY: the program asked for exactly this call.
     let raw = || unsafe { sys::raw_mremap(old, old_len, new_len, flags, new) };
     covered(|| {

@@ -9,10 +9,13 @@ fn compile(name: &str) -> PathBuf {
     compile_with(name, &[])
 }
 
-/// The same with extra compiler arguments.
+/// The same with extra compiler arguments. (Each call has an executable of its own: tests run in
+/// parallel, and each removes its executable when done.)
 fn compile_with(name: &str, extra: &[&str]) -> PathBuf {
+    static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
-    let bin = std::env::temp_dir().join(format!("pageone-{name}-{}", std::process::id()));
+    let bin = std::env::temp_dir().join(format!("pageone-{name}-{}-{n}", std::process::id()));
     let cc = Command::new("cc")
         .args(["-O2", "-Wall", "-Werror", "-o"])
         .arg(&bin)
@@ -210,4 +213,26 @@ fn userfaultfd_on_mergeable_memory_works() {
 fn merged_memory_unmaps_and_moves_like_a_mapping() {
     behaves("unmap");
     behaves("remap");
+}
+
+/// Memory marked mergeable while `PROT_NONE` or read-only merges once the program makes it
+/// read/write (the kernel keeps `VM_MERGEABLE` on it), part by part.
+#[test]
+fn prot_none_mergeable_memory_merges_once_made_read_write() {
+    behaves("protnone");
+}
+
+/// A `PROT_NONE` guard page inside a mergeable range: the rest merges, the call answers 0, and the
+/// guard page merges once made read/write.
+#[test]
+fn a_guard_page_inside_a_mergeable_range_does_not_keep_the_rest_from_merging() {
+    behaves("guard");
+}
+
+/// Mergeable `PROT_NONE` memory unmapped, mapped over or marked unmergeable before it is made
+/// read/write is not registered later; moved with `mremap`, it merges at its new place only.
+#[test]
+fn prot_none_mergeable_memory_is_forgotten_when_unmapped_and_moves_with_mremap() {
+    behaves("protnone-forgotten");
+    behaves("protnone-remap");
 }

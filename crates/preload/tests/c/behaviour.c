@@ -2,7 +2,8 @@
  * the kernel's semantics where pageone answers for KSM. Each check prints a line; the program
  * exits non-zero on the first that fails.
  *
- *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap)
+ *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
+ *                              protnone | guard | protnone-forgotten | protnone-remap)
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -45,6 +46,40 @@ static size_t file_pages(const unsigned char *p, size_t pages) {
     }
     close(fd);
     return n;
+}
+
+/* Touches every page of [p, p+pages) (reads map merged pages) and counts the merged ones. */
+static size_t merged_pages(const unsigned char *p, size_t pages) {
+    volatile unsigned char s = 0;
+    for (size_t i = 0; i < pages; i++)
+        s += p[i * PAGE];
+    (void)s;
+    return file_pages(p, pages);
+}
+
+/* Waits up to 30 s until more than `want` pages of [p, p+pages) are merged. */
+static int merges(const unsigned char *p, size_t pages, size_t want) {
+    for (int t = 0; t < 300; t++) {
+        if (merged_pages(p, pages) > want)
+            return 1;
+        usleep(100000);
+    }
+    printf("merged %zu of %zu pages, wanted more than %zu\n", merged_pages(p, pages), pages, want);
+    return 0;
+}
+
+/* Whether pages [from, to) of p hold what fill() wrote. */
+static int intact(const unsigned char *p, size_t from, size_t to) {
+    for (size_t i = from; i < to; i++)
+        if (!holds(p, i, (int)(i % 4) + 1))
+            return 0;
+    return 1;
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
 }
 
 /* Registers a fresh region of duplicates and waits until most of it is merged. */
@@ -172,6 +207,131 @@ static void remap(void) {
     check(q[0] == 9 && q[PAGE] == 9, "the moved pages take writes");
 }
 
+/* A fresh PROT_NONE mapping of `pages`, marked mergeable (which the kernel answers with 0). */
+static unsigned char *mergeable_none(size_t pages) {
+    unsigned char *p = mmap(NULL, pages * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        exit(2);
+    check(madvise(p, pages * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE of PROT_NONE memory");
+    return p;
+}
+
+/* Memory marked mergeable while PROT_NONE or read-only merges once made read/write, a part at a
+ * time as the program makes it so. */
+static void protnone(void) {
+    unsigned char *p = mmap(NULL, PAGES * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        exit(2);
+    size_t half = PAGES / 2;
+    check(mprotect(p + half * PAGE, half * PAGE, PROT_READ) == 0, "mprotect read-only");
+    check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0,
+          "MADV_MERGEABLE of PROT_NONE and read-only memory");
+    check(mprotect(p, half * PAGE, PROT_READ | PROT_WRITE) == 0, "mprotect the first half");
+    fill(p, half);
+    check(merges(p, half, half * 9 / 10), "the first half merges");
+    check(intact(p, 0, half), "its pages keep their bytes");
+    check(holds(p, half, 0) && merged_pages(p + half * PAGE, half) == 0,
+          "the read-only half is not merged yet");
+    check(mprotect(p + half * PAGE, half * PAGE, PROT_READ | PROT_WRITE) == 0,
+          "mprotect the read-only half read/write");
+    for (size_t i = half; i < PAGES; i++)
+        memset(p + i * PAGE, (int)(i % 4) + 1, PAGE);
+    check(merges(p, PAGES, PAGES * 9 / 10), "the whole range merges");
+    check(intact(p, 0, PAGES), "every page keeps its bytes");
+    /* An mprotect refused at a hole after the memory (ENOMEM) has changed the memory before it. */
+    unsigned char *q = mergeable_none(half + 1);
+    check(munmap(q + half * PAGE, PAGE) == 0, "munmap the last page");
+    errno = 0;
+    check(mprotect(q, (half + 1) * PAGE, PROT_READ | PROT_WRITE) == -1 && errno == ENOMEM,
+          "mprotect up to the hole: ENOMEM");
+    fill(q, half);
+    check(merges(q, half, half * 9 / 10), "the memory it made read/write merges");
+    check(intact(q, 0, half), "its pages keep their bytes");
+}
+
+/* A range with a PROT_NONE guard page inside: the rest merges at once, the guard page once it is
+ * made read/write. */
+static void guard(void) {
+    const size_t g = 100;
+    unsigned char *p =
+        mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        exit(2);
+    check(mprotect(p + g * PAGE, PAGE, PROT_NONE) == 0, "mprotect a guard page");
+    for (size_t i = 0; i < PAGES; i++)
+        if (i != g)
+            memset(p + i * PAGE, (int)(i % 4) + 1, PAGE);
+    check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0,
+          "MADV_MERGEABLE of memory with a guard page inside");
+    check(merges(p, g, g * 9 / 10) && merges(p + (g + 1) * PAGE, PAGES - g - 1, (PAGES - g) * 9 / 10),
+          "the read/write memory around the guard page merges");
+    check(intact(p, 0, g) && intact(p, g + 1, PAGES), "its pages keep their bytes");
+    check(mprotect(p + g * PAGE, PAGE, PROT_READ | PROT_WRITE) == 0, "mprotect the guard page");
+    check(holds(p, g, 0), "the guard page reads zeros");
+    memset(p + g * PAGE, (int)(g % 4) + 1, PAGE);
+    check(merges(p + g * PAGE, 1, 0), "the guard page merges once read/write");
+    check(intact(p, 0, PAGES), "every page keeps its bytes");
+}
+
+/* Mergeable PROT_NONE memory unmapped (then mapped again behind the shim's back), mapped over or
+ * marked unmergeable before it is made read/write is not merged; memory kept as it was is. */
+static void protnone_forgotten(void) {
+    unsigned char *x = mergeable_none(PAGES), *y = mergeable_none(PAGES);
+    unsigned char *z = mergeable_none(PAGES), *w = mergeable_none(PAGES);
+    check(munmap(x, PAGES * PAGE) == 0, "munmap");
+    /* Mapped again at the same place by a call the shim does not see. */
+    void *x2 = (void *)syscall(SYS_mmap, x, PAGES * PAGE, PROT_NONE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    check(x2 == x, "the range maps again");
+    check(mmap(w, PAGES * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == w,
+          "mmap(MAP_FIXED) over it");
+    check(madvise(z, PAGES * PAGE, MADV_UNMERGEABLE) == 0, "MADV_UNMERGEABLE");
+    unsigned char *all[] = {x, y, z, w};
+    for (int k = 0; k < 4; k++) {
+        check(mprotect(all[k], PAGES * PAGE, PROT_READ | PROT_WRITE) == 0, "mprotect read/write");
+        fill(all[k], PAGES);
+    }
+    double t0 = now_s();
+    check(merges(y, PAGES, PAGES * 9 / 10), "the range kept merges");
+    /* As long again (1 s at least): the others would have merged by then too. */
+    double waited = now_s() - t0;
+    usleep((useconds_t)((waited > 1 ? waited : 1) * 1e6));
+    printf("merged pages: unmapped %zu, mapped over %zu, unmergeable %zu (kept: %zu, in %.2f s)\n",
+           merged_pages(x, PAGES), merged_pages(w, PAGES), merged_pages(z, PAGES),
+           merged_pages(y, PAGES), waited);
+    check(merged_pages(x, PAGES) == 0, "the range unmapped and mapped again is not merged");
+    check(merged_pages(w, PAGES) == 0, "the range mapped over is not merged");
+    check(merged_pages(z, PAGES) == 0, "the range marked unmergeable is not merged");
+    for (int k = 0; k < 4; k++)
+        check(intact(all[k], 0, PAGES), "every page keeps its bytes");
+}
+
+/* Mergeable PROT_NONE memory moved and grown by mremap stays mergeable (the kernel's flag moves
+ * with the mapping); its old place does not. */
+static void protnone_remap(void) {
+    unsigned char *p = mergeable_none(PAGES);
+    unsigned char *dst =
+        mmap(NULL, 2 * PAGES * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (dst == MAP_FAILED)
+        exit(2);
+    unsigned char *q = mremap(p, PAGES * PAGE, 2 * PAGES * PAGE, MREMAP_MAYMOVE | MREMAP_FIXED, dst);
+    check(q == dst, "mremap moves and grows it");
+    void *p2 = (void *)syscall(SYS_mmap, p, PAGES * PAGE, PROT_NONE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    check(p2 == p, "the old place maps again");
+    check(mprotect(q, 2 * PAGES * PAGE, PROT_READ | PROT_WRITE) == 0, "mprotect read/write");
+    check(mprotect(p, PAGES * PAGE, PROT_READ | PROT_WRITE) == 0, "mprotect the old place");
+    fill(q, 2 * PAGES);
+    fill(p, PAGES);
+    double t0 = now_s();
+    check(merges(q, PAGES, PAGES * 9 / 10), "the moved part merges");
+    check(merges(q + PAGES * PAGE, PAGES, PAGES * 9 / 10), "the grown part merges");
+    double waited = now_s() - t0;
+    usleep((useconds_t)((waited > 1 ? waited : 1) * 1e6));
+    check(merged_pages(p, PAGES) == 0, "the old place is not merged");
+    check(intact(q, 0, 2 * PAGES) && intact(p, 0, PAGES), "every page keeps its bytes");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -185,6 +345,14 @@ int main(int argc, char **argv) {
         unmap();
     else if (!strcmp(argv[1], "remap"))
         remap();
+    else if (!strcmp(argv[1], "protnone"))
+        protnone();
+    else if (!strcmp(argv[1], "guard"))
+        guard();
+    else if (!strcmp(argv[1], "protnone-forgotten"))
+        protnone_forgotten();
+    else if (!strcmp(argv[1], "protnone-remap"))
+        protnone_remap();
     else
         return 2;
     printf("OK\n");

@@ -53,6 +53,27 @@ int main(int argc, char **argv) {
     show("unmergeable, partly unmapped", madvise(p, 8 * PAGE, MADV_UNMERGEABLE));
     show("mergeable, unaligned", madvise(p + 1, PAGE, MADV_MERGEABLE));
     show("unmergeable, unaligned", madvise(p + 1, PAGE, MADV_UNMERGEABLE));
+    /* PROT_NONE memory (the shim registers it once it is made read/write), with a guard page. */
+    char *n = mmap(NULL, 8 * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (n == MAP_FAILED)
+        return 2;
+    show("mergeable, PROT_NONE", madvise(n, 8 * PAGE, MADV_MERGEABLE));
+    show("mprotect read/write, mergeable", mprotect(n, 8 * PAGE, PROT_READ | PROT_WRITE));
+    show("mprotect a guard page", mprotect(n + 2 * PAGE, PAGE, PROT_NONE));
+    errno = EDOM; /* a success leaves errno as it was */
+    show("mergeable, guard page inside", madvise(n, 8 * PAGE, MADV_MERGEABLE));
+    show("errno after it", errno);
+    show("unmergeable, guard page inside", madvise(n, 8 * PAGE, MADV_UNMERGEABLE));
+    show("mergeable, guard page again", madvise(n, 8 * PAGE, MADV_MERGEABLE));
+    show("munmap, mergeable", munmap(n + 6 * PAGE, 2 * PAGE));
+    show("mergeable, guard page, partly unmapped", madvise(n, 8 * PAGE, MADV_MERGEABLE));
+    show("mprotect, mergeable, partly unmapped", mprotect(n, 8 * PAGE, PROT_READ | PROT_WRITE));
+    errno = EDOM;
+    show("mprotect the guard page, mergeable", mprotect(n + 2 * PAGE, PAGE, PROT_READ | PROT_WRITE));
+    show("errno after it", errno);
+    show("pkey_mprotect, mergeable", pkey_mprotect(n, 6 * PAGE, PROT_READ, -1));
+    show("unmergeable, partly unmapped, read-only", madvise(n, 8 * PAGE, MADV_UNMERGEABLE));
+    show("munmap, read-only", munmap(n, 6 * PAGE));
     show("set merge, extra argument", prctl(PR_SET_MEMORY_MERGE, 1, 1, 0, 0));
     show("get merge, extra argument", prctl(PR_GET_MEMORY_MERGE, 1, 0, 0, 0));
     show("get merge, initially", prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0));
