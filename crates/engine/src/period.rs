@@ -27,7 +27,7 @@ use crate::rejoin::Rejoin;
 use crate::sightings::sweep_first_sightings;
 use crate::state::{page_at, PageKind, Shared, State};
 use crate::stats::stats_of;
-use crate::watch::watch;
+use crate::watch::{release_zero_probes, watch, Watch};
 
 /// Every this many periods, waiting first sightings are asked about again (daemon only), one
 /// request's worth (`proto::MAX_ITEMS`) at a time.
@@ -266,6 +266,8 @@ pub(crate) fn commit_loop(sh: &Shared, batches: Receiver<ToCommitter>) {
 /// What the watch found for one period.
 struct Watched {
     candidates: Vec<Candidate>,
+    /// Pages to read for zeros (see `release_zero_probes`).
+    zero_probes: Vec<Candidate>,
     view: StoreView,
     /// Whether pages wait in the first-sighting map.
     waiting: bool,
@@ -300,6 +302,7 @@ fn run_period(cx: &PeriodCtx<'_>, kicked: bool) -> io::Result<()> {
     let recycler = lock(&sh.recycler).clone();
     let Watched {
         mut candidates,
+        zero_probes,
         view,
         waiting,
         tickets,
@@ -309,6 +312,9 @@ fn run_period(cx: &PeriodCtx<'_>, kicked: bool) -> io::Result<()> {
     // same work, started earlier.
     let wait = !candidates.is_empty();
     use_read_ahead(sh, &mut candidates, wait);
+    // Without the state lock (read through the kernel); after the read-ahead results, which
+    // apply to candidates in address order.
+    release_zero_probes(&mut candidates, &zero_probes);
     tracing::debug!(
         pid = std::process::id(),
         watch_ms = t_watch.elapsed().as_secs_f64() * 1e3,
@@ -378,7 +384,10 @@ fn observe(
 ) -> io::Result<Watched> {
     let mut st = lock(&cx.sh.state);
     unpark_if_room(cx, &mut st);
-    let mut candidates = watch(cx.sh, &mut st, cx.config, kicked)?;
+    let Watch {
+        mut candidates,
+        mut zero_probes,
+    } = watch(cx.sh, &mut st, cx.config, kicked)?;
     // Pages marked free (PPR) are released this period: they skip the unchanged wait.
     let tickets = match recycler {
         Some(pool) => claim_marked(&st, pool),
@@ -387,6 +396,7 @@ fn observe(
     if !tickets.cands.is_empty() {
         let taken: HashSet<usize> = tickets.cands.iter().map(|c| c.addr()).collect();
         candidates.retain(|c| !taken.contains(&c.addr()));
+        zero_probes.retain(|c| !taken.contains(&c.addr()));
     }
     // Counting VMAs reads all of /proc/self/maps: megabytes of text with tens of thousands
     // of merged runs, which made the count most of an idle QEMU's engine CPU. So the count
@@ -406,6 +416,7 @@ fn observe(
     let relook_now = relook_due(period, offered, &mut st.relooks_skipped);
     Ok(Watched {
         candidates,
+        zero_probes,
         view,
         waiting: !st.unstable.is_empty(),
         tickets,

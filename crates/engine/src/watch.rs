@@ -19,6 +19,15 @@ use crate::config::{Config, WatchMode};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
 use crate::store::Store;
 
+/// What the watch found.
+pub(crate) struct Watch {
+    /// Pages unchanged long enough: present, anonymous.
+    pub(crate) candidates: Vec<Candidate>,
+    /// Pages that were written and have just stopped changing, to be read now: a zero page among
+    /// them is released at once (see [`release_zero_probes`]).
+    pub(crate) zero_probes: Vec<Candidate>,
+}
+
 /// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
 /// A `kicked` period counts as a whole one (the caller asked for it).
 pub(crate) fn watch(
@@ -26,13 +35,14 @@ pub(crate) fn watch(
     st: &mut State,
     config: &Config,
     kicked: bool,
-) -> io::Result<Vec<Candidate>> {
+) -> io::Result<Watch> {
     let now = Instant::now();
     // Kept from period to period: allocated afresh, the per-page categories came from new
     // memory every period (a page fault per 4 KiB).
     let mut scan = std::mem::take(&mut st.scan);
     let mut tally = Tally {
         out: Vec::new(),
+        zero_probes: Vec::new(),
         volatile: 0,
         unique: 0,
         parked: 0,
@@ -78,7 +88,36 @@ pub(crate) fn watch(
         .unwrap_or(0);
     scan.shrink_to(largest);
     st.scan = scan;
-    Ok(tally.out)
+    Ok(Watch {
+        candidates: tally.out,
+        zero_probes: tally.zero_probes,
+    })
+}
+
+/// Most pages read per period for [`release_zero_probes`] (about a millisecond per thousand).
+const MAX_ZERO_PROBES: usize = 16384;
+
+/// Reads the pages that have just stopped changing after a write and adds those that hold only
+/// zeros to `candidates`, as zero pages (released by this period's commit, verified on frozen
+/// bytes there): memory a program frees by zeroing it (a guest booted with `init_on_free=1`)
+/// comes back one period after its last write, instead of after the merge wait and the
+/// back-off its earlier writes earned. A page not zero waits as before; reading it costs a
+/// page copy through the kernel, once per write episode.
+pub(crate) fn release_zero_probes(candidates: &mut Vec<Candidate>, probes: &[Candidate]) {
+    let probes = &probes[..probes.len().min(MAX_ZERO_PROBES)];
+    let before = candidates.len();
+    let mut reader = PageReader::new();
+    let mut next = probes.iter();
+    reader.read_each(probes.iter().map(Candidate::addr), |_, bytes| {
+        let c = next.next().expect("one result per page read");
+        if bytes.is_some_and(|b| b.iter().all(|&w| w == 0)) {
+            candidates.push(Candidate::new(c.region, c.addr(), Pre::Zero));
+        }
+    });
+    if candidates.len() > before {
+        // Batches are made from candidates in address order.
+        candidates.sort_unstable_by_key(Candidate::addr);
+    }
 }
 
 /// The unchanged periods this scan counts for region `r`: one, unless it came less than a period
@@ -143,6 +182,8 @@ fn scan_categories(
 struct Tally {
     /// The candidates.
     out: Vec<Candidate>,
+    /// Pages to read for zeros (see [`release_zero_probes`]).
+    zero_probes: Vec<Candidate>,
     /// Present pages still changing.
     volatile: u64,
     /// Unchanged pages waiting as first sightings.
@@ -298,8 +339,15 @@ impl RegionWatch<'_> {
             self.tally.volatile += 1;
             return;
         }
+        // Written before, quiet since the last period: maybe zeroed to be freed.
+        let just_quiet = p.unchanged == 0 && p.writes > 0 && self.step > 0;
         p.unchanged = p.unchanged.saturating_add(self.step);
         let needed = self.config.merge_periods.max(p.writes);
+        if just_quiet && p.unchanged < needed {
+            self.tally
+                .zero_probes
+                .push(Candidate::new(self.start, addr, Pre::None));
+        }
         if p.unchanged >= needed {
             let out = &mut self.tally.out;
             if out.capacity() == 0 {

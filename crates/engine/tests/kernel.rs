@@ -844,3 +844,36 @@ fn merged_pages_are_mapped_as_they_merge_when_asked() {
         e.unregister(base as *mut u8, mem.len()).unwrap();
     }
 }
+
+/// Memory written often and then zeroed (a program or guest freeing it so) is released one
+/// period after its last write, not after the back-off its writes earned.
+#[test]
+fn zeroed_pages_are_released_a_period_after_their_last_write() {
+    let _g = serial();
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .build()
+        .expect("the engine starts on this kernel");
+    let n = 64;
+    let mut r = e.alloc_region(n * PAGE).unwrap();
+    // Written in 8 periods in a row: each page waits 8 unchanged periods before it is merged.
+    for round in 0..8u64 {
+        for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+            fill(p, round * 1000 + i as u64 + 1);
+        }
+        e.wait_periods(1, Duration::from_secs(10));
+    }
+    let before = e.stats();
+    assert_eq!(before.zero_pages, 0, "{before:?}");
+    r.as_mut_slice().fill(0);
+    let periods_before = before.full_scans;
+    let s = wait_for(&e, |s| s.zero_pages >= n as u64);
+    assert_eq!(s.zero_pages, n as u64, "{s:?}");
+    // The write's period, one quiet period, and the commit (the merge wait would be 8).
+    assert!(
+        s.full_scans - periods_before <= 5,
+        "released after {} periods: {s:?}",
+        s.full_scans - periods_before
+    );
+    assert!(r.as_slice().iter().all(|&b| b == 0));
+}
