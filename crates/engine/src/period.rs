@@ -127,8 +127,31 @@ fn pace(period: Duration, idle: u32, spent: Duration) -> Duration {
         return period;
     };
     let stretched = period * (1u32 << (n + 1).min(3));
-    let paced = spent.saturating_mul(IDLE_CPU_SHARE_INV).min(MAX_IDLE_SLEEP);
-    stretched.max(paced)
+    stretched.max(cpu_pace(period, idle, spent))
+}
+
+/// The part of [`pace`] that bounds an idle engine's CPU: one period while busy, else at least
+/// `IDLE_CPU_SHARE_INV` times what the last period `spent`. The rest of an idle stretch is cut
+/// short when the program writes (see [`written_meanwhile`]).
+fn cpu_pace(period: Duration, idle: u32, spent: Duration) -> Duration {
+    if idle < IDLE_PERIODS {
+        return period;
+    }
+    period.max(spent.saturating_mul(IDLE_CPU_SHARE_INV).min(MAX_IDLE_SLEEP))
+}
+
+/// Minor faults since the last period that end an idle stretch: as many as the pages a busy
+/// period changes (1/1024 of those registered; a write to a watched page faults once), 16 at
+/// least.
+fn wake_threshold(registered_pages: usize) -> u64 {
+    (registered_pages as u64 / 1024).max(16)
+}
+
+/// Whether the program wrote enough since the last period (`faults` minor faults counted then,
+/// `now` counted now) to end an idle stretch. Other faults count too: at worst the stretch ends
+/// early, and `cpu_pace` still bounds the engine's CPU.
+fn written_meanwhile(faults: u64, now: u64, threshold: u64) -> bool {
+    now.saturating_sub(faults) >= threshold
 }
 
 /// What one period works with.
@@ -141,7 +164,9 @@ struct PeriodCtx<'a> {
 
 /// Runs a period under the period lock, then reports the counters to the daemon, if any. Returns
 /// whether the period was busy: it changed at least 1/1024 of the registered pages (merges,
-/// copy-on-write breaks and zero pages released or touched again), or it failed.
+/// copy-on-write breaks and zero pages released or touched again), the program wrote at least
+/// 1/64 of them (memory being filled or freed: what it becomes is worth a look next period; a
+/// settled guest rewriting a few hundred pages is not busy), or it failed.
 fn locked_period(cx: &PeriodCtx<'_>, kicked: bool) -> bool {
     let sh = cx.sh;
     let _period = lock(&sh.period_lock);
@@ -158,8 +183,8 @@ fn locked_period(cx: &PeriodCtx<'_>, kicked: bool) -> bool {
             let (changes, zero) = activity();
             let done = changes - changes0 + zero.abs_diff(zero0);
             let st = lock(&sh.state);
-            let pages: usize = st.regions.values().map(|r| r.pages.len()).sum();
-            done > 0 && done * 1024 >= pages as u64
+            let pages = st.regions.values().map(|r| r.pages.len()).sum::<usize>() as u64;
+            is_busy(done, st.written, pages)
         }
         Err(e) => {
             tracing::warn!(error = %e, "merge period failed; memory is unchanged");
@@ -176,6 +201,12 @@ fn locked_period(cx: &PeriodCtx<'_>, kicked: bool) -> bool {
     busy
 }
 
+/// Whether a period that changed `done` pages (merges, copy-on-write breaks, zero pages) and saw
+/// `written` pages written, of `pages` registered, was busy (see [`locked_period`]).
+fn is_busy(done: u64, written: u64, pages: u64) -> bool {
+    (done > 0 && done * 1024 >= pages) || (written > 0 && written * 64 >= pages)
+}
+
 /// Sleeps out the period that began at `t0` unless kicked or stopped: one `period`, stretched
 /// after idle periods (see [`pace`]; the period `spent` that much CPU), or until the deadline
 /// registrations set (see `Shared::not_before`). Returns whether it was kicked.
@@ -186,6 +217,10 @@ fn sleep_out_period(
     spent: Duration,
     idle: &mut u32,
 ) -> bool {
+    // Past the CPU bound, an idle stretch checks every period whether the program wrote.
+    let earliest = t0 + cpu_pace(period, *idle, spent);
+    let faults = sys::minor_faults().unwrap_or(0);
+    let threshold = wake_threshold(sh.registered_pages());
     let (m, cv) = &sh.kick;
     let mut k = lock(m);
     while !*k && !sh.stop.load(Ordering::SeqCst) {
@@ -205,8 +240,18 @@ fn sleep_out_period(
         if now >= deadline {
             break;
         }
+        if now >= earliest && written_meanwhile(faults, sys::minor_faults().unwrap_or(0), threshold)
+        {
+            *idle = 0;
+            break;
+        }
+        let next = if now >= earliest {
+            deadline.min(now + period)
+        } else {
+            deadline.min(earliest)
+        };
         k = cv
-            .wait_timeout(k, deadline - now)
+            .wait_timeout(k, next - now)
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
@@ -630,6 +675,42 @@ mod tests {
                 "{spent_ms} ms: {sleep:?}"
             );
         }
+    }
+
+    /// Busy: changes of 1/1024 of the pages, or writes to 1/64 of them.
+    #[test]
+    fn a_period_is_busy_when_it_changed_or_saw_written_enough() {
+        let pages = 65536;
+        assert!(!is_busy(0, 0, pages));
+        assert!(!is_busy(63, 1023, pages), "a settled guest's few rewrites");
+        assert!(is_busy(64, 0, pages));
+        assert!(is_busy(0, 1024, pages), "memory being filled or freed");
+        assert!(!is_busy(0, 0, 0));
+    }
+
+    /// An idle stretch ends early on writes only past the CPU bound, and only on as many faults
+    /// as a busy period's changes.
+    #[test]
+    fn writes_end_an_idle_stretch_past_the_cpu_bound() {
+        let p = Duration::from_millis(50);
+        let ms = Duration::from_millis;
+        assert_eq!(cpu_pace(p, 0, ms(400)), p, "busy: one period");
+        assert_eq!(cpu_pace(p, IDLE_PERIODS, ms(1)), ms(100));
+        assert_eq!(cpu_pace(p, IDLE_PERIODS, ms(0)), p);
+        for idle in [IDLE_PERIODS, IDLE_PERIODS + 5] {
+            for spent_ms in [0, 1, 3, 10, 50, 299] {
+                let spent = ms(spent_ms);
+                assert!(cpu_pace(p, idle, spent) <= pace(p, idle, spent));
+            }
+        }
+        assert_eq!(wake_threshold(0), 16);
+        assert_eq!(wake_threshold(1 << 20), 1024);
+        assert!(!written_meanwhile(100, 115, 16));
+        assert!(written_meanwhile(100, 116, 16));
+        assert!(
+            !written_meanwhile(100, 90, 16),
+            "a counter read earlier never wakes"
+        );
     }
 
     proptest! {

@@ -120,6 +120,8 @@ pub(crate) struct State {
     /// Pages parked on the VMA budget at the last watch.
     pub(crate) parked: u64,
     pub(crate) volatile: u64,
+    /// Anonymous pages written since the period before the last watch.
+    pub(crate) written: u64,
     pub(crate) zero: u64,
     /// VMAs of the process: counted at the start of each period, then kept by the committer.
     pub(crate) vmas: usize,
@@ -154,6 +156,7 @@ impl State {
             unshared: 0,
             parked: 0,
             volatile: 0,
+            written: 0,
             zero: 0,
             vmas: 0,
             unstable: FirstSightings::default(),
@@ -230,6 +233,15 @@ impl Shared {
     /// CPU time the engine's threads used so far, in nanoseconds.
     pub(crate) fn cpu_ns(&self) -> u64 {
         lock(&self.clocks).iter().map(sys::CpuClock::ns).sum()
+    }
+
+    /// Pages registered now.
+    pub(crate) fn registered_pages(&self) -> usize {
+        lock(&self.state)
+            .regions
+            .values()
+            .map(|r| r.pages.len())
+            .sum()
     }
 }
 

@@ -43,6 +43,7 @@ pub(crate) fn watch(
     let mut tally = Tally {
         out: Vec::new(),
         zero_probes: Vec::new(),
+        written: 0,
         volatile: 0,
         unique: 0,
         parked: 0,
@@ -77,6 +78,7 @@ pub(crate) fn watch(
         w.pages(r, &scan.cats);
     }
     st.volatile = tally.volatile;
+    st.written = tally.written;
     st.unshared = tally.unique;
     st.parked = tally.parked;
     // Sized for the largest region (memory a region unregistered since does not keep).
@@ -184,6 +186,8 @@ struct Tally {
     out: Vec<Candidate>,
     /// Pages to read for zeros (see [`release_zero_probes`]).
     zero_probes: Vec<Candidate>,
+    /// Anonymous pages written since the last period.
+    written: u64,
     /// Present pages still changing.
     volatile: u64,
     /// Unchanged pages waiting as first sightings.
@@ -317,6 +321,7 @@ impl RegionWatch<'_> {
             p.writes = p.writes.saturating_add(1).min(self.config.max_backoff);
             *self.stale_sightings += 1;
             self.tally.volatile += 1;
+            self.tally.written += 1;
             return;
         }
         p.kind = PageKind::Anon;
@@ -337,6 +342,7 @@ impl RegionWatch<'_> {
             p.epoch = p.epoch.wrapping_add(1);
             p.writes = p.writes.saturating_add(1).min(self.config.max_backoff);
             self.tally.volatile += 1;
+            self.tally.written += 1;
             return;
         }
         // Written before, quiet since the last period: maybe zeroed to be freed.

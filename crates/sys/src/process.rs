@@ -225,3 +225,34 @@ pub unsafe fn raw_prctl(
     // SAFETY: forwarded to the caller's contract.
     unsafe { libc::syscall(libc::SYS_prctl, option, a2, a3, a4, a5) as libc::c_int }
 }
+
+/// Page faults this process (every thread) took that needed no I/O (`ru_minflt`). A write to
+/// memory watched with asynchronous userfaultfd write-protection is one such fault, the first
+/// after each protection.
+pub fn minor_faults() -> io::Result<u64> {
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a live rusage the call fills.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(ru.ru_minflt as u64)
+}
+
+#[cfg(test)]
+mod fault_tests {
+    #[test]
+    fn touching_fresh_memory_counts_minor_faults() {
+        let before = super::minor_faults().unwrap();
+        let pages = 64;
+        let p = crate::mmap_anonymous(pages * crate::PAGE_SIZE).unwrap();
+        for i in 0..pages {
+            // SAFETY: inside the fresh mapping made above, which nothing else uses.
+            unsafe { std::ptr::write_volatile(p.add(i * crate::PAGE_SIZE), 1u8) };
+        }
+        let after = super::minor_faults().unwrap();
+        // SAFETY: the mapping made above; not used after this.
+        unsafe { crate::munmap(p, pages * crate::PAGE_SIZE).unwrap() };
+        assert!(after - before >= pages as u64, "{before} -> {after}");
+    }
+}
