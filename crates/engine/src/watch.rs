@@ -345,11 +345,14 @@ impl RegionWatch<'_> {
             self.tally.written += 1;
             return;
         }
-        // Written before, quiet since the last period: maybe zeroed to be freed.
+        // Written before, quiet since the last period: maybe zeroed to be freed. Read now only
+        // if its back-off would keep it waiting two periods more or longer (a page written once
+        // or twice is a candidate a period later anyway: reading it now would only read it
+        // twice, which a program filling fresh memory paid for in its first touches).
         let just_quiet = p.unchanged == 0 && p.writes > 0 && self.step > 0;
         p.unchanged = p.unchanged.saturating_add(self.step);
         let needed = self.config.merge_periods.max(p.writes);
-        if just_quiet && p.unchanged < needed {
+        if just_quiet && p.unchanged.saturating_add(1) < needed {
             self.tally
                 .zero_probes
                 .push(Candidate::new(self.start, addr, Pre::None));
