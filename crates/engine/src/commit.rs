@@ -277,7 +277,7 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
         }
     }
     release_lone_holes(&mut acts[..run.n], &holes, left);
-    let vmas = afford(cx, rs, run, &mut acts, left);
+    let vmas = afford(cx, rs, run, &mut acts, left, &holes);
     for a in acts.iter().take(run.n) {
         if let Some(Action::Merge(sid)) = *a {
             rs.store.add_ref(sid);
@@ -356,14 +356,16 @@ fn release_lone_holes(acts: &mut [Option<Action>], holes: &HoleSet, left: Option
 }
 
 /// Keeps the run's merges the VMA budget affords, in address order (a subrun continuing its left
-/// neighbour's mapping costs one VMA, any other two); the others are dropped and their pages back
-/// off. Returns the VMAs counted for the merges kept.
+/// neighbour's mapping costs one VMA, any other two); the others are dropped and their pages
+/// wait for room (zero pages on zero holes among them are released as zero pages instead).
+/// Returns the VMAs counted for the merges kept.
 fn afford(
     cx: &mut CommitCtx<'_>,
     rs: &mut RunState<'_>,
     run: &Run,
     acts: &mut [Option<Action>; MAX_RUN],
     left: Option<KeyId>,
+    holes: &HoleSet,
 ) -> usize {
     let (mut counted, mut limited, mut k) = (0, 0u64, 0);
     while k < run.n {
@@ -377,14 +379,19 @@ fn afford(
             *rs.vmas += cost;
             counted += cost;
         } else {
-            acts[k..k + m].fill(None);
             for q in k..k + m {
+                if holes.contains(q) {
+                    // A zero page: released as such, which costs no mapping.
+                    acts[q] = Some(Action::Zero);
+                    continue;
+                }
+                acts[q] = None;
                 // It waits for room at no cost per period (see `PageKind::Parked`).
                 let p = &mut rs.region.pages[run.first_index + q];
                 p.unchanged = 0;
                 p.kind = PageKind::Parked;
+                limited += 1;
             }
-            limited += m as u64;
         }
         k += m;
     }
@@ -562,9 +569,8 @@ fn map_zero_page_over_holes(sh: &Shared, start: usize, ks: Range<usize>, holes: 
 }
 
 /// (`Config::populate_merged`) Maps the page-table entries of the copies just mapped over the
-/// run, once its writers are
-/// woken and while the program's mapping changes are still held off (`holding_still`): the
-/// kernel does no fault-around on a mapping registered with userfaultfd, so the first read of
+/// run, once its writers are woken and while the program's mapping changes are still held off
+/// (`holding_still`): the kernel does no fault-around on a mapping registered with userfaultfd, so the first read of
 /// every merged page would take a page fault of its own (as KSM, which merges in place, does
 /// not). Read-only: the copies are mapped, not copied. A subrun the program changed meanwhile
 /// (a report in the log) is left alone.

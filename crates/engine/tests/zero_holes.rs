@@ -101,3 +101,32 @@ fn zero_pages_inside_a_merged_run_keep_it_one_mapping() {
         "unregistered memory is anonymous again: {left:#?}"
     );
 }
+
+/// With no room for mappings, the pages whose merges the budget cannot afford wait for room, but
+/// the zero pages among them (planned onto holes) are released as zero pages, which costs none.
+#[test]
+fn zero_pages_are_released_where_the_mapping_budget_has_no_room() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .vma_margin(1 << 30)
+        .build()
+        .expect("the engine starts on this kernel");
+    if e.watch_mode() != WatchMode::UffdWp {
+        eprintln!("skipped: zero holes need userfaultfd write-protection of store mappings");
+        return;
+    }
+    let mem = filled(2 * N, content);
+    let (base, len) = (mem.as_ptr() as usize, mem.len());
+    e.register(base as *mut u8, len).unwrap();
+    let zeros = (2 * N / 8) as u64;
+    let s = wait_for(&e, |s| {
+        s.zero_pages >= zeros && s.pages_waiting_on_limit > 0
+    });
+    assert_eq!(s.zero_pages, zeros, "{s:?}");
+    assert_eq!(s.pages_sharing, 0, "nothing could be mapped: {s:?}");
+    assert!(s.pages_waiting_on_limit > 0, "{s:?}");
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed");
+    }
+    e.unregister(base as *mut u8, len).unwrap();
+}
