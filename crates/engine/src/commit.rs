@@ -379,13 +379,13 @@ fn afford(
             *rs.vmas += cost;
             counted += cost;
         } else {
-            for q in k..k + m {
+            for (q, a) in acts.iter_mut().enumerate().take(k + m).skip(k) {
                 if holes.contains(q) {
                     // A zero page: released as such, which costs no mapping.
-                    acts[q] = Some(Action::Zero);
+                    *a = Some(Action::Zero);
                     continue;
                 }
-                acts[q] = None;
+                *a = None;
                 // It waits for room at no cost per period (see `PageKind::Parked`).
                 let p = &mut rs.region.pages[run.first_index + q];
                 p.unchanged = 0;
