@@ -9,6 +9,7 @@
  *     PAGEONE_BLESS=1 cargo test -p pageone-ffi --test header
  */
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
