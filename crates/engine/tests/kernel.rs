@@ -104,6 +104,9 @@ fn merge_cow_and_zero(mode: WatchMode) {
             assert!(check(p, content(i)), "page {i} changed after the COW test");
         }
     }
+    // (The writes above may race a commit of their page: a frozen page found changed is put
+    // back and counted as a mismatch, the write kept. Nothing writes from here on.)
+    let mismatches_before = e.stats().compare_mismatches;
     // Unmerge: every page private, contents intact, store empty.
     let ptr = r.as_ptr();
     e.unregister(ptr, r.len()).unwrap();
@@ -139,7 +142,7 @@ fn merge_cow_and_zero(mode: WatchMode) {
         (distinct, 3 * distinct - 1),
         "{s:?}"
     );
-    assert_eq!(s.compare_mismatches, 0, "{s:?}");
+    assert_eq!(s.compare_mismatches, mismatches_before, "{s:?}");
     assert!(r
         .as_slice()
         .chunks(PAGE)
