@@ -130,6 +130,11 @@ pub(crate) fn equals_copy(bytes: &PageBuf, copy: usize) -> bool {
     })
 }
 
+/// Whether the page read into `bytes` holds only zeros.
+pub(crate) fn is_zero(bytes: &PageBuf) -> bool {
+    bytes.iter().all(|&w| w == 0)
+}
+
 /// What classification finds for a page read into `bytes`: zero, equal to a stable copy, or else
 /// its hash (of a snapshot: the page may change meanwhile).
 pub(crate) fn classify_bytes(
@@ -137,7 +142,7 @@ pub(crate) fn classify_bytes(
     tree: Option<&SdTree<StoreKeys>>,
     store_base: usize,
 ) -> Pre {
-    if bytes.iter().all(|&w| w == 0) {
+    if is_zero(bytes) {
         return Pre::Zero;
     }
     if let Some(id) = tree.and_then(|t| stable_copy(bytes, t, store_base)) {

@@ -183,7 +183,7 @@ fn locked_period(cx: &PeriodCtx<'_>, kicked: bool) -> bool {
             let (changes, zero) = activity();
             let done = changes - changes0 + zero.abs_diff(zero0);
             let st = lock(&sh.state);
-            let pages = st.regions.values().map(|r| r.pages.len()).sum::<usize>() as u64;
+            let pages = st.registered_pages() as u64;
             is_busy(done, st.written, pages)
         }
         Err(e) => {

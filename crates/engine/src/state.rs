@@ -146,6 +146,11 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Pages of all registered regions.
+    pub(crate) fn registered_pages(&self) -> usize {
+        self.regions.values().map(|r| r.pages.len()).sum()
+    }
+
     /// No region registered yet.
     pub(crate) fn new(store: Store, scratch: usize, pagemap: sys::Pagemap) -> Self {
         State {
@@ -237,11 +242,7 @@ impl Shared {
 
     /// Pages registered now.
     pub(crate) fn registered_pages(&self) -> usize {
-        lock(&self.state)
-            .regions
-            .values()
-            .map(|r| r.pages.len())
-            .sum()
+        lock(&self.state).registered_pages()
     }
 }
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use pageone_sys::{self as sys, uapi::*};
 
-use crate::access::{checksum_changed, PageReader, Pre, PAGE};
+use crate::access::{checksum_changed, is_zero, PageReader, Pre, PAGE};
 use crate::candidates::Candidate;
 use crate::config::{Config, WatchMode};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
@@ -47,7 +47,7 @@ pub(crate) fn watch(
         volatile: 0,
         unique: 0,
         parked: 0,
-        all_pages: st.regions.values().map(|r| r.pages.len()).sum(),
+        all_pages: st.registered_pages(),
     };
     let State {
         regions,
@@ -112,7 +112,7 @@ pub(crate) fn release_zero_probes(candidates: &mut Vec<Candidate>, probes: &[Can
     let mut next = probes.iter();
     reader.read_each(probes.iter().map(Candidate::addr), |_, bytes| {
         let c = next.next().expect("one result per page read");
-        if bytes.is_some_and(|b| b.iter().all(|&w| w == 0)) {
+        if bytes.is_some_and(is_zero) {
             candidates.push(Candidate::new(c.region, c.addr(), Pre::Zero));
         }
     });

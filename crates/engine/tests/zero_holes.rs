@@ -39,21 +39,33 @@ fn zero_pfn_pages(start: usize, pages: usize) -> usize {
         .unwrap()
 }
 
-#[test]
-fn zero_pages_inside_a_merged_run_keep_it_one_mapping() {
-    let e = Engine::builder()
+/// An engine with 20 ms periods (and `vma_margin` if given) and the two halves of `content`,
+/// filled before they are registered (every page is a candidate in the same period); `None`
+/// (the test skipped) where zero holes are not used.
+fn engine_with_halves(vma_margin: Option<usize>) -> Option<(Engine, &'static mut [u8])> {
+    let b = Engine::builder()
         .merge_period(Duration::from_millis(20))
-        .watch(WatchMode::Auto)
-        .build()
-        .expect("the engine starts on this kernel");
+        .watch(WatchMode::Auto);
+    let b = match vma_margin {
+        Some(m) => b.vma_margin(m),
+        None => b,
+    };
+    let e = b.build().expect("the engine starts on this kernel");
     if e.watch_mode() != WatchMode::UffdWp {
         eprintln!("skipped: zero holes need userfaultfd write-protection of store mappings");
-        return;
+        return None;
     }
-    // Filled before it is registered: every page is a candidate in the same period.
     let mem = filled(2 * N, content);
+    e.register(mem.as_mut_ptr(), mem.len()).unwrap();
+    Some((e, mem))
+}
+
+#[test]
+fn zero_pages_inside_a_merged_run_keep_it_one_mapping() {
+    let Some((e, mem)) = engine_with_halves(None) else {
+        return;
+    };
     let (base, len) = (mem.as_ptr() as usize, mem.len());
-    e.register(base as *mut u8, len).unwrap();
     let (distinct, zeros) = ((N - N / 8) as u64, (2 * N / 8) as u64);
     let s = wait_for(&e, |s| s.pages_sharing >= distinct && s.zero_pages >= zeros);
     assert_eq!(
@@ -106,18 +118,10 @@ fn zero_pages_inside_a_merged_run_keep_it_one_mapping() {
 /// the zero pages among them (planned onto holes) are released as zero pages, which costs none.
 #[test]
 fn zero_pages_are_released_where_the_mapping_budget_has_no_room() {
-    let e = Engine::builder()
-        .merge_period(Duration::from_millis(20))
-        .vma_margin(1 << 30)
-        .build()
-        .expect("the engine starts on this kernel");
-    if e.watch_mode() != WatchMode::UffdWp {
-        eprintln!("skipped: zero holes need userfaultfd write-protection of store mappings");
+    let Some((e, mem)) = engine_with_halves(Some(1 << 30)) else {
         return;
-    }
-    let mem = filled(2 * N, content);
+    };
     let (base, len) = (mem.as_ptr() as usize, mem.len());
-    e.register(base as *mut u8, len).unwrap();
     let zeros = (2 * N / 8) as u64;
     let s = wait_for(&e, |s| {
         s.zero_pages >= zeros && s.pages_waiting_on_limit > 0
