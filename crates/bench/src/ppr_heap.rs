@@ -7,8 +7,9 @@
 //! runs coalesced); smaller ones from the system allocator. The arena grows by chunks of
 //! [`CHUNK`] bytes, each written once by the kernel (`MADV_POPULATE_WRITE`) and then registered
 //! with the heap's own engine: a first touch of registered memory would go through the engine's
-//! fault thread (tens of microseconds a page), a populated chunk's does not. The engine is told to
-//! wait 255 periods before merging a page, so in practice it only recycles.
+//! fault thread (tens of microseconds a page), a populated chunk's does not. The engine only
+//! recycles ([`Config::merging`](pageone_engine::Config::merging) off): the arena is never
+//! write-protected, so neither the heap's writes nor its marks fault.
 //!
 //! [`PprHeap`] implements [`GlobalAlloc`]; the benchmark calls it through that trait. It is not
 //! meant to be a process's `#[global_allocator]`: the engine's own large allocations would then
@@ -127,7 +128,7 @@ impl PprHeap {
         let engine = Engine::builder()
             .workers(c.workers.max(1))
             .merge_period(c.period)
-            .merge_periods(u8::MAX)
+            .merging(false)
             .daemon(None)
             .build()
             .map_err(|e| format!("the heap's engine did not start: {e}"))?;

@@ -93,12 +93,26 @@ impl PageReader {
     }
 }
 
-/// Reads the `N` words at `addr` (e.g. a PPR mark's place); `None` if they cannot be read.
-pub(crate) fn read_words<const N: usize>(addr: usize) -> Option<[u64; N]> {
-    let mut w = [0u64; N];
-    // SAFETY: `w` holds exactly the N words asked for.
-    let bytes = unsafe { sys::read_own_memory(w.as_mut_ptr().cast(), &[(addr, N * 8)]) };
-    (bytes.ok()? == N * 8).then_some(w)
+/// The first `N` words of each page at `addrs` into `marks` (e.g. PPR marks' places; `None` for a
+/// page that could not be read, unmapped meanwhile), read through the kernel, with one system
+/// call for all of them unless one cannot be read.
+pub(crate) fn read_words_each<const N: usize>(addrs: &[usize], marks: &mut [Option<[u64; N]>]) {
+    let mut buf = vec![[0u64; N]; addrs.len()];
+    let mut k = 0;
+    while k < addrs.len() {
+        let srcs: Vec<(usize, usize)> = addrs[k..].iter().map(|&a| (a, N * 8)).collect();
+        // SAFETY: `buf[k..]` holds exactly the words asked for.
+        let bytes = unsafe { sys::read_own_memory(buf[k..].as_mut_ptr().cast(), &srcs) };
+        // Whole pieces are read up to the first that could not be (the next one).
+        let done = bytes.unwrap_or(0) / (N * 8);
+        for j in k..k + done {
+            marks[j] = Some(buf[j]);
+        }
+        if let Some(m) = marks.get_mut(k + done) {
+            *m = None;
+        }
+        k += done + 1;
+    }
 }
 
 pub(crate) fn as_bytes(buf: &PageBuf) -> &[u8] {
@@ -237,8 +251,14 @@ mod tests {
             .map(|k| (k, (k != hole).then_some(k as u64 + 1)))
             .collect();
         assert_eq!(seen, want);
-        assert_eq!(read_words::<3>(base + hole * PAGE), None);
-        assert_eq!(read_words::<1>(base), Some([1]));
+        // Words of each page, the hole's none, and the pages after it still read.
+        let addrs: Vec<usize> = (0..n).map(|k| base + k * PAGE).collect();
+        let mut words = vec![Some([0u64; 2]); n];
+        read_words_each::<2>(&addrs, &mut words);
+        let want: Vec<_> = (0..n)
+            .map(|k| (k != hole).then_some([k as u64 + 1, 0]))
+            .collect();
+        assert_eq!(words, want);
         // SAFETY: the rest of our own mapping.
         unsafe { sys::munmap(base as *mut u8, n * PAGE) }.unwrap();
     }

@@ -653,6 +653,12 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
                     p.back_off(cx.config.max_backoff);
                 }
             }
+            (_, Some(Action::Recycle(_))) if !cx.config.merging => {
+                // Recycling only: nothing watches the page, so it is anonymous memory again for
+                // the next claim (the zero page until the program writes it).
+                p.kind = PageKind::Anon;
+                p.unchanged = 0;
+            }
             (planned, Some(Action::Zero | Action::Recycle(_))) => {
                 // A zero page planned onto a zero hole and released instead.
                 if let Some(Action::Merge(sid)) = planned {

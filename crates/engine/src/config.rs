@@ -53,6 +53,13 @@ pub struct Config {
     /// page is then present, and the watch asks the kernel whether each is still the store's);
     /// see `docs/benchmarks.md`.
     pub populate_merged: bool,
+    /// Merge pages (the default). Off, the engine only recycles the pages the program marks free
+    /// in its PPR pool ([`Engine::recycle_from`]): registered memory is then neither
+    /// write-protected nor scanned nor read, so the program's writes and marks cost what they
+    /// cost without an engine, and a period with nothing marked costs a look at the pool.
+    /// Changed at run time, it applies from the next period (pages registered while it was off
+    /// are watched from their first write after it is turned on).
+    pub merging: bool,
     /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
     /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET` (ignored, like every
     /// `PAGEONE_*` variable, in a set-user-ID, set-group-ID or file-capability program).
@@ -75,6 +82,7 @@ impl Default for Config {
             watch: WatchMode::Auto,
             vma_margin: 1024,
             populate_merged: false,
+            merging: true,
             daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
         }
     }
@@ -124,6 +132,11 @@ impl Builder {
     }
     pub fn populate_merged(mut self, on: bool) -> Self {
         self.config.populate_merged = on;
+        self
+    }
+    /// Off: recycle only, never merge (see [`Config::merging`]).
+    pub fn merging(mut self, on: bool) -> Self {
+        self.config.merging = on;
         self
     }
     pub fn scope(mut self, s: impl Into<String>) -> Self {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use pageone_sync::lock;
 use pageone_sys as sys;
 
-use crate::access::{read_words, Pre, PAGE};
+use crate::access::{read_words_each, Pre, PAGE};
 use crate::candidates::{batches_by_content, Action, Candidate, ContentBatches};
 use crate::candidates::{BATCH, REMOTE_BATCH};
 use crate::classify::{classify, Classified, Relook, StoreView};
@@ -107,7 +107,13 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
                     tracing::error!("a merge period panicked; memory is unchanged");
                     true
                 });
-        idle = if busy { 0 } else { idle.saturating_add(1) };
+        // An engine that only recycles keeps the period: a period with nothing marked costs a
+        // look at the pool, and a mark waits one period at most.
+        idle = if busy || !config.merging {
+            0
+        } else {
+            idle.saturating_add(1)
+        };
         {
             *lock(&sh.periods) += 1;
             sh.period_cv.notify_all();
@@ -628,13 +634,24 @@ fn relook_due(period: u64, offered: bool, skipped: &mut u32) -> bool {
 /// The words are read through the kernel (a page unmapped meanwhile is no ticket); no run is
 /// frozen then (the period's commits start after this), so a read never waits for the committer.
 fn claim_marked(st: &State, pool: &pageone_recycler::Pool) -> Tickets {
-    let tickets = pool.claim(MAX_TICKETS, |addr| {
-        let (_, _, p) = page_at(&st.regions, addr)?;
-        if addr % PAGE != 0 || !matches!(p.kind, PageKind::Anon | PageKind::Unique) {
-            return None;
+    let recyclable = |addr: usize| {
+        addr % PAGE == 0
+            && page_at(&st.regions, addr)
+                .is_some_and(|(_, _, p)| matches!(p.kind, PageKind::Anon | PageKind::Unique))
+    };
+    let tickets = pool.claim_batched(MAX_TICKETS, |addrs, marks| {
+        let (wanted, at): (Vec<usize>, Vec<usize>) = addrs
+            .iter()
+            .enumerate()
+            .filter(|&(_, &a)| recyclable(a))
+            .map(|(k, &a)| (a, k))
+            .unzip();
+        // The program may write them meanwhile: the commit checks again on frozen bytes.
+        let mut words = vec![None; wanted.len()];
+        read_words_each::<3>(&wanted, &mut words);
+        for (k, w) in at.into_iter().zip(words) {
+            marks[k] = w;
         }
-        // The program may write it meanwhile: the commit checks again on frozen bytes.
-        read_words::<3>(addr)
     });
     let mut out: Vec<(Candidate, u32)> = tickets
         .iter()

@@ -82,9 +82,12 @@ fn register_locked(
         populate_zero_pages(a..end, &unmergeable);
     }
     watch_pieces(sh, a..end, &unmergeable)?;
-    if sh.mode == WatchMode::UffdWp {
+    // (Config is a leaf lock: nothing takes another lock while holding it.)
+    let merging = lock(&sh.config).merging;
+    if sh.mode == WatchMode::UffdWp && merging {
         // Arm the watch now: pages written from here on show up in the next period's scan,
-        // which counts the first unchanged period.
+        // which counts the first unchanged period. (An engine that only recycles never
+        // write-protects: a write stays the kernel's business.)
         st.pagemap
             .write_protect(a, end)
             .map_err(EngineError::Uffd)?;
@@ -108,7 +111,9 @@ fn register_locked(
             sums,
         },
     );
-    read_ahead(st, pool, a, end, sh.mode);
+    if merging {
+        read_ahead(st, pool, a, end, sh.mode);
+    }
     if sh.mode == WatchMode::UffdWp {
         defer_next_period(sh);
     }

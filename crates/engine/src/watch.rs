@@ -36,6 +36,14 @@ pub(crate) fn watch(
     config: &Config,
     kicked: bool,
 ) -> io::Result<Watch> {
+    if !config.merging {
+        // Recycling only: no page is watched (PPR tickets are claimed from the pool).
+        (st.volatile, st.written, st.unshared) = (0, 0, 0);
+        return Ok(Watch {
+            candidates: Vec::new(),
+            zero_probes: Vec::new(),
+        });
+    }
     let now = Instant::now();
     // Kept from period to period: allocated afresh, the per-page categories came from new
     // memory every period (a page fault per 4 KiB).

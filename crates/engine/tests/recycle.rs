@@ -300,3 +300,63 @@ fn writers_racing_the_recycler_never_lose_a_write() {
     );
     e.unregister(s.as_mut_ptr(), s.len()).unwrap();
 }
+
+/// An engine that only recycles (`merging` off) never write-protects registered memory nor
+/// merges its duplicates, and releases a page marked again after its reuse, period after period.
+#[test]
+fn an_engine_that_only_recycles_recycles_pages_again_and_merges_nothing() {
+    let _g = serial();
+    let n = 256;
+    let pool = Arc::new(Pool::new(1024).unwrap());
+    let e = Engine::builder()
+        .merge_period(NEVER)
+        .merging(false)
+        .build()
+        .unwrap();
+    let s = region(n);
+    // Every page alike: an engine that merges would merge them all within a few periods.
+    for page in s.chunks_mut(PAGE) {
+        write_value(page, 7);
+    }
+    e.register(s.as_mut_ptr(), s.len()).unwrap();
+    e.recycle_from(pool.clone());
+    let pm = pageone_sys::Pagemap::open().unwrap();
+    let start = s.as_ptr() as usize;
+    let not_protected = || {
+        pm.pages_with(start, n, pageone_sys::uapi::PAGE_IS_WRITTEN)
+            .unwrap()
+            .iter()
+            .filter(|&&w| w)
+            .count()
+    };
+    if e.watch_mode() == pageone_engine::WatchMode::UffdWp {
+        // (With async write-protection, a page not write-protected reads as written.)
+        assert_eq!(not_protected(), n, "no page is write-protected");
+    }
+    let marked = |i: usize| i % 2 == 0;
+    let m = (0..n).filter(|&i| marked(i)).count() as u64;
+    for round in 1..=3u64 {
+        for i in (0..n).filter(|&i| marked(i)) {
+            // SAFETY: the test's own page, not used again before it is unmarked.
+            assert!(unsafe { pool.mark(s.as_mut_ptr().add(i * PAGE)) });
+        }
+        let st = wait_for(&e, |st| st.pages_recycled >= round * m);
+        assert_eq!(st.pages_recycled, round * m, "round {round}: {st:?}");
+        assert_eq!(st.merges, 0, "round {round}: {st:?}");
+        assert_eq!(present(s) as u64, n as u64 - m, "round {round}");
+        for (i, page) in s.chunks_mut(PAGE).enumerate() {
+            if marked(i) {
+                // SAFETY: marked above, not unmarked since.
+                unsafe { pool.unmark(page.as_mut_ptr()) };
+                assert!(page.iter().all(|&b| b == 0), "page {i} reads as zeros");
+                write_value(page, 7);
+            }
+            assert!(holds(page, 7), "round {round}: page {i}");
+        }
+    }
+    if e.watch_mode() == pageone_engine::WatchMode::UffdWp {
+        assert_eq!(not_protected(), n, "still no page is write-protected");
+    }
+    e.unregister(s.as_mut_ptr(), s.len()).unwrap();
+    assert!(s.chunks(PAGE).all(|p| holds(p, 7)));
+}

@@ -263,6 +263,22 @@ impl Pool {
         max: usize,
         mut mark_of: impl FnMut(usize) -> Option<[u64; 3]>,
     ) -> Vec<Ticket> {
+        self.claim_batched(max, |addrs, marks| {
+            for (m, &a) in marks.iter_mut().zip(addrs) {
+                *m = mark_of(a);
+            }
+        })
+    }
+
+    /// [`Pool::claim`] reading the pages' words a group of slots at a time:
+    /// `read_marks(addrs, marks)` sets `marks[k]` to the first three words of the page at
+    /// `addrs[k]`, or leaves it `None` (not a page the engine may recycle, or unreadable); up to
+    /// 64 pages a call, so that one system call can read them all.
+    pub fn claim_batched(
+        &self,
+        max: usize,
+        mut read_marks: impl FnMut(&[usize], &mut [Option<[u64; 3]>]),
+    ) -> Vec<Ticket> {
         let mut out = Vec::new();
         for (w, word) in self.summary.iter().enumerate() {
             if out.len() >= max {
@@ -275,7 +291,7 @@ impl Pool {
                 let b = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let group = w * GROUP + b;
-                if self.claim_group(group, max, &mut out, &mut mark_of) {
+                if self.claim_group(group, max, &mut out, &mut read_marks) {
                     // Marks left in the group (not yet complete, not recyclable now, or beyond
                     // `max`): visited again next time. Relaxed: the bit only says where to look.
                     word.fetch_or(1 << b, Ordering::Relaxed);
@@ -297,39 +313,46 @@ impl Pool {
         group: usize,
         max: usize,
         out: &mut Vec<Ticket>,
-        mark_of: &mut impl FnMut(usize) -> Option<[u64; 3]>,
+        read_marks: &mut impl FnMut(&[usize], &mut [Option<[u64; 3]>]),
     ) -> bool {
         let first = group * GROUP;
         let end = (first + GROUP).min(self.slots.len());
         let mut left = false;
+        // The slots holding a page: index, value and page address.
+        let mut held = [(0usize, 0u64, 0usize); GROUP];
+        let mut n = 0;
         for (i, s) in self.slots[first..end].iter().enumerate() {
-            let i = first + i;
             // Relaxed: a pointer, trusted only once the page agrees (see `mark_with`).
             let v = s.load(Ordering::Relaxed);
             if v == 0 || v & CLAIMED != 0 {
                 continue;
             }
-            if out.len() >= max {
+            if out.len() + n >= max {
                 left = true;
                 continue;
             }
             let Some(addr) = (v as usize).checked_mul(PAGE) else {
                 continue;
             };
-            let Some(words) = mark_of(addr) else {
-                left = true;
-                continue;
-            };
-            // Acquire: pairs with the release fence in `mark_with` (the indicator, read by
-            // `mark_of`, was written after the tag and slot).
-            fence(Ordering::Acquire);
-            if !self.names(i as u32, words) {
-                left = true;
-                continue;
-            }
+            held[n] = (first + i, v, addr);
+            n += 1;
+        }
+        if n == 0 {
+            return left;
+        }
+        let addrs: [usize; GROUP] = std::array::from_fn(|k| held[k].2);
+        let mut marks = [None; GROUP];
+        read_marks(&addrs[..n], &mut marks[..n]);
+        // Acquire: pairs with the release fence in `mark_with` (the indicators, read by
+        // `read_marks`, were written after the tags and slots).
+        fence(Ordering::Acquire);
+        for (&(i, v, addr), words) in held[..n].iter().zip(marks) {
+            let named = words.is_some_and(|w| self.names(i as u32, w));
             // Relaxed: the ticket's effect is checked on frozen bytes, not ordered here.
-            if s.compare_exchange(v, v | CLAIMED, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
+            if named
+                && self.slots[i]
+                    .compare_exchange(v, v | CLAIMED, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
             {
                 out.push(Ticket {
                     slot: i as u32,
@@ -489,6 +512,35 @@ mod tests {
         }
         assert_eq!(seen, pages.len());
         assert_eq!(pool.busy_slots(), 0);
+    }
+
+    #[test]
+    fn batched_claims_read_a_group_at_a_time_and_leave_unreadable_pages() {
+        let pool = Pool::with_values(256, 7, 99);
+        let mut pages = vec![[0u64; 3]; 200];
+        for (i, p) in pages.iter_mut().enumerate() {
+            assert!(pool.mark_with((i + 1) * PAGE, |k, v| p[k] = v));
+        }
+        let unreadable = 77 * PAGE;
+        let mut calls = Vec::new();
+        let read = |addrs: &[usize], marks: &mut [Option<[u64; 3]>], calls: &mut Vec<usize>| {
+            calls.push(addrs.len());
+            for (m, &a) in marks.iter_mut().zip(addrs) {
+                *m = (a != unreadable).then(|| pages[a / PAGE - 1]);
+            }
+        };
+        let t = pool.claim_batched(usize::MAX, |a, m| read(a, m, &mut calls));
+        assert_eq!(t.len(), 199);
+        assert!(t.iter().all(|t| t.addr != unreadable));
+        assert!(calls.iter().all(|&n| n <= GROUP), "{calls:?}");
+        assert_eq!(calls.iter().sum::<usize>(), 200);
+        for t in t {
+            pool.finish(t, true);
+        }
+        // The page left unclaimed is visited again, and claimed once readable.
+        let again = pool.claim(usize::MAX, |a| Some(pages[a / PAGE - 1]));
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].addr, unreadable);
     }
 
     proptest::proptest! {
