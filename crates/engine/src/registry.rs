@@ -122,8 +122,7 @@ fn register_locked(
 /// `enabled=always`), reading an untouched, aligned 2 MiB maps the huge zero page: no page table
 /// at all (the small zero page costs 8 bytes a page of page table), and the watch never
 /// write-protects it, so the first write there gets a whole huge page in one fault, in the kernel
-/// (Linux 6.13 and later; earlier ones split it and copy a small page, as for the small zero
-/// page). On kernels whose `PAGEMAP_SCAN` does not flag the huge zero page as the zero page, the
+/// (Linux 6.18 does; 6.8 splits it and copies a small page, as for the small zero page). On kernels whose `PAGEMAP_SCAN` does not flag the huge zero page as the zero page, the
 /// small one is mapped through the userfaultfd after registration instead
 /// ([`fill_zero_pages`]).
 fn populate_zero_pages(sh: &Shared, range: Range<usize>, skip: &[Range<usize>]) {

@@ -95,6 +95,14 @@ fn smaps_of(a: usize, len: usize) -> (usize, Vec<String>) {
     (huge, flags)
 }
 
+/// A counter of `/proc/vmstat`.
+fn vmstat(name: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/vmstat").unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("/proc/vmstat has no {name}"))
+}
+
 /// How many of the pages of `[a, a+len)` a huge page maps (`PAGEMAP_SCAN`'s `PAGE_IS_HUGE`).
 fn huge_mapped(a: usize, len: usize) -> usize {
     let pm = sys::Pagemap::open().unwrap();
@@ -102,8 +110,8 @@ fn huge_mapped(a: usize, len: usize) -> usize {
         .unwrap()
 }
 
-/// Whether this kernel gives a whole huge page to the first write to the huge zero page (Linux
-/// 6.13 and later), tried on memory of the test's own.
+/// Whether this kernel gives a whole huge page to the first write to the huge zero page (6.18
+/// does, 6.8 splits it), tried on memory of the test's own.
 fn huge_page_on_first_write() -> bool {
     let m = HugeMapping::new(HUGE);
     // SAFETY: the test's own mapping; reading maps the huge zero page, contents unchanged.
@@ -208,6 +216,7 @@ fn half_duplicate_huge_pages_merge_their_duplicates_only() {
         eprintln!("skipped: transparent huge pages are not available here");
         return;
     }
+    let splits_before = vmstat("thp_split_page");
     let e = engine();
     e.register(m.base as *mut u8, m.len).unwrap();
     let distinct = (PER / 2) as u64;
@@ -233,6 +242,13 @@ fn half_duplicate_huge_pages_merge_their_duplicates_only() {
         huge_mapped(m.base, rest),
         0,
         "a huge page holding merged pages"
+    );
+    // Their folios were split too (the count is the system's: other processes only add to it),
+    // so the merged pages' memory was freed, not kept by partly mapped huge folios.
+    let splits = vmstat("thp_split_page") - splits_before;
+    assert!(
+        splits >= halves as u64,
+        "{splits} huge folios split, not {halves}"
     );
     // Copy-on-write: a write to a merged page changes that page only.
     let w = PER + 4;
