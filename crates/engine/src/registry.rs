@@ -122,9 +122,9 @@ fn register_locked(
 /// `enabled=always`), reading an untouched, aligned 2 MiB maps the huge zero page: no page table
 /// at all (the small zero page costs 8 bytes a page of page table), and the watch never
 /// write-protects it, so the first write there gets a whole huge page in one fault, in the kernel
-/// (Linux 6.18 does; 6.8 splits it and copies a small page, as for the small zero page). On kernels whose `PAGEMAP_SCAN` does not flag the huge zero page as the zero page, the
-/// small one is mapped through the userfaultfd after registration instead
-/// ([`fill_zero_pages`]).
+/// (Linux 6.18 does; 6.8 splits it and copies a small page, as for the small zero page). On
+/// kernels whose `PAGEMAP_SCAN` does not flag the huge zero page as the zero page, the small one
+/// is mapped through the userfaultfd after registration instead ([`fill_zero_pages`]).
 fn populate_zero_pages(sh: &Shared, range: Range<usize>, skip: &[Range<usize>]) {
     if sh.mode != WatchMode::UffdWp || sh.huge_zero_unflagged {
         // (Checksum watching cannot tell the zero page from a page of zeros: there, untouched
