@@ -159,6 +159,7 @@ impl Engine {
             store_uffd,
             mode,
             reg_mode,
+            huge_zero_unflagged: mode == WatchMode::UffdWp && sys::huge_zero_page_unflagged(),
             daemon_unreachable,
             state: Mutex::new(State::new(store, scratch, pagemap)),
             period_lock: Mutex::new(()),

@@ -76,12 +76,9 @@ fn register_locked(
 ) -> Result<(), EngineError> {
     let (a, end) = (range.start, range.end);
     let unmergeable = registrable(st, maps, a, end)?;
-    if sh.mode == WatchMode::UffdWp {
-        // (Checksum watching cannot tell the zero page from a page of zeros: there, untouched
-        // pages stay empty.)
-        populate_zero_pages(a..end, &unmergeable);
-    }
+    populate_zero_pages(sh, a..end, &unmergeable);
     watch_pieces(sh, a..end, &unmergeable)?;
+    fill_zero_pages(sh, a..end, &unmergeable);
     // (Config is a leaf lock: nothing takes another lock while holding it.)
     let merging = lock(&sh.config).merging;
     if sh.mode == WatchMode::UffdWp && merging {
@@ -124,17 +121,38 @@ fn register_locked(
 /// Maps the shared zero page over the pages of `range` never touched (but in `skip`), before the
 /// range is registered: a first touch of registered memory is then the kernel's own copy-on-write
 /// of the zero page, not a missing fault answered by the fault thread (a thread round trip per
-/// page, measured at 30 times the kernel's first touch). The zero page costs no memory but the
-/// page tables (8 bytes a page); registered memory is kept on small pages (`MADV_NOHUGEPAGE`),
-/// as KSM splits huge pages it merges.
-fn populate_zero_pages(range: Range<usize>, skip: &[Range<usize>]) {
+/// page, measured at 30 times the kernel's first touch).
+///
+/// Huge pages stay as the program set them up. Where the range may have them (`MADV_HUGEPAGE`, or
+/// `enabled=always`), reading an untouched, aligned 2 MiB maps the huge zero page: no page table
+/// at all (the small zero page costs 8 bytes a page of page table), and the watch never
+/// write-protects it, so the first write there gets a whole huge page in one fault, in the kernel
+/// (Linux 6.18 does; 6.8 splits it and copies a small page, as for the small zero page). On
+/// kernels whose `PAGEMAP_SCAN` does not flag the huge zero page as the zero page, the small one
+/// is mapped through the userfaultfd after registration instead ([`fill_zero_pages`]).
+fn populate_zero_pages(sh: &Shared, range: Range<usize>, skip: &[Range<usize>]) {
+    if sh.mode != WatchMode::UffdWp || sh.huge_zero_unflagged {
+        // (Checksum watching cannot tell the zero page from a page of zeros: there, untouched
+        // pages stay empty.)
+        return;
+    }
     for p in uncovered(range, skip) {
-        // SAFETY: neither advice changes the contents of the program's anonymous memory: holes
-        // read zeros either way.
-        unsafe {
-            let _ = sys::madvise(p.start as *mut u8, p.len(), libc::MADV_NOHUGEPAGE);
-            let _ = sys::madvise(p.start as *mut u8, p.len(), libc::MADV_POPULATE_READ);
-        }
+        // SAFETY: reading changes no contents of the program's anonymous memory: holes read
+        // zeros either way.
+        let _ = unsafe { sys::madvise(p.start as *mut u8, p.len(), libc::MADV_POPULATE_READ) };
+    }
+}
+
+/// The small zero page over the pages of `range` never touched (but in `skip`), mapped through
+/// the userfaultfd just after the range is registered and before it is write-protected: where
+/// [`populate_zero_pages`] would map the huge zero page, which this kernel's `PAGEMAP_SCAN` takes
+/// for a page of data (it would be write-protected, frozen and released page by page).
+fn fill_zero_pages(sh: &Shared, range: Range<usize>, skip: &[Range<usize>]) {
+    if sh.mode != WatchMode::UffdWp || !sh.huge_zero_unflagged {
+        return;
+    }
+    for p in uncovered(range, skip) {
+        let _ = sh.uffd.fill_zero_pages(p.start, p.len());
     }
 }
 
@@ -407,12 +425,11 @@ fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError>
 /// Registers `range`, fresh anonymous memory, like the region around it; when watching by
 /// write-protection, with the shared zero page mapped first (as registration does).
 fn watch_emptied(sh: &Shared, st: &State, range: Range<usize>) -> Result<(), EngineError> {
-    if sh.mode == WatchMode::UffdWp {
-        populate_zero_pages(range.clone(), &[]);
-    }
+    populate_zero_pages(sh, range.clone(), &[]);
     sh.uffd
         .register(range.start, range.len(), sh.reg_mode)
         .map_err(EngineError::Uffd)?;
+    fill_zero_pages(sh, range.clone(), &[]);
     if sh.mode == WatchMode::UffdWp {
         let _ = st.pagemap.write_protect(range.start, range.end);
     }

@@ -144,7 +144,8 @@ fn unchanged_step(r: &mut RegionState, now: Instant, kicked: bool, config: &Conf
 
 /// Fills `scan.cats` with the categories of region `r`'s pages: bit 0 present, bit 1
 /// file-backed, bit 2 zero pfn, bit 3 written. In the write-protect mode the scans also
-/// write-protect the written pages again.
+/// write-protect the written pages again, and the zero page of an anonymous piece gets no
+/// categories (see [`anonymous_pages`]).
 fn scan_categories(
     mode: WatchMode,
     pagemap: &sys::Pagemap,
@@ -426,17 +427,23 @@ pub(crate) fn present_pages(mode: WatchMode) -> sys::ScanQuery {
 }
 
 /// The pages of the anonymous pieces of a region that are present or written (swapped pages
-/// too), with whether each is the zero page: one walk, which also write-protects the written
-/// pages again (`PM_SCAN_WP_MATCHING` protects the matching pages that are `PAGE_IS_WRITTEN`).
-/// With `PM_SCAN_WP_MATCHING` the kernel skips every mapping that is not write-protectable
+/// too), but the zero page: one walk, which also write-protects the written pages again
+/// (`PM_SCAN_WP_MATCHING` protects the matching pages that are `PAGE_IS_WRITTEN`). With
+/// `PM_SCAN_WP_MATCHING` the kernel skips every mapping that is not write-protectable
 /// (`PAGE_IS_WPALLOWED`: registered with a context that has async write-protection), which
 /// leaves out the store mappings.
+///
+/// The zero page, small or huge, is left out (the watch takes it for a page not present) and so
+/// never write-protected: it cannot be written in place (a write maps a new page, reported as
+/// written), and a write to a write-protected huge zero page splits it into small pages, where
+/// an unprotected one gets a whole huge page in one fault (see `registry::populate_zero_pages`).
 fn anonymous_pages() -> sys::ScanQuery {
     sys::ScanQuery {
         flags: PM_SCAN_WP_MATCHING,
+        category_mask: PAGE_IS_PFNZERO,
+        category_inverted: PAGE_IS_PFNZERO,
         category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
-        return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
-        ..Default::default()
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
     }
 }
 
@@ -609,8 +616,9 @@ mod tests {
             scan_categories(WatchMode::UffdWp, &pagemap, &r, &mut scan).unwrap();
             scan.cats.clone()
         };
-        // Present 1, file-backed 2, zero pfn 4, written 8 (anonymous pieces only).
-        let (anon, zero, file, written) = (1, 0b0101, 0b0011, 0b1001);
+        // Present 1, file-backed 2, zero pfn 4, written 8 (anonymous pieces only). The zero page
+        // of an anonymous piece is left out of the walk (never write-protected): no categories.
+        let (anon, zero, file, written) = (1, 0, 0b0011, 0b1001);
         let mut want = [
             written, anon, zero, 0, file, anon, 0, anon, file, file, file, written,
         ];

@@ -549,10 +549,29 @@ fn bad_input_is_rejected_and_changes_nothing() {
 #[cfg_attr(debug_assertions, ignore = "stress test: run with --release")]
 fn no_lost_write_under_concurrent_writers() {
     let _g = serial();
-    let secs: u64 = std::env::var("PAGEONE_STRESS_SECS")
+    lost_write_stress(false, stress_secs(30));
+}
+
+/// The same on memory advised `MADV_HUGEPAGE` (2 MiB-aligned), for a few seconds: writes, merges
+/// and copy-on-write breaks inside huge pages, split by the kernel as they come.
+#[test]
+fn no_lost_write_under_concurrent_writers_on_huge_pages() {
+    let _g = serial();
+    lost_write_stress(true, stress_secs(4));
+}
+
+/// `PAGEONE_STRESS_SECS`, else `default`.
+fn stress_secs(default: u64) -> u64 {
+    std::env::var("PAGEONE_STRESS_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(30);
+        .unwrap_or(default)
+}
+
+/// The stress test of [`no_lost_write_under_concurrent_writers`], `secs` long, on memory advised
+/// `MADV_HUGEPAGE` with `huge`.
+fn lost_write_stress(huge: bool, secs: u64) {
+    const HUGE: usize = 2 << 20;
     let e = Engine::builder()
         .merge_period(Duration::from_millis(10))
         .merge_periods(1)
@@ -560,8 +579,18 @@ fn no_lost_write_under_concurrent_writers() {
         .unwrap();
     let writers = 4;
     let n = 16384;
-    let r = e.alloc_region(n * PAGE).unwrap();
-    let base = r.as_ptr() as usize;
+    let raw = sys::mmap_anonymous(n * PAGE + HUGE).unwrap();
+    let base = if huge {
+        (raw as usize + HUGE - 1) & !(HUGE - 1)
+    } else {
+        raw as usize
+    };
+    if huge {
+        // SAFETY: inside the mapping made above, which only this test uses.
+        unsafe { sys::madvise(base as *mut u8, n * PAGE, libc::MADV_HUGEPAGE) }.unwrap();
+    } else {
+        e.register(base as *mut u8, n * PAGE).unwrap();
+    }
     // A few contents only, so that pages keep becoming duplicates (and zero) as they are written.
     let write = |page: usize, c: u64| {
         let p = (base + page * PAGE) as *mut u64;
@@ -589,6 +618,13 @@ fn no_lost_write_under_concurrent_writers() {
     };
     for page in 0..n {
         write(page, (page % 8) as u64);
+    }
+    if huge {
+        // Written first, on huge pages wherever the kernel has them, then registered.
+        let pm = sys::Pagemap::open().unwrap();
+        let on_huge = pm.count_pages(base, n, sys::uapi::PAGE_IS_HUGE).unwrap();
+        eprintln!("{on_huge} of {n} pages on huge pages at registration");
+        e.register(base as *mut u8, n * PAGE).unwrap();
     }
     let stop = AtomicBool::new(false);
     let lost = std::sync::atomic::AtomicU64::new(0);
@@ -635,8 +671,10 @@ fn no_lost_write_under_concurrent_writers() {
     assert!(s.merges >= 1000, "too few merges to prove anything: {s:?}");
     assert!(s.cow_breaks >= 100, "merged pages were not written: {s:?}");
     assert!(s.zero_pages > 0 || s.merges > 0);
-    drop(r);
+    e.unregister(base as *mut u8, n * PAGE).unwrap();
     assert_eq!(e.stable_pages(), 0);
+    // SAFETY: unregistered above; the writers are done and nothing refers to the mapping.
+    unsafe { sys::munmap(raw, n * PAGE + HUGE) }.unwrap();
 }
 
 /// Pages merge only after staying unchanged for `merge_periods` whole periods counted from when

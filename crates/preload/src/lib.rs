@@ -220,15 +220,17 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
             drop_pages(addr, len, advice)
         }
         libc::MADV_HUGEPAGE => {
-            // Registered memory stays on small pages (see `merge_advice`); elsewhere, as asked.
-            let covered_by_engine = page_range(addr, len).is_some_and(|(a, e)| {
+            // Registered memory keeps huge pages as the kernel's KSM does (the engine splits one
+            // only where a page of it merges), but the mappings of pageone's store in it are
+            // left as they are: files, whose holes a huge page would fill.
+            let registered = page_range(addr, len).filter(|&(a, e)| {
                 guarded(|| running().is_some_and(|eng| eng.is_registered(a as *mut u8, e - a)))
                     .unwrap_or(false)
             });
-            if covered_by_engine {
-                return 0;
+            match registered {
+                Some((a, e)) => covered(|| huge_pages_but_on_the_store(a, e)),
+                None => covered(|| raw_madvise(addr, len, advice)),
             }
-            covered(|| raw_madvise(addr, len, advice))
         }
         _ => covered(|| raw_madvise(addr, len, advice)),
     }
@@ -256,10 +258,7 @@ fn merge_advice(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
         }
         let eng = engine()?;
         match eng.merge(a as *mut u8, e - a) {
-            Ok(()) => {
-                no_huge_pages(a, e);
-                Some(0)
-            }
+            Ok(()) => Some(0),
             // Refused as a whole: perhaps for the protection of part of it.
             Err(_) => merge_by_protection(eng, a, e),
         }
@@ -275,12 +274,30 @@ fn merge_advice(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     r
 }
 
-/// Registered memory gets no new huge pages: merging works on 4 KiB pages, and a huge page partly
-/// merged or released keeps all its memory until the kernel splits it under memory pressure (KSM
-/// splits them too).
-fn no_huge_pages(a: usize, e: usize) {
-    // SAFETY: MADV_NOHUGEPAGE changes no contents.
-    let _ = unsafe { sys::madvise(a as *mut u8, e - a, libc::MADV_NOHUGEPAGE) };
+/// `MADV_HUGEPAGE` for the mappings of `[a, e)` that are not mappings of pageone's store; the
+/// kernel's answer for the first that fails (and `ENOMEM` where part of the range is not mapped,
+/// as the kernel answers).
+fn huge_pages_but_on_the_store(a: usize, e: usize) -> c_int {
+    let Ok(maps) = sys::self_mappings_in(a, e) else {
+        return raw_madvise(a as *mut c_void, e - a, libc::MADV_HUGEPAGE);
+    };
+    let mut cur = a;
+    let mut r = 0;
+    for m in maps.iter().filter(|m| m.end > a && m.start < e) {
+        let (s, t) = (m.start.max(a), m.end.min(e));
+        if s > cur && r == 0 {
+            r = set_errno(&std::io::Error::from_raw_os_error(libc::ENOMEM));
+        }
+        if !is_store(m) && raw_madvise(s as *mut c_void, t - s, libc::MADV_HUGEPAGE) != 0 && r == 0
+        {
+            r = -1;
+        }
+        cur = t;
+    }
+    if cur < e && r == 0 {
+        r = set_errno(&std::io::Error::from_raw_os_error(libc::ENOMEM));
+    }
+    r
 }
 
 /// A mapping of a store of pageone's (merged pages).
@@ -329,9 +346,9 @@ fn merge_by_protection(eng: &Engine, a: usize, e: usize) -> Option<c_int> {
             pending_locked(|p| remember(p, (s, t)));
             continue;
         }
-        if eng.merge(s as *mut u8, t - s).is_ok() {
-            no_huge_pages(s, t);
-        } else if raw_madvise(s as *mut c_void, t - s, libc::MADV_MERGEABLE) != 0 {
+        if eng.merge(s as *mut u8, t - s).is_err()
+            && raw_madvise(s as *mut c_void, t - s, libc::MADV_MERGEABLE) != 0
+        {
             refused = refused.or(Some(errno()));
         }
     }
@@ -452,12 +469,11 @@ fn made_writable(addr: *mut c_void, len: size_t, prot: c_int) {
         guarded(|| {
             let Some(eng) = running() else { return };
             for &(s, t) in cut.spans() {
-                match eng.merge(s as *mut u8, t - s) {
-                    Ok(()) => no_huge_pages(s, t),
-                    Err(err) => log(&format!(
+                if let Err(err) = eng.merge(s as *mut u8, t - s) {
+                    log(&format!(
                         "mergeable memory made read/write could not be registered ({err}); \
                          it is not merged"
-                    )),
+                    ));
                 }
             }
         });

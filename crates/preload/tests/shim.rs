@@ -116,10 +116,23 @@ fn the_shim_answers_with_the_kernels_results_and_errno() {
 /// `PAGEONE_MODEL_SEED=N PAGEONE_MODEL_SECONDS=600 cargo test --release -p pageone-preload --test shim randomized`.
 #[test]
 fn a_randomized_program_never_reads_a_wrong_page() {
+    run_model(false, 30.0);
+}
+
+/// The same program with its memory advised `MADV_HUGEPAGE` (before it is made mergeable, as QEMU
+/// does, and on parts of it, merged ones too), for a shorter time.
+#[test]
+fn a_randomized_program_on_huge_pages_never_reads_a_wrong_page() {
+    run_model(true, 10.0);
+}
+
+/// Runs `tests/c/model.c` under the shim for `PAGEONE_MODEL_SECONDS` (else `default_seconds`),
+/// with `MODEL_HUGE` set if `huge`, and fails with its output.
+fn run_model(huge: bool, default_seconds: f64) {
     let seconds: f64 = std::env::var("PAGEONE_MODEL_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(30.0);
+        .unwrap_or(default_seconds);
     let seed: u64 = std::env::var("PAGEONE_MODEL_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -131,7 +144,11 @@ fn a_randomized_program_never_reads_a_wrong_page() {
         });
     println!("model seed {seed} for {seconds} s (replay: PAGEONE_MODEL_SEED={seed})");
     let bin = compile_with("model", &["-pthread"]);
-    let mut child = Command::new(&bin)
+    let mut cmd = Command::new(&bin);
+    if huge {
+        cmd.env("MODEL_HUGE", "1");
+    }
+    let mut child = cmd
         .arg(seed.to_string())
         .arg(seconds.to_string())
         .env("LD_PRELOAD", preload_lib())

@@ -150,10 +150,16 @@ impl Pagemap {
     /// Write-protects (async uffd-wp) every page of `[start, end)` not protected yet, reporting
     /// nothing: `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` and no output vector, which the kernel
     /// runs as its exclusive write-protect fast path. VMAs without async uffd-wp are skipped.
+    ///
+    /// The zero page (small or huge) is left unprotected: it cannot be written in place (a write
+    /// maps a new page, which shows as written), and a write to a protected huge zero page would
+    /// make the kernel split it into small pages, where an unprotected one gets a whole huge
+    /// page in one fault.
     pub fn write_protect(&self, start: usize, end: usize) -> io::Result<()> {
         let q = ScanQuery {
             flags: PM_SCAN_WP_MATCHING,
-            category_mask: PAGE_IS_WRITTEN,
+            category_mask: PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
+            category_inverted: PAGE_IS_PFNZERO,
             return_mask: PAGE_IS_WRITTEN,
             ..Default::default()
         };
@@ -173,6 +179,40 @@ impl Pagemap {
         );
         Ok(())
     }
+}
+
+/// Whether this kernel maps the huge zero page where a range advised `MADV_HUGEPAGE` is first
+/// read, and `PAGEMAP_SCAN` does not flag it `PAGE_IS_PFNZERO` (kernels that compare a huge
+/// page's frame with the small zero page's only). Probed once per call on 4 MiB of fresh memory;
+/// false where there are no transparent huge pages.
+pub fn huge_zero_page_unflagged() -> bool {
+    const HUGE: usize = 2 << 20;
+    let Ok(raw) = crate::mmap_anonymous(2 * HUGE) else {
+        return false;
+    };
+    let base = (raw as usize + HUGE - 1) & !(HUGE - 1);
+    // SAFETY: `[base, base + HUGE)` lies inside the fresh mapping above, which nothing else
+    // knows; neither advice changes its contents (it reads zeros either way).
+    let populated = unsafe {
+        crate::madvise(base as *mut u8, HUGE, libc::MADV_HUGEPAGE).is_ok()
+            && crate::madvise(base as *mut u8, HUGE, libc::MADV_POPULATE_READ).is_ok()
+    };
+    let q = ScanQuery {
+        category_anyof_mask: PAGE_IS_PRESENT,
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_HUGE,
+        ..ScanQuery::default()
+    };
+    let mut found = Vec::new();
+    let scanned = populated
+        && Pagemap::open()
+            .and_then(|pm| pm.scan(base, base + HUGE, &q, &mut found))
+            .is_ok();
+    // SAFETY: the probe's own mapping, not referred to any more.
+    let _ = unsafe { crate::munmap(raw, 2 * HUGE) };
+    scanned
+        && found
+            .iter()
+            .any(|r| r.categories & PAGE_IS_HUGE != 0 && r.categories & PAGE_IS_PFNZERO == 0)
 }
 
 /// Whether this kernel has the `PAGEMAP_SCAN` ioctl (6.7+).

@@ -46,6 +46,9 @@ static struct region R[MAXREG];
 static pthread_rwlock_t big = PTHREAD_RWLOCK_INITIALIZER;
 /* The last structural steps, printed with a failure (MODEL_TRACE set: as they happen). */
 static int tracing;
+/* MODEL_HUGE: regions are advised MADV_HUGEPAGE before they are filled, and MADV_HUGEPAGE is one
+ * more advice given to parts of them (merged ones too). */
+static int huge;
 static char trail[64][160];
 static unsigned trail_n;
 #define TRACE(...)                                                                                 \
@@ -238,6 +241,8 @@ static void new_region(uint64_t *rng, void *hint) {
         return;
     track(k, p, pages, NULL);
     TRACE("step %ld new region %d at %p (%zu pages)\n", step, k, (void *)p, pages);
+    if (huge)
+        madvise(p, pages * PAGE, MADV_HUGEPAGE);
     fill_region(k, rng);
     madvise(p, pages * PAGE, MADV_MERGEABLE);
 }
@@ -333,11 +338,12 @@ static void op_advise(uint64_t *rng, int k) {
     size_t a, n;
     subrange(rng, k, &a, &n);
     struct region *r = &R[k];
-    unsigned choice = next(rng) % 4;
+    unsigned choice = next(rng) % (huge ? 5 : 4);
     int advice = choice == 0   ? MADV_DONTNEED
                  : choice == 1 ? MADV_FREE
                  : choice == 2 ? MADV_UNMERGEABLE
-                               : MADV_MERGEABLE;
+                 : choice == 3 ? MADV_MERGEABLE
+                               : MADV_HUGEPAGE;
     for (size_t i = a; i < a + n; i++)
         if (r->flag[i] & F_LOCKED && advice == MADV_DONTNEED)
             return; /* DONTNEED on locked memory fails; not what this checks */
@@ -435,6 +441,7 @@ int main(int argc, char **argv) {
     }
     seed = strtoull(argv[1], NULL, 0) | 1;
     tracing = getenv("MODEL_TRACE") != NULL;
+    huge = getenv("MODEL_HUGE") != NULL;
     double seconds = atof(argv[2]);
     uint64_t rng = seed;
     for (int c = 1; c <= SHARED; c++)

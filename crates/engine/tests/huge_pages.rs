@@ -1,0 +1,276 @@
+//! Transparent huge pages in registered memory, on the real kernel: registering keeps them
+//! (nothing sets `MADV_NOHUGEPAGE`), memory first written after registration still gets them,
+//! and only the huge pages that hold a merged page are split.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pageone_engine::{Engine, WatchMode};
+use pageone_sys as sys;
+
+mod common;
+use common::{check, fill, wait_for, PAGE};
+
+const HUGE: usize = 2 << 20;
+const PER: usize = HUGE / PAGE;
+
+/// The tests run one at a time: they count the process's huge pages.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn engine() -> Engine {
+    Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .watch(WatchMode::Auto)
+        .build()
+        .expect("the engine starts on this kernel")
+}
+
+/// Private anonymous memory of `len` bytes (a multiple of 2 MiB) aligned to 2 MiB and advised
+/// `MADV_HUGEPAGE`, untouched; unmapped on drop.
+struct HugeMapping {
+    raw: *mut u8,
+    base: usize,
+    len: usize,
+}
+
+impl HugeMapping {
+    fn new(len: usize) -> Self {
+        let raw = sys::mmap_anonymous(len + HUGE).unwrap();
+        let base = (raw as usize + HUGE - 1) & !(HUGE - 1);
+        // SAFETY: the range lies inside the mapping made above, which only this test uses.
+        unsafe { sys::madvise(base as *mut u8, len, libc::MADV_HUGEPAGE) }.unwrap();
+        Self { raw, base, len }
+    }
+
+    /// The memory, as the test's own slice (only this thread touches it).
+    #[allow(clippy::mut_from_ref)]
+    fn bytes(&self) -> &mut [u8] {
+        // SAFETY: inside the mapping, which this test owns; callers do not keep two slices.
+        unsafe { std::slice::from_raw_parts_mut(self.base as *mut u8, self.len) }
+    }
+
+    fn page(&self, i: usize) -> &mut [u8] {
+        &mut self.bytes()[i * PAGE..(i + 1) * PAGE]
+    }
+}
+
+impl Drop for HugeMapping {
+    fn drop(&mut self) {
+        // SAFETY: the test's own mapping; nothing refers to it any more.
+        let _ = unsafe { sys::munmap(self.raw, self.len + HUGE) };
+    }
+}
+
+/// `AnonHugePages` (bytes) of the mappings of `[a, a+len)` and their `VmFlags`, from
+/// `/proc/self/smaps` (a mapping reaching outside the range counts whole).
+fn smaps_of(a: usize, len: usize) -> (usize, Vec<String>) {
+    let text = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let (mut huge, mut flags, mut inside) = (0, Vec::new(), false);
+    for line in text.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((s, e)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+            let (s, e) = (
+                usize::from_str_radix(s, 16).unwrap(),
+                usize::from_str_radix(e, 16).unwrap(),
+            );
+            inside = s < a + len && e > a;
+        } else if inside {
+            if let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                huge += kb
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<usize>()
+                    .unwrap()
+                    << 10;
+            } else if let Some(f) = line.strip_prefix("VmFlags:") {
+                flags.push(f.trim().to_string());
+            }
+        }
+    }
+    (huge, flags)
+}
+
+/// A counter of `/proc/vmstat`.
+fn vmstat(name: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/vmstat").unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("/proc/vmstat has no {name}"))
+}
+
+/// How many of the pages of `[a, a+len)` a huge page maps (`PAGEMAP_SCAN`'s `PAGE_IS_HUGE`).
+fn huge_mapped(a: usize, len: usize) -> usize {
+    let pm = sys::Pagemap::open().unwrap();
+    pm.count_pages(a, len / PAGE, sys::uapi::PAGE_IS_HUGE)
+        .unwrap()
+}
+
+/// Whether this kernel gives a whole huge page to the first write to the huge zero page (6.18
+/// does, 6.8 splits it), tried on memory of the test's own.
+fn huge_page_on_first_write() -> bool {
+    let m = HugeMapping::new(HUGE);
+    // SAFETY: the test's own mapping; reading maps the huge zero page, contents unchanged.
+    unsafe { sys::madvise(m.base as *mut u8, HUGE, libc::MADV_POPULATE_READ) }.unwrap();
+    m.bytes()[0] = 1;
+    huge_mapped(m.base, HUGE) == PER
+}
+
+/// (a) A region advised `MADV_HUGEPAGE` with a different content in every page keeps all of its
+/// huge pages through registration and many periods, and its mappings are not marked `nh`; the
+/// part of it first written after registration gets whole huge pages too (where the kernel gives
+/// them to a write to the huge zero page).
+#[test]
+fn huge_pages_stay_where_nothing_merges() {
+    let _g = serial();
+    let (filled, fresh) = (8, 4);
+    let m = HugeMapping::new((filled + fresh) * HUGE);
+    let content = |i: usize| (i + 1) as u64;
+    for i in 0..filled * PER {
+        fill(m.page(i), content(i));
+    }
+    let (before, _) = smaps_of(m.base, m.len);
+    if before < filled * HUGE {
+        eprintln!("skipped: transparent huge pages are not available here");
+        return;
+    }
+    let e = engine();
+    e.register(m.base as *mut u8, m.len).unwrap();
+    let s = wait_for(&e, |s| s.full_scans >= 8);
+    assert_eq!(s.pages_sharing, 0, "{s:?}");
+    let (after, flags) = smaps_of(m.base, m.len);
+    assert!(
+        after >= before,
+        "registering split huge pages: AnonHugePages {before} before, {after} after"
+    );
+    assert_eq!(huge_mapped(m.base, filled * HUGE), filled * PER);
+    for f in &flags {
+        let words: Vec<&str> = f.split_whitespace().collect();
+        assert!(!words.contains(&"nh"), "registered memory lost THP: {f}");
+        assert!(
+            words.contains(&"hg"),
+            "the program's MADV_HUGEPAGE was dropped: {f}"
+        );
+    }
+    // First touches after registration: a whole huge page per 2 MiB where the kernel gives one
+    // to a write to the huge zero page, and never a fault the engine's thread answers.
+    let answered = s.faults_answered;
+    for i in filled * PER..(filled + fresh) * PER {
+        fill(m.page(i), content(i));
+    }
+    let s = wait_for(&e, |t| t.full_scans >= s.full_scans + 4);
+    assert_eq!(
+        s.faults_answered, answered,
+        "first touches reached the engine"
+    );
+    if huge_page_on_first_write() {
+        let (now, _) = smaps_of(m.base, m.len);
+        assert_eq!(
+            now,
+            before + fresh * HUGE,
+            "memory written after registering"
+        );
+        assert_eq!(huge_mapped(m.base, m.len), m.len / PAGE);
+    } else {
+        eprintln!("(this kernel splits the huge zero page on a write: first touches are small)");
+    }
+    for i in 0..m.len / PAGE {
+        assert!(check(m.page(i), content(i)), "page {i} changed");
+    }
+    e.unregister(m.base as *mut u8, m.len).unwrap();
+    for i in 0..m.len / PAGE {
+        assert!(
+            check(m.page(i), content(i)),
+            "page {i} changed by unregistering"
+        );
+    }
+}
+
+/// (b) Huge pages half of whose pages are duplicates: those pages merge (one copy each, every
+/// byte right), the other pages stay as they were, huge pages with nothing to merge stay huge, a
+/// write to a merged page breaks only its copy-on-write, and unregistering gives every byte
+/// back.
+#[test]
+fn half_duplicate_huge_pages_merge_their_duplicates_only() {
+    let _g = serial();
+    let (halves, unique) = (6, 2);
+    let m = HugeMapping::new((halves + unique) * HUGE);
+    // In the first huge pages, even pages hold the same contents in each (duplicates), odd
+    // pages contents of their own; the last huge pages hold contents of their own only.
+    let content = |i: usize| {
+        let (h, o) = (i / PER, i % PER);
+        if h < halves && o % 2 == 0 {
+            o as u64 + 1
+        } else {
+            (i + 1_000_000) as u64
+        }
+    };
+    for i in 0..m.len / PAGE {
+        fill(m.page(i), content(i));
+    }
+    if huge_mapped(m.base, m.len) < m.len / PAGE {
+        eprintln!("skipped: transparent huge pages are not available here");
+        return;
+    }
+    let splits_before = vmstat("thp_split_page");
+    let e = engine();
+    e.register(m.base as *mut u8, m.len).unwrap();
+    let distinct = (PER / 2) as u64;
+    let sharing = distinct * (halves as u64 - 1);
+    let s = wait_for(&e, |s| s.pages_sharing >= sharing);
+    assert_eq!(
+        (s.pages_shared, s.pages_sharing),
+        (distinct, sharing),
+        "{s:?}"
+    );
+    assert_eq!(s.zero_pages, 0, "{s:?}");
+    for i in 0..m.len / PAGE {
+        assert!(check(m.page(i), content(i)), "page {i} changed by merging");
+    }
+    // Only the huge pages holding a merged page were split.
+    let rest = halves * HUGE;
+    assert_eq!(
+        huge_mapped(m.base + rest, unique * HUGE),
+        unique * PER,
+        "a huge page with nothing to merge was split"
+    );
+    assert_eq!(
+        huge_mapped(m.base, rest),
+        0,
+        "a huge page holding merged pages"
+    );
+    // Their folios were split too (the count is the system's: other processes only add to it),
+    // so the merged pages' memory was freed, not kept by partly mapped huge folios.
+    let splits = vmstat("thp_split_page") - splits_before;
+    assert!(
+        splits >= halves as u64,
+        "{splits} huge folios split, not {halves}"
+    );
+    // Copy-on-write: a write to a merged page changes that page only.
+    let w = PER + 4;
+    m.page(w)[100] = 0xAB;
+    let s = wait_for(&e, |s| s.cow_breaks >= 1);
+    assert_eq!(s.cow_breaks, 1, "{s:?}");
+    assert_eq!(s.pages_sharing, sharing - 1, "{s:?}");
+    for i in (0..m.len / PAGE).filter(|&i| i != w) {
+        assert!(
+            check(m.page(i), content(i)),
+            "page {i} changed by the write"
+        );
+    }
+    assert_eq!(m.page(w)[100], 0xAB);
+    e.unregister(m.base as *mut u8, m.len).unwrap();
+    assert_eq!(e.stable_pages(), 0);
+    for i in 0..m.len / PAGE {
+        let mut want = [0u8; PAGE];
+        fill(&mut want, content(i));
+        if i == w {
+            want[100] = 0xAB;
+        }
+        assert!(m.page(i) == want, "page {i} changed by unregistering");
+    }
+}
