@@ -343,6 +343,17 @@ enum pageone_status pageone_config_set_vma_margin(struct pageone_config *cfg, si
 enum pageone_status pageone_config_set_populate_merged(struct pageone_config *cfg, bool on);
 
 /**
+ * Sets whether the engine merges pages (the default). Off, it only recycles the pages marked
+ * free in its pool (`pageone_engine_recycle_from`): registered memory is then neither
+ * write-protected nor scanned (`merging` in the Rust API).
+ *
+ * # Safety
+ *
+ * `cfg` must be NULL or a live configuration not used by another thread during the call.
+ */
+enum pageone_status pageone_config_set_merging(struct pageone_config *cfg, bool on);
+
+/**
  * Sets how written pages are detected: a `pageone_watch_mode`. Other values give
  * `PAGEONE_INVALID_ARGUMENT`.
  *

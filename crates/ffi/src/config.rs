@@ -184,6 +184,22 @@ pub unsafe extern "C" fn pageone_config_set_populate_merged(
     unsafe { config_setter!(cfg.populate_merged = on) }
 }
 
+/// Sets whether the engine merges pages (the default). Off, it only recycles the pages marked
+/// free in its pool (`pageone_engine_recycle_from`): registered memory is then neither
+/// write-protected nor scanned (`merging` in the Rust API).
+///
+/// # Safety
+///
+/// `cfg` must be NULL or a live configuration not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_config_set_merging(
+    cfg: *mut pageone_config,
+    on: bool,
+) -> pageone_status {
+    // SAFETY: NULL or a live configuration used by no other thread, by the contract.
+    unsafe { config_setter!(cfg.merging = on) }
+}
+
 /// Sets how written pages are detected: a `pageone_watch_mode`. Other values give
 /// `PAGEONE_INVALID_ARGUMENT`.
 ///

@@ -32,6 +32,7 @@ fn start(c: &Config) -> Result<Engine, EngineError> {
         .watch(c.watch)
         .vma_margin(c.vma_margin)
         .populate_merged(c.populate_merged)
+        .merging(c.merging)
         .daemon(c.daemon.clone())
         .build()?;
     // The builder has no setter for the back-off cap.

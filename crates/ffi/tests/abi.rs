@@ -260,3 +260,47 @@ fn pages_marked_free_through_the_abi_are_recycled() {
         pageone_pool_free(ptr::null_mut());
     }
 }
+
+#[test]
+fn an_engine_that_only_recycles_merges_nothing() {
+    let cfg = config();
+    let mut e = ptr::null_mut();
+    let n = 64;
+    let p = mmap(n * PAGE, libc::MAP_PRIVATE).cast::<u8>();
+    let mut pool = ptr::null_mut();
+    // SAFETY: `cfg`, `e` and `pool` are live until freed below; `p` is this test's mapping of n
+    // pages.
+    unsafe {
+        assert_eq!(pageone_config_set_merge_period_ms(cfg, 50), PAGEONE_OK);
+        assert_eq!(pageone_config_set_daemon(cfg, ptr::null()), PAGEONE_OK);
+        assert_eq!(
+            pageone_config_set_merging(ptr::null_mut(), false),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(pageone_config_set_merging(cfg, false), PAGEONE_OK);
+        assert_eq!(pageone_engine_new(cfg, &mut e), PAGEONE_OK);
+        pageone_config_free(cfg);
+        // Every page alike: an engine that merges would merge them.
+        for i in 0..n {
+            p.add(i * PAGE + 100).write(7);
+        }
+        assert_eq!(pageone_pool_new(256, &mut pool), PAGEONE_OK);
+        assert_eq!(pageone_engine_recycle_from(e, pool), PAGEONE_OK);
+        assert_eq!(pageone_engine_register(e, p.cast(), n * PAGE), PAGEONE_OK);
+        assert_eq!(pageone_pool_mark(pool, p.cast()), 1);
+        let mut st = pageone_stats::default();
+        for _ in 0..8 {
+            assert_eq!(pageone_engine_wait_periods(e, 1, 10_000), PAGEONE_OK);
+        }
+        assert_eq!(pageone_engine_stats(e, &mut st), PAGEONE_OK);
+        assert_eq!(st.pages_recycled, 1, "{st:?}");
+        assert_eq!(st.merges, 0, "{st:?}");
+        assert_eq!(st.pages_sharing, 0, "{st:?}");
+        for i in 1..n {
+            assert_eq!(p.add(i * PAGE + 100).read(), 7, "page {i}");
+        }
+        assert_eq!(pageone_engine_unregister(e, p.cast(), n * PAGE), PAGEONE_OK);
+        pageone_engine_free(e);
+        pageone_pool_free(pool);
+    }
+}
