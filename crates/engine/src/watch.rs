@@ -107,12 +107,14 @@ pub(crate) fn watch(
 /// Most pages read per period for [`release_zero_probes`] (about a millisecond per thousand).
 const MAX_ZERO_PROBES: usize = 16384;
 
-/// Reads the pages that have just stopped changing after a write and adds those that hold only
-/// zeros to `candidates`, as zero pages (released by this period's commit, verified on frozen
-/// bytes there): memory a program frees by zeroing it (a guest booted with `init_on_free=1`)
-/// comes back one period after its last write, instead of after the merge wait and the
-/// back-off its earlier writes earned. A page not zero waits as before; reading it costs a
-/// page copy through the kernel, once per write episode.
+/// Reads the pages that have just stopped changing after a write, or were just written after
+/// waiting unchanged in the first-sighting map, and adds those that hold only zeros to
+/// `candidates`, as zero pages (released by this period's commit, verified on frozen bytes
+/// there): memory a program frees by zeroing it (a guest booted with `init_on_free=1`) comes
+/// back in the period that sees the write (long-unchanged memory) or one period after its last
+/// write (memory written often), instead of after the merge wait and the back-off its writes
+/// earned. A page not zero waits as before; reading it costs a page copy through the kernel,
+/// once per write episode.
 pub(crate) fn release_zero_probes(candidates: &mut Vec<Candidate>, probes: &[Candidate]) {
     let probes = &probes[..probes.len().min(MAX_ZERO_PROBES)];
     let before = candidates.len();
@@ -331,6 +333,9 @@ impl RegionWatch<'_> {
             *self.stale_sightings += 1;
             self.tally.volatile += 1;
             self.tally.written += 1;
+            // Long unchanged, now written: perhaps zeroed to be freed (a guest booted with
+            // `init_on_free=1`). Read now, so that it comes back in this period's commit.
+            self.probe_zero(addr);
             return;
         }
         p.kind = PageKind::Anon;
@@ -362,9 +367,7 @@ impl RegionWatch<'_> {
         p.unchanged = p.unchanged.saturating_add(self.step);
         let needed = self.config.merge_periods.max(p.writes);
         if just_quiet && p.unchanged.saturating_add(1) < needed {
-            self.tally
-                .zero_probes
-                .push(Candidate::new(self.start, addr, Pre::None));
+            self.probe_zero(addr);
         }
         if p.unchanged >= needed {
             let out = &mut self.tally.out;
@@ -377,6 +380,14 @@ impl RegionWatch<'_> {
         } else {
             self.tally.volatile += 1;
         }
+    }
+
+    /// Reads the page at `addr` after the watch: if it holds only zeros, it is released in this
+    /// period's commit (see [`release_zero_probes`]).
+    fn probe_zero(&mut self, addr: usize) {
+        self.tally
+            .zero_probes
+            .push(Candidate::new(self.start, addr, Pre::None));
     }
 
     /// Whether the present page at `addr` was written since the last period: the write-protect

@@ -918,3 +918,32 @@ fn zeroed_pages_are_released_a_period_after_their_last_write() {
     );
     assert!(r.as_slice().iter().all(|&b| b == 0));
 }
+
+/// Memory that waited unchanged (unique) and is then zeroed, as a guest booted with
+/// `init_on_free=1` frees its page cache, is released in the period that sees the write.
+#[test]
+fn unique_pages_zeroed_are_released_in_the_period_that_sees_the_write() {
+    let _g = serial();
+    let e = Engine::builder()
+        .merge_period(Duration::from_secs(3600))
+        .build()
+        .expect("the engine starts on this kernel");
+    let n = 64;
+    let mut r = e.alloc_region(n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, i as u64 + 1);
+    }
+    let s = wait_for(&e, |s| s.pages_unshared >= n as u64);
+    assert_eq!(s.pages_unshared, n as u64, "every page waits unique: {s:?}");
+    r.as_mut_slice().fill(0);
+    assert!(e.wait_periods(1, Duration::from_secs(10)));
+    let s = e.stats();
+    assert_eq!(s.zero_pages, n as u64, "released at once: {s:?}");
+    assert!(r.as_slice().iter().all(|&b| b == 0));
+    // A write after the release is kept.
+    r.as_mut_slice()[5 * PAGE + 7] = 9;
+    assert!(e.wait_periods(2, Duration::from_secs(10)));
+    assert_eq!(r.as_slice()[5 * PAGE + 7], 9);
+    e.unregister(r.as_mut_slice().as_mut_ptr(), n * PAGE)
+        .unwrap();
+}
