@@ -36,9 +36,17 @@
 //!   the interposed `mmap`). The size bound keeps glibc's malloc arenas (at most 64 MiB each) and the
 //!   engine's own memory out: the engine must never freeze memory it uses itself.
 //! * **Re-entrancy and fork.** A thread-local flag passes through calls made while the shim is
-//!   working. The engine makes `fork` wait for a run it holds still; after `fork`, the child has no
-//!   engine threads: it passes everything to the kernel, but for `MADV_DONTNEED`/`MADV_FREE` of
-//!   merged pages it inherited, which it makes empty anonymous memory as above.
+//!   working. The engine makes `fork` wait for a run it holds still. A forked child keeps merging,
+//!   as under KSM (which keeps `VM_MERGEABLE` across `fork`, and the `PR_SET_MEMORY_MERGE` flag):
+//!   the parent's engine, whose threads do not exist there, is forgotten (leaked), and the child
+//!   starts an engine of its own (joining the daemon as a new client) at its first call that needs
+//!   one, or a merge period after the fork from a small thread that an `exec` ends first (see
+//!   [`fork`]). It registers the private anonymous read/write parts of the ranges registered in
+//!   the parent at the fork (recorded by a `fork` hook in a fixed buffer) and, with
+//!   `PR_SET_MEMORY_MERGE` inherited, the large mappings. Pages the parent merged are mappings of
+//!   the parent's store in the child: left alone (shared already); `MADV_DONTNEED`/`MADV_FREE` of
+//!   them makes them empty anonymous memory, as above. If the child's engine cannot start, the
+//!   child passes everything to the kernel (logged once).
 
 mod fork;
 mod pending;
@@ -132,7 +140,11 @@ fn env_text(name: &CStr) -> Option<String> {
 
 /// A positive number from the environment variable `name` (see [`env_text`]), if set.
 fn env_number(name: &CStr) -> Option<u64> {
-    env_text(name)?.trim().parse::<u64>().ok().filter(|&v| v > 0)
+    env_text(name)?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|&v| v > 0)
 }
 
 /// A positive number from the environment variable `name`, if set (a bad value is logged and
