@@ -298,12 +298,6 @@ impl Engine {
         n
     }
 
-    /// Whether file `inode` is this engine's store (a mapping of it holds pages this engine
-    /// merged), rather than another's (one a forked child inherited from its parent).
-    pub fn maps_store(&self, inode: u64) -> bool {
-        lock(&self.shared.state).store.maps_inode(inode)
-    }
-
     /// Tells the engine that the program dropped the pages of `[addr, addr+len)` with
     /// `MADV_DONTNEED` (call it after the `madvise`, before relying on the result): merged pages are
     /// mappings of a store file, which would read their copy again, so they are made empty

@@ -622,8 +622,9 @@ fn drop_piecewise(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
 }
 
 /// `drop_pages` in a forked child: pages merged by another process (the parent) are mappings of
-/// its store here, which no engine of the child knows; they become empty anonymous memory. The
-/// child's own engine, if it runs, empties the pages it merged (as in [`drop_pages`]).
+/// a store here that are not registered with the child's engine; they become empty anonymous
+/// memory. The child's own engine, if it runs, empties the pages it merged (as in
+/// [`drop_pages`]).
 fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
     let eng = guarded(running).flatten();
     let _change = eng.map(|_| changing_mappings());
@@ -635,12 +636,17 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
     let Ok(maps) = sys::self_mappings_in(a, e) else {
         return r;
     };
-    let foreign = |m: &sys::Mapping| is_store(m) && !eng.is_some_and(|g| g.maps_store(m.inode));
+    // Not the child's engine's: not registered with it (with a daemon, the parent's copies and
+    // the child's may be in the same file).
+    let foreign = |s: usize, t: usize| !eng.is_some_and(|g| g.is_registered(s as *mut u8, t - s));
     for m in maps
         .iter()
-        .filter(|m| m.end > a && m.start < e && foreign(m))
+        .filter(|m| m.end > a && m.start < e && is_store(m))
     {
         let (s, t) = (m.start.max(a), m.end.min(e));
+        if !foreign(s, t) {
+            continue;
+        }
         // SAFETY: pages the program asked to drop, replaced by an empty private mapping with the
         // same protection.
         let p = unsafe {

@@ -265,6 +265,12 @@ fn a_forked_child_merges_what_it_inherited_and_what_it_maps() {
     children("merge");
 }
 
+/// A child's child merges the same way (what it inherited from the child's engine).
+#[test]
+fn a_forked_grandchild_merges_too() {
+    children("grandchild");
+}
+
 /// `PR_SET_MEMORY_MERGE` is inherited: the child reads it on and its new large mapping merges.
 #[test]
 fn a_forked_child_inherits_pr_set_memory_merge() {

@@ -3,7 +3,7 @@
  * (PR_SET_MEMORY_MERGE is inherited), and every byte in parent and child stays right. Each check
  * prints a line; the program exits non-zero on the first that fails.
  *
- *   children CHECK    (CHECK: merge | merge-all | exec)
+ *   children CHECK    (CHECK: merge | grandchild | merge-all | exec)
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -154,6 +154,57 @@ static void merge(void) {
     check(merged_pages(p, HALF) > HALF * 9 / 10, "parent: its pages stay merged");
 }
 
+/* Pages [0, pages) of q hold their number (+ 2^20) in their first bytes, zeros after. */
+static void number(unsigned char *q, size_t pages) {
+    for (size_t i = 0; i < pages; i++)
+        *(size_t *)(q + i * PAGE) = i + (1UL << 20);
+}
+
+static int numbered(const unsigned char *q, size_t from, size_t to) {
+    for (size_t i = from; i < to; i++) {
+        if (*(const size_t *)(q + i * PAGE) != i + (1UL << 20))
+            return 0;
+        for (size_t b = sizeof(size_t); b < PAGE; b++)
+            if (q[i * PAGE + b])
+                return 0;
+    }
+    return 1;
+}
+
+/* A child whose engine runs forks in turn: the grandchild merges its writes over mergeable
+ * memory it inherited from the child (registered by the child's engine), and nobody's bytes
+ * change. (Unique pages, so that no engine merges them before the grandchild writes.) */
+static void grandchild(void) {
+    unsigned char *p = parent_region();
+    pid_t c = fork();
+    if (c == 0) {
+        memset(p + HALF * PAGE, 7, WRITTEN * PAGE);
+        check(merges(p + HALF * PAGE, WRITTEN), "child: its writes over inherited memory merge");
+        unsigned char *q = anonymous(2 * WRITTEN);
+        number(q, 2 * WRITTEN);
+        check(madvise(q, 2 * WRITTEN * PAGE, MADV_MERGEABLE) == 0, "child: MADV_MERGEABLE");
+        pid_t g = fork();
+        if (g == 0) {
+            memset(q, 6, WRITTEN * PAGE);
+            check(merges(q, WRITTEN), "grandchild: its writes merge");
+            check(all(q, 0, WRITTEN, 6) && numbered(q, WRITTEN, 2 * WRITTEN) &&
+                      all(p, HALF, HALF + WRITTEN, 7) && patterned(p, 0, HALF) &&
+                      patterned(p, HALF + WRITTEN, PAGES),
+                  "grandchild: every page is right");
+            _exit(0);
+        }
+        wait_child(g);
+        check(numbered(q, 0, 2 * WRITTEN) && all(p, HALF, HALF + WRITTEN, 7) &&
+                  patterned(p, HALF + WRITTEN, PAGES) && patterned(p, 0, HALF),
+              "child: every page is right");
+        check(merged_pages(p + HALF * PAGE, WRITTEN) > WRITTEN * 9 / 10,
+              "child: its pages stay merged");
+        _exit(0);
+    }
+    wait_child(c);
+    check(patterned(p, 0, PAGES), "parent: every page keeps its bytes");
+}
+
 /* PR_SET_MEMORY_MERGE in the parent: the child reads it on, and its new large mapping merges. */
 static void merge_all(void) {
     check(prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) == 0, "parent: PR_SET_MEMORY_MERGE");
@@ -254,6 +305,8 @@ int main(int argc, char **argv) {
         return 2;
     if (!strcmp(argv[1], "merge"))
         merge();
+    else if (!strcmp(argv[1], "grandchild"))
+        grandchild();
     else if (!strcmp(argv[1], "merge-all"))
         merge_all();
     else if (!strcmp(argv[1], "exec"))
