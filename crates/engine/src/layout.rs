@@ -285,6 +285,39 @@ mod tests {
         }
     }
 
+    /// A thread of the parent holding the lock shared at a fork does not exist in the child,
+    /// which must not wait for it: the child's lock is its own.
+    #[test]
+    fn a_forked_child_gets_a_layout_lock_of_its_own() {
+        watch_forks().unwrap();
+        let (held, wait_held) = std::sync::mpsc::channel();
+        let (release, wait_release) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _change = changing_mappings();
+            held.send(()).unwrap();
+            let _ = wait_release.recv();
+        });
+        wait_held.recv().unwrap();
+        // SAFETY: the child only tries the lock (allocating once, which glibc allows after a
+        // fork) and _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let free = layout().try_write().is_ok();
+            // SAFETY: leaves without running the parent's destructors or test harness.
+            unsafe { libc::_exit(if free { 0 } else { 1 }) };
+        }
+        release.send(()).unwrap();
+        holder.join().unwrap();
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child found its layout lock held by a thread of its parent"
+        );
+    }
+
     #[test]
     fn splitting_keeps_every_page_in_order() {
         let mut r = region(10 * PAGE, 8);
