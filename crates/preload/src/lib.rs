@@ -537,6 +537,11 @@ fn made_writable(addr: *mut c_void, len: size_t, prot: c_int) {
         return;
     };
     let saved = errno();
+    // Relaxed: see `with_pending`. A forked child may not have started its engine yet: started
+    // here, before the lock (a start takes `fork::START`, which a fork takes before this lock).
+    if ANY_PENDING.load(Ordering::Relaxed) {
+        guarded(engine);
+    }
     // The lock is held while registering: an `munmap` of the range waits to forget it before it
     // unmaps, so nothing mapped there after it is registered.
     with_pending(|p| {

@@ -271,6 +271,13 @@ fn a_forked_grandchild_merges_too() {
     children("grandchild");
 }
 
+/// Memory the parent marked mergeable while `PROT_NONE` merges in the child once made read/write,
+/// also right after the fork (before the child's engine would start by itself).
+#[test]
+fn a_forked_child_merges_prot_none_mergeable_memory_once_made_read_write() {
+    children("protnone");
+}
+
 /// `PR_SET_MEMORY_MERGE` is inherited: the child reads it on and its new large mapping merges.
 #[test]
 fn a_forked_child_inherits_pr_set_memory_merge() {

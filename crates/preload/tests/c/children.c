@@ -3,7 +3,7 @@
  * (PR_SET_MEMORY_MERGE is inherited), and every byte in parent and child stays right. Each check
  * prints a line; the program exits non-zero on the first that fails.
  *
- *   children CHECK    (CHECK: merge | grandchild | merge-all | exec)
+ *   children CHECK    (CHECK: merge | grandchild | protnone | merge-all | exec)
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -205,6 +205,26 @@ static void grandchild(void) {
     check(patterned(p, 0, PAGES), "parent: every page keeps its bytes");
 }
 
+/* Memory the parent marked mergeable while PROT_NONE merges in the child once the child makes it
+ * read/write (KSM keeps VM_MERGEABLE on it across the fork), at once after the fork. */
+static void protnone(void) {
+    unsigned char *p = parent_region();
+    unsigned char *r =
+        mmap(NULL, WRITTEN * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    check(r != MAP_FAILED && madvise(r, WRITTEN * PAGE, MADV_MERGEABLE) == 0,
+          "parent: MADV_MERGEABLE of PROT_NONE memory");
+    pid_t c = fork();
+    if (c == 0) {
+        check(mprotect(r, WRITTEN * PAGE, PROT_READ | PROT_WRITE) == 0, "child: mprotect");
+        memset(r, 3, WRITTEN * PAGE);
+        check(merges(r, WRITTEN), "child: the memory made read/write merges");
+        check(all(r, 0, WRITTEN, 3) && patterned(p, 0, PAGES), "child: every page is right");
+        _exit(0);
+    }
+    wait_child(c);
+    check(patterned(p, 0, PAGES), "parent: every page keeps its bytes");
+}
+
 /* PR_SET_MEMORY_MERGE in the parent: the child reads it on, and its new large mapping merges. */
 static void merge_all(void) {
     check(prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) == 0, "parent: PR_SET_MEMORY_MERGE");
@@ -307,6 +327,8 @@ int main(int argc, char **argv) {
         merge();
     else if (!strcmp(argv[1], "grandchild"))
         grandchild();
+    else if (!strcmp(argv[1], "protnone"))
+        protnone();
     else if (!strcmp(argv[1], "merge-all"))
         merge_all();
     else if (!strcmp(argv[1], "exec"))
