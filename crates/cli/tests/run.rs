@@ -47,6 +47,38 @@ fn run_gives_an_unmodified_program_pageone_through_a_private_daemon() {
     assert!(out.status.success() && stdout.contains("OK"), "{stdout}");
 }
 
+/// Forked children of a merging program merge through the daemon too: each child's engine joins
+/// it as a client of its own (`tests/c/children.c` of the shim).
+#[test]
+fn run_gives_forked_children_pageone_through_the_daemon() {
+    ensure_shim();
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../preload/tests/c/children.c");
+    let exe = std::env::temp_dir().join(format!("pageone-run-children-{}", std::process::id()));
+    let cc = Command::new("cc")
+        .args(["-O2", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .status()
+        .expect("a C compiler (cc)");
+    assert!(cc.success());
+    for check in ["merge", "grandchild"] {
+        let out = private_run()
+            .arg("--")
+            .arg(&exe)
+            .arg(check)
+            .env("PAGEONE_MERGE_PERIOD_MS", "20")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success() && stdout.contains("OK"),
+            "{check}: {stdout}"
+        );
+    }
+    let _ = std::fs::remove_file(&exe);
+}
+
 #[test]
 fn run_passes_exit_codes_and_signals_on() {
     ensure_shim();

@@ -266,6 +266,39 @@ impl Engine {
             || st.regions.range(a..end).next().is_some()
     }
 
+    /// Writes the registered ranges, `(start, end)` in address order with adjacent regions joined,
+    /// into `out`; returns how many there are (more than `out.len()` if it was too short: the
+    /// first ones are written). Changes the kernel reported are applied first. Allocates nothing:
+    /// for a `fork` hook that records what a child inherits.
+    pub fn registered_ranges(&self, out: &mut [(usize, usize)]) -> usize {
+        let mut st = lock(&self.shared.state);
+        crate::layout::apply_changes(&self.shared, &mut st);
+        let mut n = 0;
+        let mut last: Option<(usize, usize)> = None;
+        for r in st.regions.values() {
+            let (s, e) = (r.start, r.start + r.len());
+            match &mut last {
+                Some(l) if l.1 == s => l.1 = e,
+                _ => {
+                    if let Some(l) = last.take() {
+                        if let Some(slot) = out.get_mut(n) {
+                            *slot = l;
+                        }
+                        n += 1;
+                    }
+                    last = Some((s, e));
+                }
+            }
+        }
+        if let Some(l) = last {
+            if let Some(slot) = out.get_mut(n) {
+                *slot = l;
+            }
+            n += 1;
+        }
+        n
+    }
+
     /// Tells the engine that the program dropped the pages of `[addr, addr+len)` with
     /// `MADV_DONTNEED` (call it after the `madvise`, before relying on the result): merged pages are
     /// mappings of a store file, which would read their copy again, so they are made empty

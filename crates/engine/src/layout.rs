@@ -4,6 +4,7 @@
 
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use pageone_sync::lock;
@@ -19,7 +20,40 @@ use crate::state::{PageKind, RegionState, Shared, State};
 /// exclusively by the committer for each run it holds still: such a change waits for the run
 /// (one run at most), and no run starts while it is under way. One for the process: runs of all
 /// engines and changes of all threads.
-static LAYOUT: RwLock<()> = RwLock::new(());
+static FIRST: RwLock<()> = RwLock::new(());
+
+/// The lock in use: [`FIRST`], or after a `fork` (in the child) a new one (see [`layout`]).
+static LAYOUT: AtomicPtr<RwLock<()>> = AtomicPtr::new(&FIRST as *const RwLock<()> as *mut _);
+
+/// The layout lock of this process. A forked child gets a lock of its own: its copy of the
+/// parent's may count readers that were other threads of the parent (holding it at the fork),
+/// which do not exist in the child and would never release it.
+fn layout() -> &'static RwLock<()> {
+    // Acquire: pairs with the Release of the exchange below (the new lock is initialized).
+    let p = LAYOUT.load(Ordering::Acquire);
+    if !p.is_null() {
+        // SAFETY: FIRST, or a lock leaked below: never freed.
+        return unsafe { &*p };
+    }
+    let fresh = Box::into_raw(Box::new(RwLock::new(())));
+    // Release/Acquire: publishes the new lock; on failure, reads the one another thread put.
+    match LAYOUT.compare_exchange(
+        std::ptr::null_mut(),
+        fresh,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        // SAFETY: leaked here, never freed.
+        Ok(_) => unsafe { &*fresh },
+        Err(other) => {
+            // SAFETY: `fresh` was never shared; `other` is a leaked lock, never freed.
+            unsafe {
+                drop(Box::from_raw(fresh));
+                &*other
+            }
+        }
+    }
+}
 
 /// A change of the program's mappings of registered memory under way (see [`changing_mappings`]).
 #[must_use = "the change is covered only while the guard lives"]
@@ -52,13 +86,13 @@ pub fn changing_mappings() -> MappingChange {
         d.get() == 1
     });
     MappingChange {
-        _held: outer.then(|| LAYOUT.read().unwrap_or_else(|e| e.into_inner())),
+        _held: outer.then(|| layout().read().unwrap_or_else(|e| e.into_inner())),
     }
 }
 
 /// Held by the committer while a run is frozen or write-protected.
 pub(crate) fn holding_still() -> RwLockWriteGuard<'static, ()> {
-    LAYOUT.write().unwrap_or_else(|e| e.into_inner())
+    layout().write().unwrap_or_else(|e| e.into_inner())
 }
 
 thread_local! {
@@ -74,13 +108,22 @@ extern "C" fn after_fork() {
     FORKING.with(|f| drop(f.borrow_mut().take()));
 }
 
+/// In a forked child: the guard taken before the fork is dropped (its lock is the parent's copy),
+/// and the next use makes a new lock (see [`layout`]), not allocated here.
+extern "C" fn after_fork_in_child() {
+    after_fork();
+    // Relaxed: the child has one thread now; later loads by threads it starts are ordered by
+    // their creation.
+    LAYOUT.store(std::ptr::null_mut(), Ordering::Relaxed);
+}
+
 /// Makes `fork` wait for a run held still and hold new ones off until it returns: a child copies
 /// the parent's memory as it is, and a frozen page is not in it (the child would read it empty).
 /// Installed once per process.
 pub(crate) fn watch_forks() -> std::io::Result<()> {
     static ONCE: Once = Once::new();
     let mut r = Ok(());
-    ONCE.call_once(|| r = sys::at_fork(before_fork, after_fork, after_fork));
+    ONCE.call_once(|| r = sys::at_fork(before_fork, after_fork, after_fork_in_child));
     r
 }
 
@@ -240,6 +283,39 @@ mod tests {
             armed_at: None,
             sums: vec![0; n],
         }
+    }
+
+    /// A thread of the parent holding the lock shared at a fork does not exist in the child,
+    /// which must not wait for it: the child's lock is its own.
+    #[test]
+    fn a_forked_child_gets_a_layout_lock_of_its_own() {
+        watch_forks().unwrap();
+        let (held, wait_held) = std::sync::mpsc::channel();
+        let (release, wait_release) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _change = changing_mappings();
+            held.send(()).unwrap();
+            let _ = wait_release.recv();
+        });
+        wait_held.recv().unwrap();
+        // SAFETY: the child only tries the lock (allocating once, which glibc allows after a
+        // fork) and _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let free = layout().try_write().is_ok();
+            // SAFETY: leaves without running the parent's destructors or test harness.
+            unsafe { libc::_exit(if free { 0 } else { 1 }) };
+        }
+        release.send(()).unwrap();
+        holder.join().unwrap();
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child found its layout lock held by a thread of its parent"
+        );
     }
 
     #[test]

@@ -24,16 +24,26 @@ const PAGE: usize = sys::PAGE_SIZE;
 /// or exec'd). Memory of copies freed later is retained instead: correct, not lean.
 static FORKED: AtomicBool = AtomicBool::new(false);
 
+extern "C" fn nothing() {}
+
 extern "C" fn note_fork() {
     // Relaxed: read by the engine thread of this process (parent) or not at all (child, where the
     // engine's threads do not exist); the fork itself orders it for the child.
     FORKED.store(true, Ordering::Relaxed);
 }
 
+/// In a forked child: its own engine (one started after the fork) has a store of its own, which
+/// no other process maps until the child forks in turn. The copies of the parent's store it
+/// inherited are not this store's, and are never freed by it.
+extern "C" fn forked_child() {
+    // Relaxed: see note_fork.
+    FORKED.store(false, Ordering::Relaxed);
+}
+
 fn watch_forks() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        if let Err(e) = sys::on_fork(note_fork) {
+        if let Err(e) = sys::at_fork(note_fork, nothing, forked_child) {
             // Without the hook, forks would be unsafe to combine with merging: say so loudly.
             tracing::error!(error = %e, "cannot watch for fork(); copies may be freed under children");
         }

@@ -73,3 +73,26 @@ fn a_forked_child_keeps_merged_data_when_the_parent_writes_and_unregisters() {
         "the child lost merged data after its parent freed the copies (status {status:#x})"
     );
 }
+
+/// What a fork hook records for a child: the registered ranges, adjacent regions joined, and how
+/// many there are when the buffer is too short.
+#[test]
+fn registered_ranges_join_adjacent_regions_and_count_what_does_not_fit() {
+    let e = Engine::builder().build().expect("engine");
+    let r = sys::mmap_anonymous(12 * PAGE).unwrap();
+    let a = r as usize;
+    e.register(r, 4 * PAGE).unwrap();
+    e.register(r.wrapping_add(4 * PAGE), 4 * PAGE).unwrap();
+    e.register(r.wrapping_add(10 * PAGE), 2 * PAGE).unwrap();
+    let mut out = [(0, 0); 4];
+    assert_eq!(e.registered_ranges(&mut out), 2);
+    assert_eq!(
+        out[..2],
+        [(a, a + 8 * PAGE), (a + 10 * PAGE, a + 12 * PAGE)]
+    );
+    let mut short = [(0, 0); 1];
+    assert_eq!(e.registered_ranges(&mut short), 2);
+    assert_eq!(short[0], (a, a + 8 * PAGE));
+    e.unregister(r, 12 * PAGE).unwrap();
+    assert_eq!(e.registered_ranges(&mut out), 0);
+}

@@ -36,15 +36,25 @@
 //!   the interposed `mmap`). The size bound keeps glibc's malloc arenas (at most 64 MiB each) and the
 //!   engine's own memory out: the engine must never freeze memory it uses itself.
 //! * **Re-entrancy and fork.** A thread-local flag passes through calls made while the shim is
-//!   working. The engine makes `fork` wait for a run it holds still; after `fork`, the child has no
-//!   engine threads: it passes everything to the kernel, but for `MADV_DONTNEED`/`MADV_FREE` of
-//!   merged pages it inherited, which it makes empty anonymous memory as above.
+//!   working. The engine makes `fork` wait for a run it holds still. A forked child keeps merging,
+//!   as under KSM (which keeps `VM_MERGEABLE` across `fork`, and the `PR_SET_MEMORY_MERGE` flag):
+//!   the parent's engine, whose threads do not exist there, is forgotten (leaked), and the child
+//!   starts an engine of its own (joining the daemon as a new client) at its first call that needs
+//!   one, or a merge period after the fork from a small thread that an `exec` ends first (see
+//!   [`fork`]). It registers the private anonymous read/write parts of the ranges registered in
+//!   the parent at the fork (recorded by a `fork` hook in a fixed buffer) and, with
+//!   `PR_SET_MEMORY_MERGE` inherited, the large mappings. Pages the parent merged are mappings of
+//!   the parent's store in the child: left alone (shared already); `MADV_DONTNEED`/`MADV_FREE` of
+//!   them makes them empty anonymous memory, as above. If the child's engine cannot start, the
+//!   child passes everything to the kernel (logged once).
 
+mod fork;
 mod pending;
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::Mutex;
 
 use libc::{c_int, c_ulong, c_void, size_t};
 use pageone_engine::{changing_mappings, Engine};
@@ -65,13 +75,16 @@ thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// `None` once the engine failed to start (then every call goes to the kernel).
-static SHIM: OnceLock<Option<Engine>> = OnceLock::new();
+/// This process's engine, leaked (never dropped): null until one starts. In a forked child, null
+/// until the child's own starts (the parent's, whose threads do not exist there, is forgotten).
+static ENGINE: AtomicPtr<Engine> = AtomicPtr::new(std::ptr::null_mut());
+/// Starting an engine failed (then every call goes to the kernel).
+static FAILED: AtomicBool = AtomicBool::new(false);
 /// An engine runs (checked without a lock on the hot paths).
 static ACTIVE: AtomicBool = AtomicBool::new(false);
 /// `PR_SET_MEMORY_MERGE` is on.
 static MERGE_ALL: AtomicBool = AtomicBool::new(false);
-/// Set in a child after `fork`: no engine runs there.
+/// Set in a child after `fork`: it may map pages merged by another process (its parent's store).
 static CHILD: AtomicBool = AtomicBool::new(false);
 /// Ranges the program asked to merge that wait to be made read/write (see [`pending`]).
 static PENDING: Mutex<Pending> = Mutex::new(Pending::new());
@@ -80,15 +93,12 @@ static ANY_PENDING: AtomicBool = AtomicBool::new(false);
 /// Read and write: what the engine registers.
 const RW: c_int = libc::PROT_READ | libc::PROT_WRITE;
 
-extern "C" fn in_child() {
-    // Relaxed: the child is single-threaded at this point.
-    CHILD.store(true, Ordering::Relaxed);
-    ACTIVE.store(false, Ordering::Relaxed);
-}
-
+/// Writes `msg` to standard error with one `write` (no lock: in a forked child, std's lock of
+/// stderr may have been held by a thread of the parent).
 fn log(msg: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "pageone: {msg}");
+    let line = format!("pageone: {msg}\n");
+    // SAFETY: writes the bytes of `line`, which outlives the call.
+    let _ = unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
 }
 
 /// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`,
@@ -96,20 +106,16 @@ fn log(msg: &str) {
 /// `PAGEONE_*` variable, in set-user-ID and similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
     let b = Engine::builder();
-    // SAFETY: getauxval only reads the auxiliary vector.
-    if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
-        return b;
-    }
-    let b = match setting("PAGEONE_MERGE_PERIOD_MS", "milliseconds") {
+    let b = match setting(c"PAGEONE_MERGE_PERIOD_MS", "milliseconds") {
         Some(ms) => b.merge_period(std::time::Duration::from_millis(ms)),
         None => b,
     };
-    let b = match setting("PAGEONE_WORKERS", "worker threads") {
+    let b = match setting(c"PAGEONE_WORKERS", "worker threads") {
         Some(n) => b.workers(n as usize),
         None => b,
     };
     match setting(
-        "PAGEONE_POPULATE_MERGED",
+        c"PAGEONE_POPULATE_MERGED",
         "(1 to map merged pages as they merge)",
     ) {
         Some(_) => b.populate_merged(true),
@@ -117,58 +123,147 @@ fn builder() -> pageone_engine::Builder {
     }
 }
 
-/// A positive number from the environment variable `name`, if set (a bad value is logged and
-/// ignored).
-fn setting(name: &str, what: &str) -> Option<u64> {
-    let text = std::env::var(name).ok()?;
-    match text.trim().parse::<u64>() {
-        Ok(v) if v > 0 => Some(v),
-        _ => {
-            log(&format!(
-                "{name}={text} is not a positive number of {what}; using the default"
-            ));
-            None
-        }
+/// The value of the environment variable `name`, if set and the program is not a set-user-ID or
+/// similar secure-execution one. Read with `getenv` (std's lock of the environment may have been
+/// held by a thread of the parent in a forked child).
+fn env_text(name: &CStr) -> Option<String> {
+    // SAFETY: getauxval only reads the auxiliary vector.
+    if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
+        return None;
     }
+    // SAFETY: a NUL-terminated name; the value is copied at once (as with `getenv` in general, a
+    // thread changing the environment concurrently is the program's race).
+    let v = unsafe { libc::getenv(name.as_ptr()) };
+    // SAFETY: a NUL-terminated value of the environment.
+    (!v.is_null()).then(|| unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned())
 }
 
+/// A positive number from the environment variable `name` (see [`env_text`]), if set.
+fn env_number(name: &CStr) -> Option<u64> {
+    env_text(name)?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|&v| v > 0)
+}
+
+/// A positive number from the environment variable `name`, if set (a bad value is logged and
+/// ignored).
+fn setting(name: &CStr, what: &str) -> Option<u64> {
+    let text = env_text(name)?;
+    let v = env_number(name);
+    if v.is_none() {
+        log(&format!(
+            "{}={text} is not a positive number of {what}; using the default",
+            name.to_string_lossy()
+        ));
+    }
+    v
+}
+
+/// This process's engine, if one started (never starts one).
+fn current() -> Option<&'static Engine> {
+    // Acquire: pairs with the Release in `start` (the engine is built before it is seen).
+    let p = ENGINE.load(Ordering::Acquire);
+    // SAFETY: a leaked engine, never freed.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// This process's engine, started on first use (see [`start`]); `None` if it cannot start.
 fn engine() -> Option<&'static Engine> {
-    SHIM.get_or_init(|| {
-        if sys::on_fork_child(in_child).is_err() {
-            log("cannot watch fork(); not starting (the kernel's KSM answers instead)");
+    if let Some(eng) = current() {
+        return Some(eng);
+    }
+    // Relaxed: set under fork::START, which `start` takes before reading it again.
+    if FAILED.load(Ordering::Relaxed) {
+        return None;
+    }
+    start()
+}
+
+/// Starts this process's engine (joining `$PAGEONE_SOCKET`'s daemon when set) under
+/// [`fork::START`]; in a forked child, it then registers what the child inherited (see
+/// [`inherit`]) and, with `PR_SET_MEMORY_MERGE` on, the large mappings. A failure is logged once;
+/// every call goes to the kernel from then on.
+fn start() -> Option<&'static Engine> {
+    let mut start = lock(&fork::START);
+    if let Some(eng) = current() {
+        return Some(eng);
+    }
+    // Relaxed: see `engine`.
+    if FAILED.load(Ordering::Relaxed) {
+        return None;
+    }
+    let eng: &'static Engine = match builder().build() {
+        Ok(eng) => Box::leak(Box::new(eng)),
+        Err(e) => {
+            FAILED.store(true, Ordering::Relaxed);
+            log(&format!(
+                "the engine could not start ({e}); the kernel's KSM answers instead"
+            ));
             return None;
         }
-        match builder().build() {
-            Ok(engine) => {
-                // Relaxed: a hint for the hot paths; the engine is published by the OnceLock.
-                ACTIVE.store(true, Ordering::Relaxed);
-                Some(engine)
-            }
-            Err(e) => {
-                log(&format!(
-                    "the engine could not start ({e}); the kernel's KSM answers instead"
-                ));
-                None
+    };
+    // Release: pairs with the Acquire in `current`.
+    ENGINE.store(eng as *const Engine as *mut Engine, Ordering::Release);
+    // Relaxed: a hint for the hot paths; the engine is published by ENGINE.
+    ACTIVE.store(true, Ordering::Relaxed);
+    fork::watch_forks_late();
+    let owed = fork::owed();
+    fork::paid();
+    let n = std::mem::take(&mut start.len);
+    if n > fork::MAX_INHERITED {
+        log(&format!(
+            "this forked child inherited {n} registered ranges; the first {} merge here",
+            fork::MAX_INHERITED
+        ));
+    }
+    // START stays held: a fork meanwhile waits, so a grandchild inherits all of it.
+    inherit(eng, &start.ranges[..n.min(fork::MAX_INHERITED)]);
+    // Relaxed: see prctl.
+    if owed && MERGE_ALL.load(Ordering::Relaxed) {
+        merge_all(eng);
+    }
+    Some(eng)
+}
+
+/// Registers, in a forked child, the private anonymous read/write parts of the ranges registered
+/// in its parent at the fork. Pages the parent had merged are mappings of the parent's store here:
+/// left alone (they are shared already, and written they become private copies in that mapping,
+/// which no engine of the child can hold still).
+fn inherit(eng: &Engine, ranges: &[(usize, usize)]) {
+    if ranges.is_empty() {
+        return;
+    }
+    let Ok(maps) = sys::self_mappings() else {
+        return;
+    };
+    for &(a, e) in ranges {
+        for m in maps
+            .iter()
+            .filter(|m| m.end > a && m.start < e && m.is_private_anonymous_rw())
+        {
+            let (s, t) = (m.start.max(a), m.end.min(e));
+            if eng.merge(s as *mut u8, t - s).is_ok() {
+                no_huge_pages(s, t);
             }
         }
-    })
-    .as_ref()
+    }
 }
 
 /// The running engine, if one was started (never starts one).
 fn running() -> Option<&'static Engine> {
-    // Relaxed: see `engine`.
+    // Relaxed: see `start`.
     if !ACTIVE.load(Ordering::Relaxed) {
         return None;
     }
-    SHIM.get().and_then(Option::as_ref)
+    current()
 }
 
 /// Runs `f` with the re-entrancy flag set and panics contained; `None` if the shim must not act
-/// (re-entered, in a forked child, or `f` panicked).
+/// (re-entered, or `f` panicked).
 fn guarded<T>(f: impl FnOnce() -> T) -> Option<T> {
-    // Relaxed: see in_child.
-    if INSIDE.get() || CHILD.load(Ordering::Relaxed) {
+    if INSIDE.get() {
         return None;
     }
     INSIDE.set(true);
@@ -201,7 +296,7 @@ fn page_range(addr: *mut c_void, len: size_t) -> Option<(usize, usize)> {
 /// crate documentation). `errno` is the call's own.
 fn covered<T>(call: impl FnOnce() -> T) -> T {
     // Relaxed: see `running`.
-    if !ACTIVE.load(Ordering::Relaxed) || INSIDE.get() || CHILD.load(Ordering::Relaxed) {
+    if !ACTIVE.load(Ordering::Relaxed) || INSIDE.get() {
         return call();
     }
     let _change = changing_mappings();
@@ -375,13 +470,13 @@ fn pending_locked<T>(f: impl FnOnce(&mut Pending) -> T) -> T {
 }
 
 /// Runs `f` on the remembered ranges if there are any and the shim may act: not re-entered (this
-/// thread may hold the lock) and not in a forked child (its copy of the lock may have been held
-/// by a thread that does not exist there; it has no engine either).
+/// thread may hold the lock). (A forked child finds the lock free: the fork hooks hold it across
+/// the fork, see [`fork`].)
 fn with_pending<T>(f: impl FnOnce(&mut Pending) -> T) -> Option<T> {
     // Relaxed: a range added by a call that happens before this one (in the program's order of
     // its calls) is seen, as a load reads the value of a store that happens before it or a later
     // one. A range added concurrently with a call on the same memory is the program's race.
-    if !ANY_PENDING.load(Ordering::Relaxed) || INSIDE.get() || CHILD.load(Ordering::Relaxed) {
+    if !ANY_PENDING.load(Ordering::Relaxed) || INSIDE.get() {
         return None;
     }
     Some(pending_locked(f))
@@ -459,6 +554,11 @@ fn made_writable(addr: *mut c_void, len: size_t, prot: c_int) {
         return;
     };
     let saved = errno();
+    // Relaxed: see `with_pending`. A forked child may not have started its engine yet: started
+    // here, before the lock (a start takes `fork::START`, which a fork takes before this lock).
+    if ANY_PENDING.load(Ordering::Relaxed) {
+        guarded(engine);
+    }
     // The lock is held while registering: an `munmap` of the range waits to forget it before it
     // unmaps, so nothing mapped there after it is registered.
     with_pending(|p| {
@@ -487,7 +587,7 @@ fn drop_pages(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     let Some((a, e)) = page_range(addr, len) else {
         return raw_madvise(addr, len, advice);
     };
-    // Relaxed: see in_child.
+    // Relaxed: set by the child's fork hook, before any other thread of the child exists.
     if CHILD.load(Ordering::Relaxed) {
         return child_drop_pages(a, e, advice);
     }
@@ -542,9 +642,13 @@ fn drop_piecewise(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
     0
 }
 
-/// `drop_pages` in a forked child: pages merged in the parent are mappings of its store here;
-/// they become empty anonymous memory (the child has no engine, nothing to hold still).
+/// `drop_pages` in a forked child: pages merged by another process (the parent) are mappings of
+/// a store here that are not registered with the child's engine; they become empty anonymous
+/// memory. The child's own engine, if it runs, empties the pages it merged (as in
+/// [`drop_pages`]).
 fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
+    let eng = guarded(running).flatten();
+    let _change = eng.map(|_| changing_mappings());
     let r = raw_madvise(a as *mut c_void, e - a, advice);
     let refused = r != 0 && advice == libc::MADV_FREE && errno() == libc::EINVAL;
     if r != 0 && !refused {
@@ -553,11 +657,17 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
     let Ok(maps) = sys::self_mappings_in(a, e) else {
         return r;
     };
+    // Not the child's engine's: not registered with it (with a daemon, the parent's copies and
+    // the child's may be in the same file).
+    let foreign = |s: usize, t: usize| !eng.is_some_and(|g| g.is_registered(s as *mut u8, t - s));
     for m in maps
         .iter()
         .filter(|m| m.end > a && m.start < e && is_store(m))
     {
         let (s, t) = (m.start.max(a), m.end.min(e));
+        if !foreign(s, t) {
+            continue;
+        }
         // SAFETY: pages the program asked to drop, replaced by an empty private mapping with the
         // same protection.
         let p = unsafe {
@@ -574,10 +684,15 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
             return -1;
         }
     }
-    if refused {
-        return raw_madvise(a as *mut c_void, e - a, advice);
+    match (eng, refused) {
+        (Some(eng), false) => {
+            emptied(eng, a, e);
+            0
+        }
+        (Some(eng), true) => drop_piecewise(eng, a, e, advice),
+        (None, true) => raw_madvise(a as *mut c_void, e - a, advice),
+        (None, false) => 0,
     }
-    0
 }
 
 fn errno() -> c_int {
@@ -617,6 +732,13 @@ extern "C" fn on_load() {
     if !set.is_null() && !secure && unsafe { std::ffi::CStr::from_ptr(set) } == c"1" {
         // Relaxed: see prctl; nothing else runs yet.
         MERGE_ALL.store(true, Ordering::Relaxed);
+    }
+    if let Err(e) = fork::watch_forks() {
+        // Relaxed: nothing else runs yet.
+        FAILED.store(true, Ordering::Relaxed);
+        log(&format!(
+            "cannot watch fork() ({e}); not starting (the kernel's KSM answers instead)"
+        ));
     }
 }
 

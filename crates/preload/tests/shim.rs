@@ -253,3 +253,57 @@ fn prot_none_mergeable_memory_is_forgotten_when_unmapped_and_moves_with_mremap()
     behaves("protnone-forgotten");
     behaves("protnone-remap");
 }
+
+/// Runs `tests/c/children.c CHECK` under the shim (KSM off) and fails with its output.
+fn children(check: &str) {
+    let bin = compile("children");
+    let out = Command::new(&bin)
+        .arg(check)
+        .env("LD_PRELOAD", preload_lib())
+        .env("PAGEONE_MERGE_PERIOD_MS", "20")
+        .env_remove("PAGEONE_SOCKET")
+        .env_remove("PAGEONE_MEMORY_MERGE")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&bin);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && stdout.contains("OK"),
+        "{check}: {stdout}"
+    );
+}
+
+/// A forked child keeps merging, as under KSM: its writes over the mergeable memory it inherited
+/// merge (with no call the shim sees), and so does memory it maps and marks mergeable; pages the
+/// parent merged stay right in both, and drop to zeros in the child.
+#[test]
+fn a_forked_child_merges_what_it_inherited_and_what_it_maps() {
+    children("merge");
+}
+
+/// A child's child merges the same way (what it inherited from the child's engine).
+#[test]
+fn a_forked_grandchild_merges_too() {
+    children("grandchild");
+}
+
+/// Memory the parent marked mergeable while `PROT_NONE` merges in the child once made read/write,
+/// also right after the fork (before the child's engine would start by itself).
+#[test]
+fn a_forked_child_merges_prot_none_mergeable_memory_once_made_read_write() {
+    children("protnone");
+}
+
+/// `PR_SET_MEMORY_MERGE` is inherited: the child reads it on and its new large mapping merges.
+#[test]
+fn a_forked_child_inherits_pr_set_memory_merge() {
+    children("merge-all");
+}
+
+/// A child that execs right after `fork` starts no engine before it; one that lives on starts its
+/// engine a merge period after the fork.
+#[test]
+fn a_forked_child_starts_its_engine_only_if_it_does_not_exec() {
+    children("exec");
+}

@@ -6,9 +6,10 @@
  * Writer threads keep writing pages (shared contents, zero pages, unique pages); the main thread
  * maps, unmaps (also through free() of large malloc blocks, which glibc unmaps internally),
  * mremaps, madvises (DONTNEED, FREE, MERGEABLE, UNMERGEABLE) parts of regions, mprotects and
- * mlocks them, forks (children check what they inherited, write, exec or exit) and signals
- * itself (the handler writes registered memory). Every page must read what the shadow says:
- * the last bytes written, zeros after DONTNEED, zeros or the old bytes after FREE.
+ * mlocks them, forks (children check what they inherited, write, exec or exit, or live on a while
+ * with an engine of their own) and signals itself (the handler writes registered memory). Every
+ * page must read what the shadow says: the last bytes written, zeros after DONTNEED, zeros or the
+ * old bytes after FREE.
  * Prints "OK steps=N merged_mappings=M"; on the first wrong page prints the seed, the step and
  * the page, and exits 1. */
 #define _GNU_SOURCE
@@ -410,6 +411,21 @@ static void op_fork(uint64_t *rng) {
                     write_page(&R[k], i, &r2, 0x40000000u + n);
             }
             check_all("in a forked child after its writes");
+            /* Its engine starts a merge period after the fork and merges what it inherited:
+             * written again meanwhile and afterwards, every page stays right. */
+            for (int round = 0; round < 3; round++) {
+                usleep(60000);
+                check_all("in a forked child while its engine runs");
+                for (int n = 0; n < 64; n++) {
+                    int k = pick(&r2);
+                    if (k < 0)
+                        break;
+                    size_t i = next(&r2) % R[k].pages;
+                    if (!(R[k].flag[i] & F_RO))
+                        write_page(&R[k], i, &r2, 0x50000000u + round * 64 + n);
+                }
+            }
+            check_all("in a forked child after more writes");
         }
         _exit(0);
     }
