@@ -244,9 +244,8 @@ fn inherit(eng: &Engine, ranges: &[(usize, usize)]) {
             .filter(|m| m.end > a && m.start < e && m.is_private_anonymous_rw())
         {
             let (s, t) = (m.start.max(a), m.end.min(e));
-            if eng.merge(s as *mut u8, t - s).is_ok() {
-                no_huge_pages(s, t);
-            }
+            // Refused (e.g. changed meanwhile): left to the kernel, as inherited.
+            let _ = eng.merge(s as *mut u8, t - s);
         }
     }
 }
