@@ -159,9 +159,13 @@ fn huge_pages_stay_where_nothing_merges() {
     // First touches after registration: a whole huge page per 2 MiB where the kernel gives one
     // to a write to the huge zero page, and never a fault the engine's thread answers.
     let answered = s.faults_answered;
+    // A huge page the kernel could not allocate (memory too fragmented at the moment) is a
+    // fallback it counts, not the engine's doing.
+    let fallbacks_before = vmstat("thp_fault_fallback");
     for i in filled * PER..(filled + fresh) * PER {
         fill(m.page(i), content(i));
     }
+    let fallbacks = (vmstat("thp_fault_fallback") - fallbacks_before) as usize;
     let s = wait_for(&e, |t| t.full_scans >= s.full_scans + 4);
     assert_eq!(
         s.faults_answered, answered,
@@ -169,12 +173,13 @@ fn huge_pages_stay_where_nothing_merges() {
     );
     if huge_page_on_first_write() {
         let (now, _) = smaps_of(m.base, m.len);
-        assert_eq!(
-            now,
-            before + fresh * HUGE,
-            "memory written after registering"
+        assert!(
+            now + fallbacks.min(fresh) * HUGE >= before + fresh * HUGE,
+            "memory written after registering: AnonHugePages {now}, {fallbacks} fallbacks"
         );
-        assert_eq!(huge_mapped(m.base, m.len), m.len / PAGE);
+        if fallbacks == 0 {
+            assert_eq!(huge_mapped(m.base, m.len), m.len / PAGE);
+        }
     } else {
         eprintln!("(this kernel splits the huge zero page on a write: first touches are small)");
     }
