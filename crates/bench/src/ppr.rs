@@ -85,12 +85,13 @@ fn filled(pages: usize) -> Result<*mut u8, String> {
     Ok(p)
 }
 
-/// One run on `mib` MiB with the engine at `period` and 2 workers.
-pub fn run_once(mib: usize, period: Duration) -> Result<PprSample, String> {
+/// One run on `mib` MiB with an engine of 2 workers whose periods run only when asked (so that
+/// none falls between the marks timed: it would write-protect the pages again).
+pub fn run_once(mib: usize) -> Result<PprSample, String> {
     let pages = (mib << 20) / PAGE;
     let engine = Engine::builder()
         .workers(2)
-        .merge_period(period)
+        .merge_period(Duration::from_secs(3600))
         .build()
         .map_err(|e| format!("engine: {e}"))?;
     let pagemap = pageone_sys::Pagemap::open().map_err(|e| format!("pagemap: {e}"))?;
@@ -131,7 +132,6 @@ pub fn run_once(mib: usize, period: Duration) -> Result<PprSample, String> {
     let cpu0 = engine.stats().worker_cpu_ns;
     let t = Instant::now();
     engine.recycle_from(pool.clone());
-    engine.kick();
     while engine.stats().pages_recycled < pages as u64 {
         if t.elapsed() > Duration::from_secs(60) {
             return Err(format!(
@@ -139,7 +139,7 @@ pub fn run_once(mib: usize, period: Duration) -> Result<PprSample, String> {
                 engine.stats().pages_recycled
             ));
         }
-        std::thread::sleep(Duration::from_millis(1));
+        engine.wait_periods(1, Duration::from_secs(10));
     }
     s.recycle_seconds = t.elapsed().as_secs_f64();
     s.recycle_cpu_seconds = (engine.stats().worker_cpu_ns - cpu0) as f64 / 1e9;
