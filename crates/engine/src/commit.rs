@@ -17,7 +17,7 @@ use pageone_index::KeyId;
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
-use crate::access::{equals_copy, PageReader, PAGE};
+use crate::access::{equals_copy, is_zero, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
 use crate::changes::{Change, Fate};
 use crate::classify::Classified;
@@ -788,32 +788,24 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
         return;
     };
     let mut map_error = None;
-    let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
-    // The pages are held still, but read through the kernel all the same (they are the
-    // program's mappings: unmapped meanwhile, a read fails instead of faulting).
-    let reader = &mut cx.reader;
-    for (k, v) in verdict.iter_mut().enumerate().take(n) {
-        let Some(Action::Merge(sid)) = run.acts[k] else {
-            continue;
-        };
-        if rs.store.is_zero_hole(sid) {
-            // Only anonymous zero pages get holes (see `zero_holes`); never read through the
-            // view.
-            continue;
-        } else if rs.store.refs(sid) >= cx.config.max_sharing {
-            rs.store.retire(sid);
-        } else if reader
-            .read_one(start + k * PAGE)
-            .is_some_and(|b| equals_copy(b, rs.store.addr(sid)))
-        {
-            *v = Some(Action::Merge(sid));
-            rs.store.add_ref(sid);
-        } else {
-            sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
-        }
-    }
+    let verdict = judge_held(cx, rs, run);
     let mut k = 0;
     while k < n {
+        if verdict[k] == Some(Action::Zero) {
+            let m = (k..n)
+                .take_while(|&q| verdict[q] == Some(Action::Zero))
+                .count();
+            let index = run.first_index + k;
+            // SAFETY: the subrun's pages are write-protected with writers blocked and hold only
+            // zeros (read above).
+            match unsafe { release_zeroed(cx, rs, index, m) } {
+                Ok(true) => (k..k + m).for_each(|q| held.mark_replaced(q)),
+                Ok(false) => {}
+                Err(e) => map_error = Some(e),
+            }
+            k += m;
+            continue;
+        }
         let Some((sid, m)) = merge_subrun(&verdict[..n], k) else {
             rs.region.pages[run.first_index + k].unchanged = 0;
             k += 1;
@@ -887,6 +879,120 @@ unsafe fn map_copies(
         watch_store_mapping(sh, addr, m);
     }
     mapped
+}
+
+/// What each page of a COW-broken run held still becomes, by its bytes read now: merged onto its
+/// copy (equal to it; a reference is taken), released (all zero), or left (`None`).
+fn judge_held(
+    cx: &mut CommitCtx<'_>,
+    rs: &mut RunState<'_>,
+    run: &Run,
+) -> [Option<Action>; MAX_RUN] {
+    let sh = cx.sh;
+    let start = run.start;
+    let mut verdict: [Option<Action>; MAX_RUN] = [None; MAX_RUN];
+    // The pages are held still, but read through the kernel all the same (they are the
+    // program's mappings: unmapped meanwhile, a read fails instead of faulting).
+    let reader = &mut cx.reader;
+    for (k, v) in verdict.iter_mut().enumerate().take(run.n) {
+        let sid = match run.acts[k] {
+            Some(Action::Merge(sid)) => sid,
+            Some(Action::Zero) => {
+                // Zeroed after its merge (a guest freeing shared memory): released if it still
+                // holds only zeros.
+                if reader.read_one(start + k * PAGE).is_some_and(is_zero) {
+                    *v = Some(Action::Zero);
+                } else {
+                    sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
+                }
+                continue;
+            }
+            _ => continue,
+        };
+        if rs.store.is_zero_hole(sid) {
+            // Only anonymous zero pages get holes (see `zero_holes`); never read through the
+            // view.
+            continue;
+        } else if rs.store.refs(sid) >= cx.config.max_sharing {
+            rs.store.retire(sid);
+        } else if reader
+            .read_one(start + k * PAGE)
+            .is_some_and(|b| equals_copy(b, rs.store.addr(sid)))
+        {
+            *v = Some(Action::Merge(sid));
+            rs.store.add_ref(sid);
+        } else {
+            sh.counters.mismatches.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    verdict
+}
+
+/// Releases the `m` zeroed pages of the run's region from page `index` on, in a mapping of the
+/// store (COW-broken), if the VMA budget has room: an empty anonymous mapping goes over them, is
+/// registered like the region around it and gets the shared zero page (never write-protected: a
+/// write maps a page of its own, which the watch sees). Returns whether they were released, and
+/// the error of a mapping that failed (to log once the pages are let go). Allocates nothing and
+/// takes no lock a program thread may hold.
+///
+/// # Safety
+///
+/// The caller holds the pages still (write-protected with writers blocked) and has read them
+/// all zero, so replacing the mapping discards nothing.
+unsafe fn release_zeroed(
+    cx: &mut CommitCtx<'_>,
+    rs: &mut RunState<'_>,
+    index: usize,
+    m: usize,
+) -> Result<bool, std::io::Error> {
+    const COST: usize = 2;
+    let sh = cx.sh;
+    let (addr, len) = (rs.region.start + index * PAGE, m * PAGE);
+    if !cx.budget.allows(rs.vmas, COST) {
+        return Ok(false);
+    }
+    // The store mapping replaced is reported by its context: the engine's own change.
+    lock(&sh.changes).expect(mapping_change(addr, m));
+    // SAFETY: the pages are held still and hold only zeros (this function's contract); the
+    // mapping replaces them, as a whole, by an empty private anonymous mapping of the same
+    // protection (registered memory is read/write).
+    let p = unsafe {
+        sys::raw_mmap(
+            addr as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        lock(&sh.changes).unexpect(mapping_change(addr, m));
+        return Err(std::io::Error::last_os_error());
+    }
+    *rs.vmas += COST;
+    // Registered for missing pages first, so that the zero page can be mapped through the
+    // context.
+    let registered = sh.uffd.register(addr, len, sh.reg_mode);
+    if registered.is_ok() && sh.mode == WatchMode::UffdWp {
+        let _ = sh.uffd.fill_zero_pages(addr, len);
+    }
+    // Not registered (the kernel refused): the pages hold nothing, but a freeze by moving them
+    // out would not hold writers off there. As pages of a store mapping, a later freeze is a
+    // write-protection through the store mappings' context, which fails: they are left alone.
+    let kind = match registered {
+        Ok(()) => PageKind::Zero,
+        Err(_) => PageKind::Broken,
+    };
+    for p in &mut rs.region.pages[index..index + m] {
+        p.kind = kind;
+        p.unchanged = 0;
+        p.epoch = p.epoch.wrapping_add(1);
+    }
+    if kind == PageKind::Zero {
+        *rs.zero += m as u64;
+    }
+    registered.map(|()| true)
 }
 
 /// Registers a new mapping of the store with the store mappings' userfaultfd, so that its pages

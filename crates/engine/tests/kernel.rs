@@ -947,3 +947,110 @@ fn unique_pages_zeroed_are_released_in_the_period_that_sees_the_write() {
     e.unregister(r.as_mut_slice().as_mut_ptr(), n * PAGE)
         .unwrap();
 }
+
+/// Merged memory that the program then zeroes (a guest freeing shared pages with
+/// `init_on_free=1`: each write breaks the copy-on-write) is released as zero pages.
+#[test]
+fn merged_pages_zeroed_are_released() {
+    let _g = serial();
+    let e = Engine::builder()
+        .merge_period(Duration::from_secs(3600))
+        .build()
+        .expect("the engine starts on this kernel");
+    let n = 64;
+    let mem = common::filled(2 * n, |i| (i % n) as u64 + 1);
+    e.register(mem.as_mut_ptr(), mem.len()).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    let zero_before = s.zero_pages;
+    mem.fill(0);
+    let s = wait_for(&e, |s| s.zero_pages >= zero_before + 2 * n as u64);
+    assert_eq!(s.zero_pages, zero_before + 2 * n as u64, "{s:?}");
+    if e.watch_mode() == WatchMode::UffdWp {
+        // Measured by the kernel: every page maps the shared zero page, none holds memory.
+        let pm = sys::Pagemap::open().unwrap();
+        let zero = pm
+            .pages_with(mem.as_ptr() as usize, 2 * n, sys::uapi::PAGE_IS_PFNZERO)
+            .unwrap();
+        assert!(zero.iter().all(|&z| z), "{zero:?}");
+    }
+    assert!(mem.iter().all(|&b| b == 0));
+    // Writes after the release are kept, and the pages are watched as before.
+    mem[3 * PAGE + 5] = 7;
+    fill(&mut mem[10 * PAGE..11 * PAGE], 99);
+    assert!(e.wait_periods(3, Duration::from_secs(10)));
+    assert_eq!(mem[3 * PAGE + 5], 7);
+    assert!(check(&mem[10 * PAGE..11 * PAGE], 99));
+    e.unregister(mem.as_mut_ptr(), mem.len()).unwrap();
+    assert_eq!(mem[3 * PAGE + 5], 7);
+    assert!(check(&mem[10 * PAGE..11 * PAGE], 99));
+}
+
+/// A writer racing the release of zeroed merged pages never loses a write: each page ends with
+/// the last value written to it (values and zeros, so that pages keep becoming zero again).
+#[test]
+fn writes_racing_the_release_of_zeroed_merged_pages_are_kept() {
+    let _g = serial();
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(2))
+        .build()
+        .expect("the engine starts on this kernel");
+    let n = 256;
+    let mem = common::filled(2 * n, |i| (i % n) as u64 + 1);
+    e.register(mem.as_mut_ptr(), mem.len()).unwrap();
+    let base = mem.as_mut_ptr() as usize;
+    let mut released = 0;
+    for round in 0..4u64 {
+        for (i, p) in mem.chunks_mut(PAGE).enumerate() {
+            fill(p, (i % n) as u64 + 1);
+        }
+        let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+        assert_eq!(s.pages_sharing, n as u64, "round {round}: {s:?}");
+        // Every merged page written: a private copy of zeros in a mapping of the store.
+        mem.fill(0);
+        let zero_before = e.stats().zero_pages;
+        let stop = AtomicBool::new(false);
+        let last = std::thread::scope(|t| {
+            let writer = t.spawn(|| race_writes(base, 2 * n, round, &stop));
+            std::thread::sleep(Duration::from_millis(300));
+            stop.store(true, Ordering::Relaxed);
+            writer.join().unwrap()
+        });
+        for (i, &want) in last.iter().enumerate() {
+            // SAFETY: a page of the test's region; the writer has finished.
+            let got = unsafe { std::ptr::read_volatile((base + i * PAGE + 8) as *const u64) };
+            assert_eq!(
+                got,
+                want,
+                "round {round}: page {i} lost a write: {:?}",
+                e.stats()
+            );
+        }
+        released += e.stats().zero_pages.saturating_sub(zero_before);
+    }
+    assert!(released > 0, "no zeroed page was released: {:?}", e.stats());
+    e.unregister(mem.as_mut_ptr(), mem.len()).unwrap();
+}
+
+/// Writes a value or zero to word 1 of random pages of `[base, base + pages * PAGE)` until
+/// `stop`; returns the last value written to each page (0 where none was).
+fn race_writes(base: usize, pages: usize, seed: u64, stop: &AtomicBool) -> Vec<u64> {
+    let mut last = vec![0u64; pages];
+    let mut x = seed * 1_000_003 + 17;
+    let mut v = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let page = (x >> 33) as usize % pages;
+        v += 1;
+        let value = if v % 2 == 0 { 0 } else { v };
+        // SAFETY: a page of the test's region, written by this thread alone meanwhile.
+        unsafe { std::ptr::write_volatile((base + page * PAGE + 8) as *mut u64, value) };
+        last[page] = value;
+        if v % 32 == 0 {
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+    last
+}
