@@ -113,7 +113,7 @@ pub(crate) fn page_at(
 pub(crate) struct State {
     pub(crate) regions: BTreeMap<usize, RegionState>,
     pub(crate) store: Store,
-    /// The scratch area frozen pages are moved into (`MAX_RUN` pages).
+    /// The scratch area frozen pages are moved into (`SCRATCH_SLOTS` pages; see `freeze::Scratch`).
     pub(crate) scratch: usize,
     pub(crate) pagemap: Arc<sys::Pagemap>,
     pub(crate) unshared: u64,
