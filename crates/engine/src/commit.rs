@@ -21,6 +21,7 @@ use crate::access::{equals_copy, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
 use crate::changes::{Change, Fate};
 use crate::classify::Classified;
+use crate::colocate::Colocated;
 use crate::config::{Config, WatchMode};
 use crate::freeze::{
     Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, Scratch, MAX_RUN,
@@ -50,6 +51,20 @@ struct CommitCtx<'a> {
     /// `NormalPriority`): two system calls per batch instead of per run, which with scattered
     /// pages is often a single page.
     priority: Option<NormalPriority>,
+    /// The committer and the fault thread on one CPU, from the first run held still to the end of
+    /// the commit (see the `colocate` module); dropped after `scratch`, whose discard is reported.
+    colocated: Option<Colocated>,
+}
+
+impl CommitCtx<'_> {
+    /// Before the first run is held still: normal priority and the fault thread beside the
+    /// committer, kept until the commit ends.
+    fn hold_still_from_now(&mut self) {
+        if self.priority.is_none() {
+            self.priority = Some(NormalPriority::enter());
+            self.colocated = Colocated::enter(self.sh);
+        }
+    }
 }
 
 /// The parts of the state a run's commit changes, borrowed from the holder of the state lock.
@@ -117,6 +132,7 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
         reader: PageReader::new(),
         scratch: Scratch::new(scratch, &sh.changes),
         priority: None,
+        colocated: None,
     };
     todo.sort_unstable_by_key(|&i| cands[i].addr());
     let t_end = Instant::now();
@@ -166,7 +182,7 @@ fn commit_run(
     };
     let pagemap = guard.pagemap.clone();
     drop(guard);
-    cx.priority.get_or_insert_with(NormalPriority::enter);
+    cx.hold_still_from_now();
     let freezer = Freezer {
         uffd: &sh.uffd,
         range: &sh.frozen,
@@ -795,7 +811,7 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
     let Some(u2) = &sh.store_uffd else { return };
     let (start, n) = (run.start, run.n);
     // `None`: some page is not in a write-protectable mapping; the run is left alone this time.
-    cx.priority.get_or_insert_with(NormalPriority::enter);
+    cx.hold_still_from_now();
     let Some(mut held) = ProtectedRun::protect(u2, start, n) else {
         return;
     };

@@ -1,7 +1,7 @@
 //! The [`Engine`] handle: starts the engine's threads (engine, committer, faults, workers), offers
 //! the API, and stops them. The work itself is done by the stages (see the crate documentation).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -174,6 +174,7 @@ impl Engine {
             changes: Mutex::default(),
             stop: AtomicBool::new(false),
             faults_done: AtomicBool::new(false),
+            fault_thread_id: AtomicI32::new(0),
             stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
             maps: sys::Maps::open().map_err(EngineError::Map)?,
             periods: Mutex::new(0),

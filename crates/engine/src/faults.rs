@@ -20,6 +20,9 @@ const READ_AT_ONCE: usize = 64;
 /// Reads and answers the context's messages until the engine stops.
 pub(crate) fn fault_loop(sh: &Shared) {
     sh.count_cpu_of_this_thread();
+    // Relaxed: only an id, read by the committer when it next commits.
+    sh.fault_thread_id
+        .store(sys::thread_id(), Ordering::Relaxed);
     let mut fds = vec![
         sh.uffd.as_raw_fd(),
         std::os::fd::AsRawFd::as_raw_fd(&sh.stop_fd),
