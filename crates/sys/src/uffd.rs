@@ -239,8 +239,9 @@ impl Uffd {
     /// many (0 when none is pending).
     pub fn read_events(&self, buf: &mut [UffdMsg]) -> io::Result<usize> {
         let n = std::mem::size_of::<UffdMsg>();
-        // SAFETY: reads at most buf.len() * n bytes into buf, live UffdMsgs of n bytes each.
-        let r = unsafe { libc::read(self.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len() * n) };
+        let len = std::mem::size_of_val(buf);
+        // SAFETY: reads at most `len` bytes into buf, live UffdMsgs of n bytes each.
+        let r = unsafe { libc::read(self.as_raw_fd(), buf.as_mut_ptr().cast(), len) };
         if r == -1 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::WouldBlock {
