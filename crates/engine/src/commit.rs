@@ -21,8 +21,11 @@ use crate::access::{equals_copy, is_zero, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
 use crate::changes::{Change, Fate};
 use crate::classify::Classified;
+use crate::colocate::Colocated;
 use crate::config::{Config, WatchMode};
-use crate::freeze::{Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, MAX_RUN};
+use crate::freeze::{
+    Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, Scratch, MAX_RUN,
+};
 use crate::layout::holding_still;
 use crate::state::{Page, PageKind, RegionState, Shared, State};
 use crate::store::Store;
@@ -42,6 +45,26 @@ struct CommitCtx<'a> {
     times: [f64; 3],
     /// Reads COW-broken pages to compare them.
     reader: PageReader,
+    /// The scratch area's slots for the runs' frozen pages (discarded when the commit ends).
+    scratch: Scratch<'a>,
+    /// The normal scheduling class, from the first run held still to the end of the commit (see
+    /// `NormalPriority`): two system calls per batch instead of per run, which with scattered
+    /// pages is often a single page.
+    priority: Option<NormalPriority>,
+    /// The committer and the fault thread on one CPU, from the first run held still to the end of
+    /// the commit (see the `colocate` module); dropped after `scratch`, whose discard is reported.
+    colocated: Option<Colocated>,
+}
+
+impl CommitCtx<'_> {
+    /// Before the first run is held still: normal priority and the fault thread beside the
+    /// committer, kept until the commit ends.
+    fn hold_still_from_now(&mut self) {
+        if self.priority.is_none() {
+            self.priority = Some(NormalPriority::enter());
+            self.colocated = Colocated::enter(self.sh);
+        }
+    }
 }
 
 /// The parts of the state a run's commit changes, borrowed from the holder of the state lock.
@@ -99,6 +122,7 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
     if todo.is_empty() {
         return;
     }
+    let scratch = lock(&sh.state).scratch;
     let mut cx = CommitCtx {
         sh,
         config,
@@ -106,6 +130,9 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
         recycler: lock(&sh.recycler).clone(),
         times: [0.0; 3],
         reader: PageReader::new(),
+        scratch: Scratch::new(scratch, &sh.changes),
+        priority: None,
+        colocated: None,
     };
     todo.sort_unstable_by_key(|&i| cands[i].addr());
     let t_end = Instant::now();
@@ -153,12 +180,13 @@ fn commit_run(
     let Some(plan) = plan_run(cx, &mut rs, &run) else {
         return run.n;
     };
-    let (scratch, pagemap) = (guard.scratch, guard.pagemap.clone());
+    let pagemap = guard.pagemap.clone();
     drop(guard);
+    cx.hold_still_from_now();
     let freezer = Freezer {
         uffd: &sh.uffd,
         range: &sh.frozen,
-        scratch,
+        scratch: cx.scratch.take(run.n),
         pagemap: &pagemap,
         changes: &sh.changes,
     };
@@ -428,9 +456,9 @@ impl Outcome {
 
 /// Freezes the run, compares the frozen bytes, maps the copies over the pages equal to theirs,
 /// releases zero pages, puts the others back and wakes the writers: a sequence of system calls
-/// on memory prepared beforehand, at normal priority (writers may be waiting).
+/// on memory prepared beforehand, at normal priority (writers may be waiting; the caller entered
+/// it).
 fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>) -> Outcome {
-    let _priority = NormalPriority::enter();
     let mut out = Outcome {
         verdict: [None; MAX_RUN],
         mismatches: 0,
@@ -444,8 +472,8 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
         return out;
     }
     // SAFETY: the run is registered memory the engine holds no reference into (no recorded change
-    // touches it, and the log is held: see the `changes` module); the scratch area is empty
-    // (discarded after every run) and only the committer freezes; the fault thread leaves the
+    // touches it, and the log is held: see the `changes` module); the run's scratch slots are
+    // empty (just taken) and only the committer freezes; the fault thread leaves the
     // published run alone.
     let mut frozen = unsafe { FrozenRun::freeze(freezer, &log, run.start, run.n) };
     drop(log);
@@ -783,7 +811,7 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
     let Some(u2) = &sh.store_uffd else { return };
     let (start, n) = (run.start, run.n);
     // `None`: some page is not in a write-protectable mapping; the run is left alone this time.
-    let _priority = NormalPriority::enter();
+    cx.hold_still_from_now();
     let Some(mut held) = ProtectedRun::protect(u2, start, n) else {
         return;
     };

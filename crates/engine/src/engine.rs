@@ -1,7 +1,7 @@
 //! The [`Engine`] handle: starts the engine's threads (engine, committer, faults, workers), offers
 //! the API, and stops them. The work itself is done by the stages (see the crate documentation).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,7 +12,7 @@ use pageone_sys::{self as sys, uapi::*};
 use crate::access::PAGE;
 use crate::error::Chain;
 use crate::faults::fault_loop;
-use crate::freeze::{FrozenRange, MAX_RUN};
+use crate::freeze::{FrozenRange, SCRATCH_SLOTS};
 use crate::period::{commit_loop, engine_loop};
 use crate::pool::Pool;
 use crate::registry;
@@ -134,14 +134,20 @@ impl Engine {
         let (store, daemon_unreachable) = open_store(&config)?;
         // The scratch area receives frozen pages; UFFDIO_MOVE needs its destination registered
         // with the same context and the same protections as the source.
-        let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).map_err(EngineError::Map)? as usize;
-        uffd.register(scratch, MAX_RUN * PAGE, reg_mode)
+        let scratch = sys::mmap_anonymous(SCRATCH_SLOTS * PAGE).map_err(EngineError::Map)? as usize;
+        uffd.register(scratch, SCRATCH_SLOTS * PAGE, reg_mode)
             .map_err(EngineError::Uffd)?;
         // A child of a fork must not share the frozen pages held there: moving them back would
         // fail (a page shared with a child cannot move).
         // SAFETY: MADV_DONTFORK changes no contents of the engine's own scratch area.
-        unsafe { sys::madvise(scratch as *mut u8, MAX_RUN * PAGE, libc::MADV_DONTFORK) }
-            .map_err(EngineError::Map)?;
+        unsafe {
+            sys::madvise(
+                scratch as *mut u8,
+                SCRATCH_SLOTS * PAGE,
+                libc::MADV_DONTFORK,
+            )
+        }
+        .map_err(EngineError::Map)?;
         // A second context, without async write-protection: its write faults block until the
         // engine un-protects, which is how a COW-broken page is held still while compared. It
         // reports changes to the store mappings it holds (merged pages) like the first.
@@ -168,6 +174,7 @@ impl Engine {
             changes: Mutex::default(),
             stop: AtomicBool::new(false),
             faults_done: AtomicBool::new(false),
+            fault_thread_id: AtomicI32::new(0),
             stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
             maps: sys::Maps::open().map_err(EngineError::Map)?,
             periods: Mutex::new(0),

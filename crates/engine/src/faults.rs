@@ -20,6 +20,9 @@ const READ_AT_ONCE: usize = 64;
 /// Reads and answers the context's messages until the engine stops.
 pub(crate) fn fault_loop(sh: &Shared) {
     sh.count_cpu_of_this_thread();
+    // Relaxed: only an id, read by the committer when it next commits.
+    sh.fault_thread_id
+        .store(sys::thread_id(), Ordering::Relaxed);
     let mut fds = vec![
         sh.uffd.as_raw_fd(),
         std::os::fd::AsRawFd::as_raw_fd(&sh.stop_fd),
@@ -32,11 +35,21 @@ pub(crate) fn fault_loop(sh: &Shared) {
         if sh.faults_done.load(Ordering::SeqCst) {
             return;
         }
-        if sys::poll_readable(&fds, 100).is_err() {
-            std::thread::sleep(Duration::from_millis(1));
+        // Each context is read only when the poll says it has something (an event arriving
+        // after the poll makes the next one return at once): one read per wake, which with
+        // scattered merges is one per merged page (the kernel holds the committer's mapping
+        // until its report is read).
+        let ready = match sys::poll_readable(&fds, 100) {
+            Ok(r) => [r[0], r.get(2).copied().unwrap_or(false)],
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(1));
+                [true; 2]
+            }
+        };
+        if ready[0] {
+            while read_some(sh, &sh.uffd, true) == READ_AT_ONCE {}
         }
-        while read_some(sh, &sh.uffd, true) == READ_AT_ONCE {}
-        if let Some(u) = &sh.store_uffd {
+        if let (Some(u), true) = (&sh.store_uffd, ready[1]) {
             // Changes to the store mappings of merged pages (its write faults are the committer's
             // to wake).
             while read_some(sh, u, false) == READ_AT_ONCE {}
@@ -44,17 +57,15 @@ pub(crate) fn fault_loop(sh: &Shared) {
     }
 }
 
-/// Reads up to [`READ_AT_ONCE`] messages of `uffd` under the change log's lock, records the
-/// changes and (with `answer`) answers the faults; returns how many it read.
+/// Reads up to [`READ_AT_ONCE`] messages of `uffd` (in one call) under the change log's lock,
+/// records the changes and (with `answer`) answers the faults; returns how many it read.
 fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
     let mut log = lock(&sh.changes);
     let mut faults = [0usize; READ_AT_ONCE];
-    let (mut read, mut nfaults) = (0, 0);
-    while read < READ_AT_ONCE {
-        let Ok(Some(msg)) = uffd.read_event() else {
-            break;
-        };
-        read += 1;
+    let mut msgs = [UffdMsg::default(); READ_AT_ONCE];
+    let read = uffd.read_events(&mut msgs).unwrap_or(0);
+    let mut nfaults = 0;
+    for msg in &msgs[..read] {
         match msg.event() {
             UffdEvent::PageFault { address, .. } if answer => {
                 faults[nfaults] = address as usize & !(PAGE - 1);

@@ -22,8 +22,13 @@ use pageone_sys::{self as sys, uapi::*};
 use crate::access::PAGE;
 use crate::changes::{Change, ChangeLog, Fate};
 
-/// Longest run frozen at once: bounds how long a writer can be blocked and the scratch size.
+/// Longest run frozen at once: bounds how long a writer can be blocked.
 pub(crate) const MAX_RUN: usize = 512;
+
+/// Slots of the scratch area: the runs of one commit take slot after slot, and the originals of
+/// the pages they merged or released are discarded once the slots are used up or the commit ends
+/// (see [`Scratch`]), at most this many pages (8 MiB) held meanwhile.
+pub(crate) const SCRATCH_SLOTS: usize = 4 * MAX_RUN;
 
 /// The run currently frozen, as the fault thread sees it.
 #[derive(Default)]
@@ -101,12 +106,79 @@ fn unpack_run(w: u64) -> (usize, usize) {
     (start, start + (w & 0xffff) as usize * PAGE)
 }
 
+/// The scratch area frozen pages are moved into ([`SCRATCH_SLOTS`] pages registered with the
+/// same context and protections as registered memory, which `UFFDIO_MOVE` requires of its
+/// destination), as one commit uses it: each run takes the next free slots, and what is left in
+/// them (the originals of pages merged or released, pages copied back) is discarded when too few
+/// slots are left for a run, and when the guard is dropped.
+///
+/// Discarding is an `MADV_DONTNEED` of memory registered with the context, which the kernel
+/// reports like the program's and holds the caller until the fault thread has read the report (a
+/// thread round trip): once per commit or per [`SCRATCH_SLOTS`] pages, instead of once per run
+/// (with pages scattered, a run is often a single page).
+pub(crate) struct Scratch<'a> {
+    base: usize,
+    /// Slots taken since the last discard.
+    used: usize,
+    changes: &'a Mutex<ChangeLog>,
+}
+
+impl<'a> Scratch<'a> {
+    /// The scratch area at `base`, empty (discarded after every use); `changes` is the change log
+    /// its discards are announced in.
+    pub(crate) fn new(base: usize, changes: &'a Mutex<ChangeLog>) -> Self {
+        Scratch {
+            base,
+            used: 0,
+            changes,
+        }
+    }
+
+    /// The first of `n` empty slots for a run (`n <= MAX_RUN`), taken: the slots used so far are
+    /// discarded first if fewer than `n` are left. Call it only while no run is frozen.
+    pub(crate) fn take(&mut self, n: usize) -> usize {
+        assert!(n <= MAX_RUN, "a run of {n} pages exceeds the scratch area");
+        if self.used + n > SCRATCH_SLOTS {
+            self.discard();
+        }
+        let at = self.base + self.used * PAGE;
+        self.used += n;
+        at
+    }
+
+    /// Discards the slots used so far (announced in the change log, as the engine's own change).
+    fn discard(&mut self) {
+        if self.used == 0 {
+            return;
+        }
+        let discard = Change::Remove {
+            start: self.base,
+            end: self.base + self.used * PAGE,
+        };
+        lock(self.changes).expect(discard);
+        // SAFETY: the scratch area is the engine's, and no run is frozen in it (see `take`): what
+        // remains in the used slots is no longer needed.
+        let done =
+            unsafe { sys::madvise(self.base as *mut u8, self.used * PAGE, libc::MADV_DONTNEED) };
+        if done.is_err() {
+            lock(self.changes).unexpect(discard);
+        }
+        self.used = 0;
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        self.discard();
+    }
+}
+
 /// What freezing needs: the userfaultfd context of registered memory, the range the fault thread
-/// reads, and the scratch area (`MAX_RUN` pages registered with the same context and protections
-/// as registered memory, which `UFFDIO_MOVE` requires of its destination).
+/// reads, and the run's slots in the scratch area (taken from a [`Scratch`]).
 pub(crate) struct Freezer<'a> {
     pub(crate) uffd: &'a sys::Uffd,
     pub(crate) range: &'a FrozenRange,
+    /// The first of the run's empty scratch slots.
     pub(crate) scratch: usize,
     pub(crate) pagemap: &'a sys::Pagemap,
     /// The changes the kernel reported (see the `changes` module): consulted before pages go
@@ -114,10 +186,10 @@ pub(crate) struct Freezer<'a> {
     pub(crate) changes: &'a Mutex<ChangeLog>,
 }
 
-/// A run of anonymous pages moved out into the scratch area: page `k` is in scratch slot `k`.
-/// Dropping it puts back every moved page not [consumed](Self::consume) (unless
-/// [`restore`](Self::restore) did), discards the scratch area, unpublishes the run and wakes the
-/// writers blocked on it.
+/// A run of anonymous pages moved out into its scratch slots: page `k` is in slot `k` from the
+/// first. Dropping it puts back every moved page not [consumed](Self::consume) (unless
+/// [`restore`](Self::restore) did), unpublishes the run and wakes the writers blocked on it; the
+/// slots are discarded later, by their [`Scratch`].
 pub(crate) struct FrozenRun<'a> {
     uffd: &'a sys::Uffd,
     range: &'a FrozenRange,
@@ -146,11 +218,11 @@ impl<'a> FrozenRun<'a> {
     /// # Safety
     ///
     /// `[start, start + n*PAGE)` (`n <= MAX_RUN`) is registered with `f.uffd` for missing faults,
-    /// and the engine holds no reference into it; the scratch area is empty (discarded after every
-    /// run) and no other run is frozen; missing faults in the run are left unanswered while it is
-    /// published.
+    /// and the engine holds no reference into it; the `n` scratch slots from `f.scratch` are empty
+    /// (taken from a [`Scratch`]) and no other run is frozen; missing faults in the run are left
+    /// unanswered while it is published.
     pub(crate) unsafe fn freeze(f: Freezer<'a>, log: &ChangeLog, start: usize, n: usize) -> Self {
-        assert!(n <= MAX_RUN, "a run of {n} pages exceeds the scratch area");
+        assert!(n <= MAX_RUN, "a run of {n} pages exceeds the longest run");
         let mark = log.mark();
         f.range.publish(start, n, mark);
         let mut run = FrozenRun {
@@ -227,9 +299,9 @@ impl<'a> FrozenRun<'a> {
         self.consumed[k] = true;
     }
 
-    /// Puts back every moved page that was not consumed, then discards the scratch area (the
-    /// originals of merged and released pages). The run stays frozen, its writers blocked, until
-    /// the guard is dropped. Done once; dropping the guard does it if the commit did not. Returns
+    /// Puts back every moved page that was not consumed (the originals of merged and released
+    /// pages stay in their slots until the [`Scratch`] discards them). The run stays frozen, its
+    /// writers blocked, until the guard is dropped. Done once; dropping the guard does it if the commit did not. Returns
     /// what could not be put back, to log once the writers are woken (nothing is logged while
     /// they wait).
     ///
@@ -287,19 +359,7 @@ impl<'a> FrozenRun<'a> {
                 break;
             }
         }
-        // Discarding the scratch area is reported like the program's MADV_DONTNEED: announced.
-        let discard = Change::Remove {
-            start: self.scratch,
-            end: self.scratch + self.n * PAGE,
-        };
-        log.expect(discard);
         drop(log);
-        // SAFETY: the scratch area is the engine's; what remains in it is no longer needed.
-        let done =
-            unsafe { sys::madvise(self.scratch as *mut u8, self.n * PAGE, libc::MADV_DONTNEED) };
-        if done.is_err() {
-            lock(self.changes).unexpect(discard);
-        }
         report
     }
 }
@@ -502,10 +562,10 @@ mod tests {
                 // SAFETY: a page of the fresh mapping above, which only this test uses.
                 unsafe { std::ptr::write_bytes((region + k * PAGE) as *mut u8, k as u8 + 1, PAGE) };
             }
-            let scratch = sys::mmap_anonymous(MAX_RUN * PAGE).unwrap() as usize;
+            let scratch = sys::mmap_anonymous(SCRATCH_SLOTS * PAGE).unwrap() as usize;
             uffd.register(region, n * PAGE, UFFDIO_REGISTER_MODE_MISSING)
                 .unwrap();
-            uffd.register(scratch, MAX_RUN * PAGE, UFFDIO_REGISTER_MODE_MISSING)
+            uffd.register(scratch, SCRATCH_SLOTS * PAGE, UFFDIO_REGISTER_MODE_MISSING)
                 .unwrap();
             Frozen {
                 uffd,
@@ -519,10 +579,15 @@ mod tests {
         }
 
         fn freeze(&self) -> FrozenRun<'_> {
+            self.freeze_into(self.scratch)
+        }
+
+        /// Freezes the region into the empty scratch slots from `slots`.
+        fn freeze_into(&self, slots: usize) -> FrozenRun<'_> {
             let f = Freezer {
                 uffd: &self.uffd,
                 range: &self.range,
-                scratch: self.scratch,
+                scratch: slots,
                 pagemap: &self.pagemap,
                 changes: &self.changes,
             };
@@ -666,7 +731,11 @@ mod tests {
         // Restored but still frozen: writers wait for the drop.
         assert!(t.is_frozen(1));
         assert_eq!(t.present(t.region, 3), [true, false, true]);
-        assert_eq!(t.present(t.scratch, 3), [false; 3]);
+        assert_eq!(
+            t.present(t.scratch, 3),
+            [false, true, false],
+            "a consumed page's original stays in its slot until the scratch area is discarded"
+        );
         drop(run);
         assert!(!t.is_frozen(1));
         assert!(t.intact(0, 1) && t.intact(2, 3));
@@ -675,6 +744,47 @@ mod tests {
             [false],
             "a consumed page stays released"
         );
+    }
+
+    /// Runs take slot after slot; the used slots are discarded when a run would not fit, and
+    /// when the scratch area's guard is dropped (here with a consumed page's original in a slot).
+    #[test]
+    fn scratch_slots_are_taken_in_turn_and_discarded_when_full_or_dropped() {
+        let t = Frozen::new(1);
+        let mut scratch = Scratch::new(t.scratch, &t.changes);
+        assert_eq!(scratch.take(MAX_RUN), t.scratch);
+        assert_eq!(scratch.take(1), t.scratch + MAX_RUN * PAGE);
+        // A page in the first slot (filled through the context: nothing answers its faults).
+        let sevens = [7u8; PAGE];
+        // SAFETY: a slot just taken, which only this test uses, and a page of bytes.
+        unsafe { t.uffd.copy(t.scratch, sevens.as_ptr(), PAGE) }.unwrap();
+        // The rest, exactly, slot after slot.
+        let mut left = SCRATCH_SLOTS - MAX_RUN - 1;
+        while left > 0 {
+            let n = left.min(MAX_RUN);
+            let at = t.scratch + (SCRATCH_SLOTS - left) * PAGE;
+            assert_eq!(scratch.take(n), at);
+            left -= n;
+        }
+        assert_eq!(
+            t.present(t.scratch, 1),
+            [true],
+            "not discarded while the slots last"
+        );
+        assert_eq!(
+            scratch.take(MAX_RUN),
+            t.scratch,
+            "full: discarded, and taken from the start"
+        );
+        assert_eq!(t.present(t.scratch, 1), [false]);
+        let mut run = t.freeze_into(scratch.take(1));
+        run.consume(0);
+        drop(run);
+        let slot = t.scratch + MAX_RUN * PAGE;
+        assert_eq!(t.present(slot, 1), [true], "the consumed page's original");
+        assert_eq!(t.present(t.region, 1), [false], "consumed: released");
+        drop(scratch);
+        assert_eq!(t.present(slot, 1), [false], "discarded with the guard");
     }
 
     #[test]

@@ -83,6 +83,7 @@ mod access;
 mod candidates;
 mod changes;
 mod classify;
+mod colocate;
 mod commit;
 mod config;
 mod engine;

@@ -4,7 +4,7 @@
 //! `sightings`, the watch's scratch in `watch`, read-ahead results in `read_ahead`.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -113,7 +113,7 @@ pub(crate) fn page_at(
 pub(crate) struct State {
     pub(crate) regions: BTreeMap<usize, RegionState>,
     pub(crate) store: Store,
-    /// The scratch area frozen pages are moved into (`MAX_RUN` pages).
+    /// The scratch area frozen pages are moved into (`SCRATCH_SLOTS` pages; see `freeze::Scratch`).
     pub(crate) scratch: usize,
     pub(crate) pagemap: Arc<sys::Pagemap>,
     pub(crate) unshared: u64,
@@ -209,6 +209,9 @@ pub(crate) struct Shared {
     /// Set once every region is unregistered at the stop: the fault thread ends then (it must
     /// answer faults and read events until then).
     pub(crate) faults_done: AtomicBool,
+    /// The fault thread's id once it runs (else 0), for the committer to share a CPU with it
+    /// (see the `colocate` module).
+    pub(crate) fault_thread_id: AtomicI32,
     pub(crate) stop_fd: std::os::fd::OwnedFd,
     /// The process's `/proc/self/maps`, asked for the mappings of a range (the store mappings
     /// among the pages the program drops or unregisters).

@@ -64,6 +64,60 @@ pub fn set_thread_normal_priority() -> io::Result<()> {
     cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) } as libc::c_long).map(drop)
 }
 
+/// The id of the calling thread (`gettid`), for [`thread_affinity`] and [`set_thread_affinity`].
+pub fn thread_id() -> i32 {
+    // SAFETY: no memory is passed to the kernel.
+    unsafe { libc::gettid() }
+}
+
+/// The CPU the calling thread runs on (`sched_getcpu`), if the kernel says.
+pub fn current_cpu() -> Option<usize> {
+    // SAFETY: no memory is passed.
+    let c = unsafe { libc::sched_getcpu() };
+    usize::try_from(c).ok()
+}
+
+/// The CPUs a thread may run on.
+#[derive(Clone, Copy)]
+pub struct Affinity(libc::cpu_set_t);
+
+impl Affinity {
+    /// CPU `cpu` alone (`None` beyond what a set holds).
+    pub fn only(cpu: usize) -> Option<Self> {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return None;
+        }
+        // SAFETY: an all-zero cpu_set_t is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `cpu` is inside the set (checked above); `set` is a live cpu_set_t.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+        Some(Affinity(set))
+    }
+
+    /// How many CPUs it holds.
+    pub fn count(&self) -> usize {
+        // SAFETY: reads the live cpu_set_t only.
+        unsafe { libc::CPU_COUNT(&self.0) as usize }
+    }
+}
+
+/// The CPUs thread `tid` (0: the calling thread) may run on.
+pub fn thread_affinity(tid: i32) -> io::Result<Affinity> {
+    // SAFETY: an all-zero cpu_set_t is a valid value for the kernel to fill.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `set` is a live cpu_set_t of `size` bytes.
+    cvt(unsafe { libc::sched_getaffinity(tid, size, &mut set) } as libc::c_long)?;
+    Ok(Affinity(set))
+}
+
+/// Lets thread `tid` (0: the calling thread) run on the CPUs of `a` only.
+pub fn set_thread_affinity(tid: i32, a: &Affinity) -> io::Result<()> {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `a.0` is a live cpu_set_t of `size` bytes, only read.
+    cvt(unsafe { libc::sched_setaffinity(tid, size, &a.0) } as libc::c_long).map(drop)
+}
+
 /// Blocks every signal in the calling thread until the guard is dropped (the previous mask is
 /// restored then). Threads it creates meanwhile start with every signal blocked: signal
 /// handlers of the program never run on them.

@@ -235,6 +235,24 @@ impl Uffd {
         Ok(m.moved as usize)
     }
 
+    /// Reads the pending events, as many as `buf` holds, in one call without blocking; returns how
+    /// many (0 when none is pending).
+    pub fn read_events(&self, buf: &mut [UffdMsg]) -> io::Result<usize> {
+        let n = std::mem::size_of::<UffdMsg>();
+        let len = std::mem::size_of_val(buf);
+        // SAFETY: reads at most `len` bytes into buf, live UffdMsgs of n bytes each.
+        let r = unsafe { libc::read(self.as_raw_fd(), buf.as_mut_ptr().cast(), len) };
+        if r == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::WouldBlock {
+                return Ok(0);
+            }
+            return Err(e);
+        }
+        // The kernel copies whole messages only.
+        Ok(r as usize / n)
+    }
+
     /// Reads one pending fault event without blocking; `Ok(None)` when none is pending.
     pub fn read_event(&self) -> io::Result<Option<UffdMsg>> {
         let mut msg = UffdMsg::default();
