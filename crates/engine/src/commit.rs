@@ -984,19 +984,12 @@ unsafe fn release_zeroed(
     // SAFETY: the pages are held still and hold only zeros (this function's contract); the
     // mapping replaces them, as a whole, by an empty private anonymous mapping of the same
     // protection (registered memory is read/write).
-    let p = unsafe {
-        sys::raw_mmap(
-            addr as *mut libc::c_void,
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-            -1,
-            0,
-        )
+    let mapped = unsafe {
+        sys::mmap_anonymous_fixed(addr as *mut u8, len, libc::PROT_READ | libc::PROT_WRITE)
     };
-    if p == libc::MAP_FAILED {
+    if let Err(e) = mapped {
         lock(&sh.changes).unexpect(mapping_change(addr, m));
-        return Err(std::io::Error::last_os_error());
+        return Err(e);
     }
     *rs.vmas += COST;
     // Registered for missing pages first, so that the zero page can be mapped through the

@@ -397,22 +397,12 @@ fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError>
     lock(&sh.changes).expect(change);
     // SAFETY: the range is a mapping of the store the program asked to drop; it is replaced, as a
     // whole, by an empty private anonymous mapping.
-    let mapped = unsafe {
-        sys::raw_mmap(
-            s as *mut libc::c_void,
-            len,
-            piece.prot,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-            -1,
-            0,
-        )
-    };
-    let err = (mapped == libc::MAP_FAILED).then(std::io::Error::last_os_error);
+    let mapped = unsafe { sys::mmap_anonymous_fixed(s as *mut u8, len, piece.prot) };
     // A report was read before the call returned (the kernel waits for that), and the fault
     // thread records what it reads before it lets go of the log: an announcement still there
     // now had no report, and must not swallow a later one.
     lock(&sh.changes).unexpect(change);
-    if let Some(e) = err {
+    if let Err(e) = mapped {
         if let Some(u) = unregistered {
             // Still the store mapping: watched again, so that it can be merged again.
             let _ = u.register(s, len, UFFDIO_REGISTER_MODE_WP);

@@ -669,17 +669,8 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
         }
         // SAFETY: pages the program asked to drop, replaced by an empty private mapping with the
         // same protection.
-        let p = unsafe {
-            sys::raw_mmap(
-                s as *mut c_void,
-                t - s,
-                m.prot(),
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
+        if unsafe { sys::mmap_anonymous_fixed(s as *mut u8, t - s, m.prot()) }.is_err() {
+            // (errno is the kernel's.)
             return -1;
         }
     }

@@ -170,6 +170,30 @@ pub unsafe fn mmap_private_fixed(
     Ok(())
 }
 
+/// Replaces `[addr, addr+len)` by a fresh private anonymous mapping with protection `prot`,
+/// holding nothing (it reads zeros).
+///
+/// # Safety
+/// The range must belong to the caller (no live Rust references into it), and its previous contents
+/// are discarded: the caller must have moved out anything it still needs.
+pub unsafe fn mmap_anonymous_fixed(addr: *mut u8, len: usize, prot: libc::c_int) -> io::Result<()> {
+    // SAFETY: the caller owns the range (see the function's contract).
+    let p = unsafe {
+        raw_mmap(
+            addr.cast(),
+            len,
+            prot,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Moves the mapping `[old, old+len)` (one whole VMA) to `new`, replacing whatever was mapped
 /// there, in one step: no other thread can observe `new` unmapped.
 ///
