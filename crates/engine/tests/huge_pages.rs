@@ -157,29 +157,37 @@ fn huge_pages_stay_where_nothing_merges() {
         );
     }
     // First touches after registration: a whole huge page per 2 MiB where the kernel gives one
-    // to a write to the huge zero page, and never a fault the engine's thread answers.
+    // to a write to the huge zero page, and never a fault the engine's thread answers. Each 2 MiB
+    // is looked at just after its first write: a later write to it, once a watch has protected
+    // the new huge page, splits its mapping (async write-protection tracks 4 KiB pages; see
+    // `docs/DESIGN.md`), and the watch runs every 20 ms here.
     let answered = s.faults_answered;
-    // A huge page the kernel could not allocate (memory too fragmented at the moment) is a
-    // fallback it counts, not the engine's doing.
-    let fallbacks_before = vmstat("thp_fault_fallback");
-    for i in filled * PER..(filled + fresh) * PER {
-        fill(m.page(i), content(i));
+    let whole_on_write = huge_page_on_first_write();
+    let mut small = Vec::new();
+    for c in filled..filled + fresh {
+        // A huge page the kernel could not allocate (memory too fragmented at the moment) is a
+        // fallback it counts, not the engine's doing.
+        let fallbacks_before = vmstat("thp_fault_fallback");
+        fill(m.page(c * PER), content(c * PER));
+        let huge = huge_mapped(m.base + c * HUGE, HUGE) == PER;
+        if !huge && vmstat("thp_fault_fallback") == fallbacks_before {
+            small.push(c);
+        }
+        for i in c * PER + 1..(c + 1) * PER {
+            fill(m.page(i), content(i));
+        }
     }
-    let fallbacks = (vmstat("thp_fault_fallback") - fallbacks_before) as usize;
     let s = wait_for(&e, |t| t.full_scans >= s.full_scans + 4);
     assert_eq!(
         s.faults_answered, answered,
         "first touches reached the engine"
     );
-    if huge_page_on_first_write() {
-        let (now, _) = smaps_of(m.base, m.len);
+    if whole_on_write {
         assert!(
-            now + fallbacks.min(fresh) * HUGE >= before + fresh * HUGE,
-            "memory written after registering: AnonHugePages {now}, {fallbacks} fallbacks"
+            small.is_empty(),
+            "2 MiB first written after registering got small pages: {small:?} of {filled}..{}",
+            filled + fresh
         );
-        if fallbacks == 0 {
-            assert_eq!(huge_mapped(m.base, m.len), m.len / PAGE);
-        }
     } else {
         eprintln!("(this kernel splits the huge zero page on a write: first touches are small)");
     }
