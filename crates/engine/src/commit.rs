@@ -189,6 +189,7 @@ fn commit_run(
         scratch: cx.scratch.take(run.n),
         pagemap: &pagemap,
         changes: &sh.changes,
+        parking: &sh.parking,
     };
     map_copies_before_freeze(&plan.acts[..run.n], &plan.holes, plan.store_base);
     let tf = Instant::now();

@@ -13,6 +13,7 @@ use crate::access::PAGE;
 use crate::error::Chain;
 use crate::faults::fault_loop;
 use crate::freeze::{FrozenRange, SCRATCH_SLOTS};
+use crate::parking::Parking;
 use crate::period::{commit_loop, engine_loop};
 use crate::pool::Pool;
 use crate::registry;
@@ -171,6 +172,7 @@ impl Engine {
             period_lock: Mutex::new(()),
             config: Mutex::new(config),
             frozen: FrozenRange::default(),
+            parking: Parking::new().map_err(EngineError::Map)?,
             changes: Mutex::default(),
             stop: AtomicBool::new(false),
             faults_done: AtomicBool::new(false),

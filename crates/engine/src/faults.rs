@@ -39,14 +39,16 @@ pub(crate) fn fault_loop(sh: &Shared) {
         // after the poll makes the next one return at once): one read per wake, which with
         // scattered merges is one per merged page (the kernel holds the committer's mapping
         // until its report is read).
-        let ready = match sys::poll_readable(&fds, 100) {
+        // While pages are parked, they are tried again every 10 ms (see `read_some`).
+        let timeout = if sh.parking.is_empty() { 100 } else { 10 };
+        let ready = match sys::poll_readable(&fds, timeout) {
             Ok(r) => [r[0], r.get(2).copied().unwrap_or(false)],
             Err(_) => {
                 std::thread::sleep(Duration::from_millis(1));
                 [true; 2]
             }
         };
-        if ready[0] {
+        if ready[0] || !sh.parking.is_empty() {
             while read_some(sh, &sh.uffd, true) == READ_AT_ONCE {}
         }
         if let (Some(u), true) = (&sh.store_uffd, ready[1]) {
@@ -74,6 +76,7 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
             UffdEvent::PageFault { .. } => {}
             e => {
                 if let Some(c) = Change::of(e) {
+                    sh.parking.follow(&c);
                     log.record(c);
                 }
             }
@@ -84,6 +87,10 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
     for &addr in &faults[..nfaults] {
         answer_fault(sh, &log, addr);
     }
+    // Parked pages go back as soon as there is memory for them (see the `parking` module).
+    if answer {
+        sh.parking.put_back(uffd, 0..usize::MAX);
+    }
     read
 }
 
@@ -92,6 +99,12 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
 fn answer_fault(sh: &Shared, log: &ChangeLog, addr: usize) {
     let gate = sh.frozen.gate();
     if gate.is_frozen(addr, log) {
+        return;
+    }
+    // A parked page: its bytes go back (waking the waiters), or it waits for memory; never a
+    // zero page.
+    if sh.parking.holds(addr) {
+        sh.parking.put_back(&sh.uffd, addr..addr + PAGE);
         return;
     }
     // A first touch or a released zero page: map the shared zero page. A write-protect marker

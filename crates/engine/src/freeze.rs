@@ -21,6 +21,7 @@ use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
 use crate::changes::{Change, ChangeLog, Fate};
+use crate::parking::Parking;
 
 /// Longest run frozen at once: bounds how long a writer can be blocked.
 pub(crate) const MAX_RUN: usize = 512;
@@ -184,6 +185,8 @@ pub(crate) struct Freezer<'a> {
     /// The changes the kernel reported (see the `changes` module): consulted before pages go
     /// back.
     pub(crate) changes: &'a Mutex<ChangeLog>,
+    /// Where a page that cannot be put back waits (see the `parking` module).
+    pub(crate) parking: &'a Parking,
 }
 
 /// A run of anonymous pages moved out into its scratch slots: page `k` is in slot `k` from the
@@ -194,6 +197,7 @@ pub(crate) struct FrozenRun<'a> {
     uffd: &'a sys::Uffd,
     range: &'a FrozenRange,
     changes: &'a Mutex<ChangeLog>,
+    parking: &'a Parking,
     /// The change log's mark at the freeze.
     mark: usize,
     scratch: usize,
@@ -206,6 +210,9 @@ pub(crate) struct FrozenRun<'a> {
     moved_to: [usize; MAX_RUN],
     /// Whether the pages were put back and the scratch area discarded already.
     restored: bool,
+    /// In tests: the pages (bit `k` for page `k`) whose put-backs fail as out of memory.
+    #[cfg(test)]
+    fail_pages: u64,
 }
 
 impl<'a> FrozenRun<'a> {
@@ -229,6 +236,7 @@ impl<'a> FrozenRun<'a> {
             uffd: f.uffd,
             range: f.range,
             changes: f.changes,
+            parking: f.parking,
             mark,
             scratch: f.scratch,
             start,
@@ -237,6 +245,8 @@ impl<'a> FrozenRun<'a> {
             consumed: [false; MAX_RUN],
             moved_to: [0; MAX_RUN],
             restored: false,
+            #[cfg(test)]
+            fail_pages: 0,
         };
         run.move_out(f.pagemap);
         run
@@ -310,7 +320,9 @@ impl<'a> FrozenRun<'a> {
     /// child), its bytes are copied back instead (`UFFDIO_COPY`). Only a page whose mapping is
     /// gone (the program unmapped it: the kernel finds no registered mapping there) is dropped,
     /// with the mapping it belonged to. While the kernel holds moves back for an unmapping or
-    /// `MADV_DONTNEED` whose event the fault thread has not read yet (`EAGAIN`), it waits.
+    /// `MADV_DONTNEED` whose event the fault thread has not read yet (`EAGAIN`), it waits. A page
+    /// the copy fails for (no memory for it) is parked, never dropped (see the `parking` module);
+    /// with every parking slot taken, it waits for one or for memory.
     pub(crate) fn restore(&mut self) -> RestoreReport {
         let mut report = RestoreReport::default();
         if self.restored {
@@ -337,30 +349,60 @@ impl<'a> FrozenRun<'a> {
                         to
                     }
                 };
-                match put_back(self.uffd, to, slot) {
-                    PutBack::Moved => {}
-                    PutBack::Copied => report.copied += 1,
-                    PutBack::Gone => report.gone += 1,
-                    PutBack::Failed(e) => {
-                        report.failed += 1;
+                let again = match self.put_back(to, slot) {
+                    PutBack::Moved => false,
+                    PutBack::Copied => {
+                        report.copied += 1;
+                        false
+                    }
+                    PutBack::Gone => {
+                        report.gone += 1;
+                        false
+                    }
+                    // SAFETY: `slot` holds the frozen page, in the scratch area nobody else
+                    // writes.
+                    PutBack::Failed(e) if unsafe { self.parking.park(to, slot) } => {
+                        report.parked += 1;
                         report.error = Some((to, e));
+                        false
                     }
-                    PutBack::Again => {
-                        // A change is under way and its event unread: let the fault thread read
-                        // and record it, then look at the page's fate again.
-                        drop(log);
-                        report.waits += 1;
-                        let wait = 50 * u64::from(report.waits.min(20));
-                        std::thread::sleep(std::time::Duration::from_micros(wait));
-                        log = lock(self.changes);
-                        continue;
-                    }
+                    // No parking slot either: wait for memory or a slot.
+                    PutBack::Failed(_) => true,
+                    // A change is under way and its event unread: let the fault thread read and
+                    // record it, then look at the page's fate again.
+                    PutBack::Again => true,
+                };
+                if !again {
+                    break;
                 }
-                break;
+                drop(log);
+                report.waits += 1;
+                let wait = 50 * u64::from(report.waits.min(20));
+                std::thread::sleep(std::time::Duration::from_micros(wait));
+                log = lock(self.changes);
             }
         }
         drop(log);
         report
+    }
+
+    /// [`restore`](Self::restore), with the put-backs of pages `ks` failing as out of memory
+    /// (tests only).
+    #[cfg(test)]
+    pub(crate) fn restore_with_failures(&mut self, ks: &[usize]) -> RestoreReport {
+        self.fail_pages = ks.iter().fold(0u64, |m, &k| m | 1 << k);
+        self.restore()
+    }
+
+    /// [`put_back`], but for the failures a test asks for.
+    fn put_back(&self, to: usize, slot: usize) -> PutBack {
+        #[cfg(test)]
+        if (slot - self.scratch) / PAGE < 64
+            && self.fail_pages & 1 << ((slot - self.scratch) / PAGE) != 0
+        {
+            return PutBack::Failed(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        }
+        put_back(self.uffd, to, slot)
     }
 }
 
@@ -422,8 +464,8 @@ pub(crate) struct RestoreReport {
     pub(crate) zeroed: usize,
     /// Times a put-back waited for an event to be read.
     pub(crate) waits: u32,
-    /// Pages that could not be put back at all, and the last error.
-    pub(crate) failed: usize,
+    /// Pages that could not be put back for now and were parked, and the last error.
+    pub(crate) parked: usize,
     pub(crate) error: Option<(usize, std::io::Error)>,
 }
 
@@ -439,11 +481,12 @@ impl RestoreReport {
             );
         }
         if let Some((addr, e)) = &self.error {
-            eprintln!(
-                "pageone: {} frozen page(s) could not be put back, the last at {addr:#x}: {e}",
-                self.failed
+            tracing::warn!(
+                error = %e,
+                addr,
+                parked = self.parked,
+                "frozen pages could not be put back yet: parked until memory allows"
             );
-            tracing::error!(error = %e, addr, failed = self.failed, "frozen pages could not be put back");
         }
     }
 }
@@ -543,6 +586,7 @@ mod tests {
         uffd: sys::Uffd,
         range: FrozenRange,
         changes: Mutex<ChangeLog>,
+        parking: Parking,
         pagemap: sys::Pagemap,
         region: usize,
         scratch: usize,
@@ -571,6 +615,7 @@ mod tests {
                 uffd,
                 range: FrozenRange::default(),
                 changes: Mutex::default(),
+                parking: Parking::new().unwrap(),
                 pagemap: sys::Pagemap::open().unwrap(),
                 region,
                 scratch,
@@ -590,6 +635,7 @@ mod tests {
                 scratch: slots,
                 pagemap: &self.pagemap,
                 changes: &self.changes,
+                parking: &self.parking,
             };
             let log = lock(&self.changes);
             // SAFETY: the region and the scratch area are registered above and only this test
@@ -691,6 +737,65 @@ mod tests {
         assert_eq!(t.present(t.scratch, 3), [false; 3]);
     }
 
+    /// The copy back fails for want of memory: the page is parked, not dropped. Its writer,
+    /// woken with the run, faults again and waits (nothing answers it with a zero page); the
+    /// bytes go back once memory allows, and the write lands on them.
+    #[test]
+    fn a_page_that_cannot_be_put_back_is_parked_and_comes_back_later() {
+        let t = Frozen::new(3);
+        let mut run = t.freeze();
+        let done = write_on_a_thread(t.region + PAGE, 0xee);
+        blocked_at(&t.uffd, t.region + PAGE);
+        // Pages 0 and 2 go back; page 1 finds no memory for it.
+        let report = run.restore_with_failures(&[1]);
+        assert_eq!(report.parked, 1, "{report:?}");
+        drop(run);
+        assert!(t.intact(0, 1) && t.intact(2, 3));
+        assert!(t.parking.holds(t.region + PAGE));
+        assert!(
+            !t.present(t.region + PAGE, 1)[0],
+            "a parked page's address stays empty"
+        );
+        // The writer was woken with the run, faulted again and waits.
+        blocked_at(&t.uffd, t.region + PAGE);
+        assert!(
+            done.try_recv().is_err(),
+            "the writer waits for the parked page"
+        );
+        // Still no memory: it stays parked, and the writer waits on.
+        t.parking.fail_copies.store(1, Ordering::Relaxed);
+        assert_eq!(t.parking.put_back(&t.uffd, 0..usize::MAX), 1);
+        assert!(done.try_recv().is_err());
+        // Memory again: the bytes go back and the writer is woken.
+        assert_eq!(t.parking.put_back(&t.uffd, 0..usize::MAX), 0);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer is woken when its page is back");
+        assert!(t.intact(1, 0xee), "the write lands on the parked bytes");
+        assert!(t.parking.is_empty());
+    }
+
+    /// A parked page the program unmaps, drops or moves meanwhile: dropped with its mapping or
+    /// on `MADV_DONTNEED`, moved with `mremap`.
+    #[test]
+    fn parked_pages_follow_the_programs_changes() {
+        let t = Frozen::new(4);
+        let mut run = t.freeze();
+        let report = run.restore_with_failures(&[0, 1, 2]);
+        assert_eq!(report.parked, 3, "{report:?}");
+        drop(run);
+        let (a, b, c) = (t.region, t.region + PAGE, t.region + 2 * PAGE);
+        t.parking.follow(&Change::Unmap { start: a, end: b });
+        t.parking.follow(&Change::Remove { start: b, end: c });
+        let to = t.region + 64 * PAGE;
+        t.parking.follow(&Change::Remap {
+            from: c,
+            to,
+            len: PAGE,
+        });
+        assert!(!t.parking.holds(a) && !t.parking.holds(b) && !t.parking.holds(c));
+        assert!(t.parking.holds(to));
+    }
+
     /// The program changed the frozen pages' mapping while they were out: made it read-only,
     /// locked it (without populating), or unmapped part of it. Moving the pages back is then
     /// refused by the kernel (protections or locking differ from the scratch area's, or nothing is
@@ -712,7 +817,7 @@ mod tests {
         }
         let report = run.restore();
         drop(run);
-        assert_eq!((report.copied, report.gone, report.failed), (4, 1, 0));
+        assert_eq!((report.copied, report.gone, report.parked), (4, 1, 0));
         assert!(
             (0..4).all(|k| t.intact(k, k as u8 + 1)),
             "no page lost its bytes"

@@ -91,6 +91,7 @@ mod error;
 mod faults;
 mod freeze;
 mod layout;
+mod parking;
 mod period;
 mod pool;
 mod read_ahead;

@@ -477,6 +477,9 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
             failed.push((p.start, p.end));
         }
     }
+    // A parked page's waiters are held by the registration: its bytes go back first.
+    sh.parking
+        .put_back_before_unregistering(&sh.uffd, start..end);
     unregister_range(&sh.uffd, start, r.len());
     if let Some(u2) = &sh.store_uffd {
         unregister_range(u2, start, r.len());

@@ -16,6 +16,7 @@ use crate::access::PAGE;
 use crate::changes::ChangeLog;
 use crate::config::{Config, WatchMode};
 use crate::freeze::FrozenRange;
+use crate::parking::Parking;
 use crate::read_ahead::{AheadBlock, AheadJob};
 use crate::sightings::FirstSightings;
 use crate::store::Store;
@@ -201,6 +202,8 @@ pub(crate) struct Shared {
     /// The run currently frozen, as the fault thread sees it: it leaves faults there to the
     /// committer, which wakes them after the replacement.
     pub(crate) frozen: FrozenRange,
+    /// Frozen pages that could not be put back yet (see the `parking` module).
+    pub(crate) parking: Parking,
     /// Changes to registered memory reported by the kernel and not applied to the regions yet
     /// (see the `changes` module). Lock order: the state lock, the change log, the frozen range's
     /// gate.

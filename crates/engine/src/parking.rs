@@ -1,0 +1,199 @@
+//! Frozen pages that could not be put back: kept, never dropped.
+//!
+//! A frozen page goes back with `UFFDIO_MOVE`, or with `UFFDIO_COPY` where the kernel refuses the
+//! move (see `FrozenRun::restore`). The copy needs a new page; when the program's memory cgroup
+//! has none to give (`ENOMEM`), the page's bytes are copied here, into memory the engine
+//! populated at its start, and its address stays empty. Until the bytes are back, a thread that
+//! touches the address waits in the kernel (a missing fault the fault thread leaves unanswered
+//! rather than answer with a zero page); the fault thread tries again every time it wakes, and
+//! the copy wakes the waiters. A change the program makes meanwhile is followed: unmapping the
+//! page or `MADV_DONTNEED` of it drops the parked bytes (the program asked for that), `mremap`
+//! moves them with the mapping; unregistering the page puts its bytes back first.
+//!
+//! Not covered: a child forked while a page is parked reads that page as zeros.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pageone_sync::lock;
+use pageone_sys as sys;
+
+use crate::access::PAGE;
+use crate::changes::Change;
+
+/// Pages that can be parked at once (256 KiB, resident for the engine's life).
+pub(crate) const PARK_SLOTS: usize = 64;
+
+/// How a parked page went back.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Return {
+    /// Its bytes are back at its address, and its waiters woken.
+    Back,
+    /// Its address is no longer registered memory (the program unmapped it): dropped.
+    Gone,
+    /// Still no memory for it: it stays parked.
+    Later,
+}
+
+/// The parked pages and their slots (see the module doc).
+pub(crate) struct Parking {
+    area: usize,
+    /// The address each slot holds the bytes of (0: free).
+    slots: Mutex<[usize; PARK_SLOTS]>,
+    /// How many slots are taken, for a check without the lock.
+    taken: AtomicUsize,
+    /// In tests: how many more copies back fail as out of memory.
+    #[cfg(test)]
+    pub(crate) fail_copies: AtomicUsize,
+}
+
+impl Parking {
+    /// The parking area: [`PARK_SLOTS`] pages, populated now (parking must not need memory) and
+    /// not inherited by forked children.
+    pub(crate) fn new() -> std::io::Result<Self> {
+        let len = PARK_SLOTS * PAGE;
+        let area = sys::mmap_anonymous(len)?;
+        // SAFETY: the engine's own fresh mapping: neither advice changes what it reads (zeros).
+        let populated = unsafe {
+            sys::madvise(area, len, libc::MADV_DONTFORK)
+                .and_then(|()| sys::madvise(area, len, libc::MADV_POPULATE_WRITE))
+        };
+        if populated.is_err() {
+            // Before Linux 5.14: populate by writing. SAFETY: as above, `len` bytes of ours.
+            unsafe { std::ptr::write_bytes(area, 0, len) };
+        }
+        Ok(Parking {
+            area: area as usize,
+            slots: Mutex::new([0; PARK_SLOTS]),
+            taken: AtomicUsize::new(0),
+            #[cfg(test)]
+            fail_copies: AtomicUsize::new(0),
+        })
+    }
+
+    /// Whether any page is parked.
+    pub(crate) fn is_empty(&self) -> bool {
+        // Relaxed: a hint; the slots are read under their lock.
+        self.taken.load(Ordering::Relaxed) == 0
+    }
+
+    /// Whether the page at `addr` is parked.
+    pub(crate) fn holds(&self, addr: usize) -> bool {
+        !self.is_empty() && lock(&self.slots).contains(&addr)
+    }
+
+    /// Parks the page of `addr`, whose bytes are at `from` (a frozen page's scratch slot):
+    /// copies them into a free slot. False if every slot is taken.
+    ///
+    /// # Safety
+    ///
+    /// `from` is a page of the engine's own memory that nobody writes meanwhile.
+    pub(crate) unsafe fn park(&self, addr: usize, from: usize) -> bool {
+        let mut slots = lock(&self.slots);
+        let Some(i) = slots.iter().position(|&a| a == 0) else {
+            return false;
+        };
+        // SAFETY: slot `i` is a free page of the parking area, which only this engine uses and
+        // only under this lock; `from` is a page nobody writes (the caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(from as *const u8, self.slot(i) as *mut u8, PAGE) };
+        slots[i] = addr;
+        // Relaxed: the slots themselves are read under the lock.
+        self.taken.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    fn slot(&self, i: usize) -> usize {
+        self.area + i * PAGE
+    }
+
+    /// Follows a change the program made (read by the fault thread): parked pages that were
+    /// unmapped or dropped are forgotten, moved ones move.
+    pub(crate) fn follow(&self, change: &Change) {
+        if self.is_empty() {
+            return;
+        }
+        let mut slots = lock(&self.slots);
+        let range = change.range();
+        for a in slots.iter_mut().filter(|a| range.contains(a)) {
+            match *change {
+                Change::Unmap { .. } | Change::Remove { .. } => {
+                    *a = 0;
+                    // Relaxed: as in `park`.
+                    self.taken.fetch_sub(1, Ordering::Relaxed);
+                }
+                Change::Remap { from, to, .. } => *a = to + (*a - from),
+            }
+        }
+    }
+
+    /// Tries to put every parked page in `range` back (a copy through `uffd`, which wakes its
+    /// waiters); returns how many are still parked there.
+    pub(crate) fn put_back(&self, uffd: &sys::Uffd, range: Range<usize>) -> usize {
+        if self.is_empty() {
+            return 0;
+        }
+        let mut slots = lock(&self.slots);
+        let mut left = 0;
+        for i in 0..PARK_SLOTS {
+            let a = slots[i];
+            if a == 0 || !range.contains(&a) {
+                continue;
+            }
+            match self.copy_back(uffd, a, i) {
+                Return::Later => left += 1,
+                Return::Back | Return::Gone => {
+                    slots[i] = 0;
+                    // Relaxed: as in `park`.
+                    self.taken.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+        }
+        left
+    }
+
+    /// Puts back the parked pages of `range`, waiting for memory as long as it takes: the range
+    /// is about to be unregistered, after which nothing would hold its waiters.
+    pub(crate) fn put_back_before_unregistering(&self, uffd: &sys::Uffd, range: Range<usize>) {
+        let mut wait = Duration::from_millis(1);
+        while self.put_back(uffd, range.clone()) > 0 {
+            std::thread::sleep(wait);
+            wait = (wait * 2).min(Duration::from_millis(100));
+        }
+    }
+
+    fn copy_back(&self, uffd: &sys::Uffd, addr: usize, i: usize) -> Return {
+        #[cfg(test)]
+        if self
+            .fail_copies
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Return::Later;
+        }
+        // SAFETY: slot `i` is a page of the parking area, written only under the slots' lock,
+        // which the caller holds.
+        match unsafe { uffd.copy(addr, self.slot(i) as *const u8, PAGE) } {
+            Ok(()) => Return::Back,
+            // Something is mapped there again: the waiters only need the wake. (Not expected: a
+            // parked address stays empty, and nothing fills it but this.)
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                tracing::error!(addr, "a parked page's address was filled meanwhile");
+                let _ = uffd.wake(addr, PAGE);
+                Return::Back
+            }
+            // No registered mapping there any more.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => Return::Gone,
+            // Out of memory, or a change under way whose event is unread (`EAGAIN`).
+            Err(_) => Return::Later,
+        }
+    }
+}
+
+impl Drop for Parking {
+    fn drop(&mut self) {
+        // SAFETY: the engine's own mapping, not used any more.
+        let _ = unsafe { sys::munmap(self.area as *mut u8, PARK_SLOTS * PAGE) };
+    }
+}
