@@ -76,7 +76,7 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
             UffdEvent::PageFault { .. } => {}
             e => {
                 if let Some(c) = Change::of(e) {
-                    sh.parking.follow(&c);
+                    sh.parking.follow(&sh.uffd, &c);
                     log.record(c);
                 }
             }

@@ -775,7 +775,8 @@ mod tests {
     }
 
     /// A parked page the program unmaps, drops or moves meanwhile: dropped with its mapping or
-    /// on `MADV_DONTNEED`, moved with `mremap`.
+    /// on `MADV_DONTNEED`, moved with `mremap`. A thread waiting on a dropped one is woken to
+    /// fault again (and then gets the zero page, as any dropped page).
     #[test]
     fn parked_pages_follow_the_programs_changes() {
         let t = Frozen::new(4);
@@ -784,14 +785,32 @@ mod tests {
         assert_eq!(report.parked, 3, "{report:?}");
         drop(run);
         let (a, b, c) = (t.region, t.region + PAGE, t.region + 2 * PAGE);
-        t.parking.follow(&Change::Unmap { start: a, end: b });
-        t.parking.follow(&Change::Remove { start: b, end: c });
+        let done = write_on_a_thread(b + 8, 0xee);
+        blocked_at(&t.uffd, b);
+        t.parking
+            .follow(&t.uffd, &Change::Unmap { start: a, end: b });
+        t.parking
+            .follow(&t.uffd, &Change::Remove { start: b, end: c });
+        // Woken, the writer faults again; the fault thread's answer to a page no longer parked.
+        blocked_at(&t.uffd, b);
+        t.uffd.zeropage(b, PAGE).unwrap();
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer of a dropped parked page is woken");
+        // SAFETY: a present page of this test's region; its writer is done.
+        let page = unsafe { std::slice::from_raw_parts(b as *const u8, PAGE) };
+        assert!(page
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == if i == 8 { 0xee } else { 0 }));
         let to = t.region + 64 * PAGE;
-        t.parking.follow(&Change::Remap {
-            from: c,
-            to,
-            len: PAGE,
-        });
+        t.parking.follow(
+            &t.uffd,
+            &Change::Remap {
+                from: c,
+                to,
+                len: PAGE,
+            },
+        );
         assert!(!t.parking.holds(a) && !t.parking.holds(b) && !t.parking.holds(c));
         assert!(t.parking.holds(to));
     }

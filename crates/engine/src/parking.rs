@@ -109,14 +109,17 @@ impl Parking {
     }
 
     /// Follows a change the program made (read by the fault thread): parked pages that were
-    /// unmapped or dropped are forgotten, moved ones move.
-    pub(crate) fn follow(&self, change: &Change) {
+    /// unmapped or dropped are forgotten, moved ones move. A thread waiting on a forgotten or
+    /// moved page is woken (through `uffd`) to fault again: on a dropped page it gets the zero
+    /// page, on an unmapped one the signal any access there gets.
+    pub(crate) fn follow(&self, uffd: &sys::Uffd, change: &Change) {
         if self.is_empty() {
             return;
         }
         let mut slots = lock(&self.slots);
         let range = change.range();
         for a in slots.iter_mut().filter(|a| range.contains(a)) {
+            let _ = uffd.wake(*a, PAGE);
             match *change {
                 Change::Unmap { .. } | Change::Remove { .. } => {
                     *a = 0;
