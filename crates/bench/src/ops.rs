@@ -46,10 +46,15 @@ pub enum Op {
     /// Writer threads writing random pages of a merged region while it keeps merging, with busy
     /// threads on every CPU: the latency of each write.
     WriteStall,
+    /// Random 8-byte reads of a region on transparent huge pages (advised `MADV_HUGEPAGE`
+    /// before `MADV_MERGEABLE`, as QEMU does with guest RAM) whose pages are all different, read
+    /// after the program wrote it a second time and it settled: the cost of the TLB misses where
+    /// its huge pages were split.
+    HugeRead,
 }
 
 impl Op {
-    pub const ALL: [Op; 10] = [
+    pub const ALL: [Op; 11] = [
         Op::FirstTouch,
         Op::ReadMerged,
         Op::WriteMerged,
@@ -60,6 +65,7 @@ impl Op {
         Op::Fork,
         Op::Exit,
         Op::WriteStall,
+        Op::HugeRead,
     ];
 
     pub fn name(self) -> &'static str {
@@ -74,6 +80,7 @@ impl Op {
             Op::Fork => "fork",
             Op::Exit => "exit",
             Op::WriteStall => "write-stall",
+            Op::HugeRead => "huge-read",
         }
     }
 }
@@ -141,6 +148,9 @@ pub struct OpOutput {
     pub preloaded: bool,
     /// [`Op::Exit`]: the monotonic clock just before exiting.
     pub exit_t0_ns: Option<u64>,
+    /// [`Op::HugeRead`]: pages mapped by huge pages when the reads began.
+    #[serde(default)]
+    pub huge_pages: Option<u64>,
 }
 
 /// Maps `pages` fresh pages through the C library (which the shim sees).
@@ -316,6 +326,8 @@ pub fn child(s: &OpSpec) -> std::io::Result<()> {
     let (mut per_page, mut per_call) = (Histogram::default(), Histogram::default());
     if s.op == Op::FirstTouch {
         first_touch(s, &mut out, &mut per_page)?;
+    } else if s.op == Op::HugeRead {
+        huge_read(s, &mut out, &mut per_page)?;
     } else {
         let m = Merged::new(s)?;
         (out.merged_pages, out.merge_seconds) = (m.merged, m.seconds);
@@ -360,6 +372,65 @@ fn first_touch(s: &OpSpec, out: &mut OpOutput, h: &mut Histogram) -> std::io::Re
     }
     // SAFETY: mapped above, no reference into it.
     unsafe { libc::munmap(p.cast(), s.pages * PAGE) };
+    Ok(())
+}
+
+/// [`Op::HugeRead`]: maps a 2 MiB-aligned region advised `MADV_HUGEPAGE`, fills it with pages of
+/// their own, makes it mergeable, lets it settle, writes a word of every page, lets it settle
+/// again, then times batches of dependent random reads (one sample per batch: ns per read).
+fn huge_read(s: &OpSpec, out: &mut OpOutput, h: &mut Histogram) -> std::io::Result<()> {
+    const HUGE: usize = 2 << 20;
+    const BATCHES: usize = 32;
+    const READS: usize = 1 << 20;
+    let settle = Duration::from_secs(3);
+    let pages = s.pages / (HUGE / PAGE) * (HUGE / PAGE);
+    let raw = map(pages + HUGE / PAGE)?;
+    let p = (raw as usize).next_multiple_of(HUGE) as *mut u8;
+    let seed = |i: usize| 1_000_000 + i as u64;
+    advise(p, pages, libc::MADV_HUGEPAGE)?;
+    for i in 0..pages {
+        // SAFETY: page i of the fresh mapping, zero.
+        unsafe { fill_page(p.add(i * PAGE), Data::Easy, seed(i)) };
+    }
+    advise(p, pages, libc::MADV_MERGEABLE)?;
+    std::thread::sleep(settle);
+    for i in 0..pages {
+        // SAFETY: a word of page i, which only this thread touches.
+        unsafe { std::ptr::write_volatile(p.add(i * PAGE + MARK_WORD).cast::<u64>(), MARK) };
+    }
+    std::thread::sleep(settle);
+    out.huge_pages = pageone_sys::Pagemap::open()
+        .and_then(|pm| pm.count_pages(p as usize, pages, pageone_sys::uapi::PAGE_IS_HUGE))
+        .ok()
+        .map(|n| n as u64);
+    let words = pages * PAGE / 8;
+    let (mut x, mut sink) = (0x9E37_79B9_7F4A_7C15u64, 0u64);
+    for _ in 0..BATCHES {
+        let ns = timed(|| {
+            for _ in 0..READS {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // SAFETY: a word inside the region, which only this thread touches.
+                let v = unsafe { std::ptr::read_volatile(p.cast::<u64>().add(x as usize % words)) };
+                // The next address depends on the word read: one miss at a time, as a program
+                // following pointers takes them, so a TLB miss costs what it costs.
+                x ^= v & 0xFFFF;
+                sink = sink.wrapping_add(v);
+            }
+        });
+        h.record(ns / READS as u64);
+    }
+    std::hint::black_box(sink);
+    for i in 0..pages {
+        let mut want = [0u8; PAGE];
+        // SAFETY: `want` is a local page of zeros.
+        unsafe { fill_page(want.as_mut_ptr(), Data::Easy, seed(i)) };
+        want[MARK_WORD..MARK_WORD + 8].copy_from_slice(&MARK.to_ne_bytes());
+        out.wrong_pages += u64::from(read_page(p.wrapping_add(i * PAGE)) != want);
+    }
+    // SAFETY: mapped above, no reference into it.
+    unsafe { libc::munmap(raw.cast(), (pages + HUGE / PAGE) * PAGE) };
     Ok(())
 }
 

@@ -62,6 +62,9 @@ pub struct OpResult {
     pub ns_per_call: Option<Summary>,
     /// [`Op::WriteStall`]: writes that took at least 100 µs, 1 ms and 10 ms.
     pub stalls_over: Option<[u64; 3]>,
+    /// [`Op::HugeRead`]: the least fraction of the region mapped by huge pages when the reads
+    /// began, over the repetitions.
+    pub huge_fraction: Option<f64>,
     pub wrong_pages: u64,
 }
 
@@ -202,6 +205,7 @@ fn op_on_side(setup: &Setup, op: Op, side: Side) -> Result<OpResult, Error> {
         ns_per_page: Summary::default(),
         ns_per_call: None,
         stalls_over: None,
+        huge_fraction: None,
         wrong_pages: 0,
     };
     for _ in 0..setup.reps {
@@ -215,6 +219,10 @@ fn op_on_side(setup: &Setup, op: Op, side: Side) -> Result<OpResult, Error> {
             r.merged_fraction_after = Some(f);
         }
         r.merge_seconds = r.merge_seconds.max(o.merge_seconds);
+        if let Some(h) = o.huge_pages {
+            let f = h as f64 / (setup.pages / 512 * 512).max(1) as f64;
+            r.huge_fraction = Some(r.huge_fraction.unwrap_or(1.0).min(f));
+        }
         r.wrong_pages += o.wrong_pages;
         per_page.merge(&Histogram::from_sparse(&o.per_page));
         if let Some(c) = &o.per_call {

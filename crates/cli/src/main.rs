@@ -29,6 +29,8 @@ Environment:
   PAGEONE_WORKERS             their worker threads
   PAGEONE_POPULATE_MERGED=1   their merged pages are mapped as they merge (a first read is
                               then a load, not a page fault; merging costs more CPU)
+  PAGEONE_RESTORE_HUGE_PAGES=0  huge pages split by the watch stay split (by default,
+                              quiet unique memory is collapsed back into huge pages)
   PAGEONE_PRELOAD             the shim `pageone run` preloads
   PAGEONE_LOG                 log filter (e.g. info, pageone_engine=debug)";
 

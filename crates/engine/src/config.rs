@@ -60,6 +60,10 @@ pub struct Config {
     /// Changed at run time, it applies from the next period (pages registered while it was off
     /// are watched from their first write after it is turned on).
     pub merging: bool,
+    /// Collapse registered memory back into huge pages where the watch's write-protection split
+    /// them and nothing merged (`MADV_COLLAPSE`, a few per period; see `docs/DESIGN.md`, "Huge
+    /// pages"). On by default; only where the kernel gave the region huge pages.
+    pub restore_huge_pages: bool,
     /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
     /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET` (ignored, like every
     /// `PAGEONE_*` variable, in a set-user-ID, set-group-ID or file-capability program).
@@ -82,6 +86,7 @@ impl Default for Config {
             watch: WatchMode::Auto,
             vma_margin: 1024,
             populate_merged: false,
+            restore_huge_pages: true,
             merging: true,
             daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
         }
@@ -132,6 +137,11 @@ impl Builder {
     }
     pub fn populate_merged(mut self, on: bool) -> Self {
         self.config.populate_merged = on;
+        self
+    }
+    /// Off: huge pages split by the watch stay split (see [`Config::restore_huge_pages`]).
+    pub fn restore_huge_pages(mut self, on: bool) -> Self {
+        self.config.restore_huge_pages = on;
         self
     }
     /// Off: recycle only, never merge (see [`Config::merging`]).

@@ -165,6 +165,7 @@ fn split_off(r: &mut RegionState, at: usize) -> RegionState {
         merged_ever: r.merged_ever,
         armed_at: r.armed_at,
         sums: r.sums.split_off(i.min(r.sums.len())),
+        huge_seen: r.huge_seen,
     }
 }
 
@@ -282,6 +283,7 @@ mod tests {
             merged_ever: false,
             armed_at: None,
             sums: vec![0; n],
+            huge_seen: false,
         }
     }
 

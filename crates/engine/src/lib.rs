@@ -90,6 +90,7 @@ mod engine;
 mod error;
 mod faults;
 mod freeze;
+mod huge;
 mod layout;
 mod parking;
 mod period;

@@ -325,6 +325,8 @@ struct Watched {
     tickets: Tickets,
     /// Whether waiting pages are asked about again this period (see `relook_due`).
     relook_now: bool,
+    /// Huge pages to collapse again after the merges (see the `huge` module).
+    collapsible: Vec<usize>,
 }
 
 /// PPR tickets claimed this period: their pages as candidates, in address order, and the
@@ -358,6 +360,7 @@ fn run_period(cx: &PeriodCtx<'_>, kicked: bool) -> io::Result<()> {
         waiting,
         tickets,
         relook_now,
+        collapsible,
     } = observe(cx, kicked, period, recycler.as_deref())?;
     // Read-ahead still running is waited for when there is something to classify: it is that
     // same work, started earlier.
@@ -396,6 +399,8 @@ fn run_period(cx: &PeriodCtx<'_>, kicked: bool) -> io::Result<()> {
     if let (Some(pool), true) = (&recycler, recycling) {
         finish_tickets(sh, pool, &tickets);
     }
+    // After the merges: a huge page holding a page merged this period is not collapsed.
+    crate::huge::collapse(sh, &collapsible, cx.config.merge_period);
     tidy_up(sh, many, handed.worked, period);
     Ok(())
 }
@@ -438,6 +443,7 @@ fn observe(
     let Watch {
         mut candidates,
         mut zero_probes,
+        collapsible,
     } = watch(cx.sh, &mut st, cx.config, kicked)?;
     // Pages marked free (PPR) are released this period: they skip the unchanged wait.
     let tickets = match recycler {
@@ -472,6 +478,7 @@ fn observe(
         waiting: !st.unstable.is_empty(),
         tickets,
         relook_now,
+        collapsible,
     })
 }
 

@@ -106,6 +106,7 @@ fn register_locked(
             merged_ever: !unmergeable.is_empty(),
             armed_at: (sh.mode == WatchMode::UffdWp).then(Instant::now),
             sums,
+            huge_seen: false,
         },
     );
     if merging {
@@ -477,6 +478,7 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
             failed.push((p.start, p.end));
         }
     }
+    st.huge.forget(start..end);
     // A parked page's waiters are held by the registration: its bytes go back first.
     sh.parking
         .put_back_before_unregistering(&sh.uffd, start..end);

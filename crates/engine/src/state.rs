@@ -16,6 +16,7 @@ use crate::access::PAGE;
 use crate::changes::ChangeLog;
 use crate::config::{Config, WatchMode};
 use crate::freeze::FrozenRange;
+use crate::huge::Collapsed;
 use crate::parking::Parking;
 use crate::read_ahead::{AheadBlock, AheadJob};
 use crate::sightings::FirstSightings;
@@ -92,6 +93,8 @@ pub(crate) struct RegionState {
     pub(crate) armed_at: Option<Instant>,
     /// Checksums of the last period (checksum mode only).
     pub(crate) sums: Vec<u64>,
+    /// Whether the kernel mapped huge pages here (see the `huge` module).
+    pub(crate) huge_seen: bool,
 }
 
 impl RegionState {
@@ -144,6 +147,8 @@ pub(crate) struct State {
     pub(crate) ahead_jobs: Vec<AheadJob>,
     pub(crate) ahead: Vec<AheadBlock>,
     pub(crate) ahead_age: u32,
+    /// Huge pages collapsed again (see the `huge` module).
+    pub(crate) huge: Collapsed,
 }
 
 impl State {
@@ -174,6 +179,7 @@ impl State {
             ahead_jobs: Vec::new(),
             ahead: Vec::new(),
             ahead_age: 0,
+            huge: Collapsed::default(),
         }
     }
 }
@@ -272,4 +278,6 @@ pub(crate) struct Counters {
     pub(crate) left_private: AtomicU64,
     /// Missing faults answered by the fault thread.
     pub(crate) faults_answered: AtomicU64,
+    /// Huge pages collapsed again (see the `huge` module).
+    pub(crate) huge_restored: AtomicU64,
 }

@@ -70,6 +70,9 @@ pub struct Stats {
     /// thread; the engine maps the zero page over memory it registers and pages it releases so that
     /// first touches stay in the kernel.
     pub faults_answered: u64,
+    /// Huge pages the engine collapsed again where the watch had split them and nothing merged
+    /// (see `docs/DESIGN.md`, "Huge pages").
+    pub huge_pages_restored: u64,
 }
 
 impl Stats {
@@ -157,6 +160,7 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         daemon_joins: c.joins.load(Ordering::Relaxed),
         pages_left_private: c.left_private.load(Ordering::Relaxed),
         faults_answered: c.faults_answered.load(Ordering::Relaxed),
+        huge_pages_restored: c.huge_restored.load(Ordering::Relaxed),
         general_profit: ((sharing + zero) * PAGE as u64) as i64 - meta as i64,
         merges: c.merges.load(Ordering::Relaxed),
         cow_breaks: c.cow_breaks.load(Ordering::Relaxed),

@@ -16,6 +16,7 @@ use pageone_sys::{self as sys, uapi::*};
 use crate::access::{checksum_changed, is_zero, PageReader, Pre, PAGE};
 use crate::candidates::Candidate;
 use crate::config::{Config, WatchMode};
+use crate::huge::CAT_HUGE;
 use crate::state::{Page, PageKind, RegionState, Shared, State};
 use crate::store::Store;
 
@@ -26,6 +27,8 @@ pub(crate) struct Watch {
     /// Pages that were written and have just stopped changing, to be read now: a zero page among
     /// them is released at once (see [`release_zero_probes`]).
     pub(crate) zero_probes: Vec<Candidate>,
+    /// Huge pages to collapse again after the period's merges (see the `huge` module).
+    pub(crate) collapsible: Vec<usize>,
 }
 
 /// Finds written pages and returns the candidates (unchanged long enough, present, anonymous).
@@ -42,6 +45,7 @@ pub(crate) fn watch(
         return Ok(Watch {
             candidates: Vec::new(),
             zero_probes: Vec::new(),
+            collapsible: Vec::new(),
         });
     }
     let now = Instant::now();
@@ -63,8 +67,10 @@ pub(crate) fn watch(
         store,
         zero,
         stale_sightings,
+        huge,
         ..
     } = st;
+    let mut collapsible = Vec::new();
     let mut reader = PageReader::new();
     for r in regions.values_mut() {
         let step = unchanged_step(r, now, kicked, config);
@@ -84,6 +90,9 @@ pub(crate) fn watch(
             reader: &mut reader,
         };
         w.pages(r, &scan.cats);
+        if sh.mode == WatchMode::UffdWp && config.restore_huge_pages {
+            crate::huge::collapsible(r, &scan.cats, huge, &mut collapsible);
+        }
     }
     st.volatile = tally.volatile;
     st.written = tally.written;
@@ -101,6 +110,7 @@ pub(crate) fn watch(
     Ok(Watch {
         candidates: tally.out,
         zero_probes: tally.zero_probes,
+        collapsible,
     })
 }
 
@@ -454,7 +464,7 @@ fn anonymous_pages() -> sys::ScanQuery {
         category_mask: PAGE_IS_PFNZERO,
         category_inverted: PAGE_IS_PFNZERO,
         category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
-        return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_HUGE,
     }
 }
 
@@ -473,7 +483,8 @@ fn store_mappings() -> sys::ScanQuery {
 }
 
 /// Adds the scan results `found` (ranges of a region starting at `start`) to the per-page
-/// categories: bit 0 present, bit 1 file-backed, bit 2 zero pfn, bit 3 written.
+/// categories: bit 0 present, bit 1 file-backed, bit 2 zero pfn, bit 3 written, bit 4 mapped by
+/// a huge page.
 fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
     for pr in found {
         let mut bits = 0;
@@ -482,6 +493,7 @@ fn mark_pages(cats: &mut [u8], start: usize, found: &[PageRegion]) {
             (PAGE_IS_FILE, 2),
             (PAGE_IS_PFNZERO, 4),
             (PAGE_IS_WRITTEN, 8),
+            (PAGE_IS_HUGE, CAT_HUGE),
         ] {
             if pr.categories & cat != 0 {
                 bits |= bit;
@@ -621,6 +633,7 @@ mod tests {
             merged_ever: true,
             armed_at: None,
             sums: Vec::new(),
+            huge_seen: false,
         };
         let mut scan = ScanBuffers::default();
         let mut categories = || {

@@ -287,3 +287,171 @@ fn half_duplicate_huge_pages_merge_their_duplicates_only() {
         assert!(m.page(i) == want, "page {i} changed by unregistering");
     }
 }
+
+/// (c) Huge pages split by writes after registration (async write-protection splits a protected
+/// huge page at its first write) are collapsed back once their pages are unique and quiet, every
+/// byte unchanged; a write after that is still seen (a page made a duplicate merges). With
+/// `restore_huge_pages` off they stay split.
+#[test]
+fn huge_pages_split_by_writes_come_back_where_nothing_merges() {
+    let _g = serial();
+    for restore in [true, false] {
+        let n = 6;
+        let m = HugeMapping::new(n * HUGE);
+        let content = |i: usize, round: u64| (i as u64 + 1) * 1000 + round;
+        for i in 0..m.len / PAGE {
+            fill(m.page(i), content(i, 0));
+        }
+        if huge_mapped(m.base, m.len) < m.len / PAGE {
+            eprintln!("skipped: transparent huge pages are not available here");
+            return;
+        }
+        let e = Engine::builder()
+            .merge_period(Duration::from_millis(20))
+            .watch(WatchMode::Auto)
+            .restore_huge_pages(restore)
+            .build()
+            .unwrap();
+        if e.watch_mode() != WatchMode::UffdWp {
+            eprintln!("skipped: no async write-protection here");
+            return;
+        }
+        e.register(m.base as *mut u8, m.len).unwrap();
+        wait_for(&e, |s| s.full_scans >= 4);
+        // Written again: each huge page's first write splits it.
+        for i in 0..m.len / PAGE {
+            fill(m.page(i), content(i, 1));
+        }
+        assert_eq!(huge_mapped(m.base, m.len), 0, "the writes split them");
+        let scans = e.stats().full_scans;
+        let s = wait_for(&e, |s| {
+            s.huge_pages_restored >= n as u64 || (!restore && s.full_scans >= scans + 12)
+        });
+        let scans = s.full_scans;
+        let s = wait_for(&e, |s| s.full_scans >= scans + 6);
+        assert_eq!(s.pages_sharing, 0, "{s:?}");
+        for i in 0..m.len / PAGE {
+            assert!(check(m.page(i), content(i, 1)), "page {i} changed");
+        }
+        if !restore {
+            assert_eq!(s.huge_pages_restored, 0, "{s:?}");
+            assert_eq!(huge_mapped(m.base, m.len), 0, "nothing collapses them");
+            e.unregister(m.base as *mut u8, m.len).unwrap();
+            continue;
+        }
+        assert!(s.huge_pages_restored >= n as u64, "{s:?}");
+        assert_eq!(
+            huge_mapped(m.base, m.len),
+            m.len / PAGE,
+            "collapsed back, and not split again while nothing is written"
+        );
+        // A write after the collapse is seen: page 1 becomes a copy of page 0 and merges.
+        fill(m.page(1), content(0, 1));
+        let s = wait_for(&e, |s| s.pages_sharing >= 1);
+        assert_eq!(s.pages_sharing, 1, "{s:?}");
+        assert!(check(m.page(1), content(0, 1)));
+        for i in (0..m.len / PAGE).filter(|&i| i != 1) {
+            assert!(check(m.page(i), content(i, 1)), "page {i} changed");
+        }
+        e.unregister(m.base as *mut u8, m.len).unwrap();
+        for i in (0..m.len / PAGE).filter(|&i| i != 1) {
+            assert!(
+                check(m.page(i), content(i, 1)),
+                "page {i} changed by unregistering"
+            );
+        }
+    }
+}
+
+/// (d) Writers keep writing unique contents into one huge page after another (each keeps a
+/// shadow of what it wrote and checks every page it reads) while the engine collapses the quiet
+/// ones back: no write is lost, whether it lands before, during or after a collapse.
+#[test]
+fn no_write_is_lost_while_huge_pages_are_collapsed_back() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let _g = serial();
+    let chunks = 16;
+    let m = HugeMapping::new(chunks * HUGE);
+    let n = m.len / PAGE;
+    // Every page a content of its own in every round: nothing merges.
+    let word =
+        |page: usize, round: u64, w: usize| ((page as u64 + 1) << 32) ^ (round << 12) ^ w as u64;
+    let base = m.base;
+    let write = move |page: usize, round: u64| {
+        let p = (base + page * PAGE) as *mut u64;
+        for w in 0..PAGE / 8 {
+            // SAFETY: the page is inside the test's mapping and owned by the writing thread.
+            unsafe { std::ptr::write_volatile(p.add(w), word(page, round, w)) };
+        }
+    };
+    let read_ok = move |page: usize, round: u64| {
+        let p = (base + page * PAGE) as *const u64;
+        // SAFETY: as above.
+        (0..PAGE / 8).all(|w| unsafe { std::ptr::read_volatile(p.add(w)) } == word(page, round, w))
+    };
+    for page in 0..n {
+        write(page, 0);
+    }
+    if huge_mapped(m.base, m.len) < n {
+        eprintln!("skipped: transparent huge pages are not available here");
+        return;
+    }
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(10))
+        .merge_periods(1)
+        .build()
+        .unwrap();
+    if e.watch_mode() != WatchMode::UffdWp {
+        eprintln!("skipped: no async write-protection here");
+        return;
+    }
+    e.register(m.base as *mut u8, m.len).unwrap();
+    let writers = 2;
+    let (stop, lost, writes) = (AtomicBool::new(false), AtomicU64::new(0), AtomicU64::new(0));
+    std::thread::scope(|s| {
+        for t in 0..writers {
+            let (stop, lost, writes) = (&stop, &lost, &writes);
+            s.spawn(move || {
+                let mut shadow = vec![0u64; n];
+                let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ t as u64;
+                let mut next = || {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x
+                };
+                let t0 = std::time::Instant::now();
+                while !stop.load(Ordering::Relaxed) {
+                    // The hot huge page moves on every 150 ms; the others go quiet.
+                    let hot = (t0.elapsed().as_millis() / 150) as usize * 5 % chunks;
+                    for _ in 0..16 {
+                        let page = hot * PER + (next() as usize % (PER / writers)) * writers + t;
+                        if !read_ok(page, shadow[page]) {
+                            lost.fetch_add(1, Ordering::Relaxed);
+                        }
+                        shadow[page] += 1;
+                        write(page, shadow[page]);
+                        writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                for page in (t..n).step_by(writers) {
+                    if !read_ok(page, shadow[page]) {
+                        lost.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_secs(4));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let s = e.stats();
+    eprintln!("{} writes; {s:?}", writes.load(Ordering::Relaxed));
+    assert_eq!(lost.load(Ordering::Relaxed), 0, "writes were lost");
+    assert!(
+        s.huge_pages_restored >= 4,
+        "too few huge pages collapsed back to prove anything: {s:?}"
+    );
+    assert_eq!(s.pages_sharing, 0, "{s:?}");
+    e.unregister(m.base as *mut u8, m.len).unwrap();
+}

@@ -102,8 +102,9 @@ fn log(msg: &str) {
 }
 
 /// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`,
-/// the worker threads from `PAGEONE_WORKERS` and `PAGEONE_POPULATE_MERGED=1` (ignored, like every
-/// `PAGEONE_*` variable, in set-user-ID and similar secure-execution programs).
+/// the worker threads from `PAGEONE_WORKERS`, `PAGEONE_POPULATE_MERGED=1` and
+/// `PAGEONE_RESTORE_HUGE_PAGES=0` (ignored, like every `PAGEONE_*` variable, in set-user-ID and
+/// similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
     let b = Engine::builder();
     let b = match setting(c"PAGEONE_MERGE_PERIOD_MS", "milliseconds") {
@@ -114,12 +115,19 @@ fn builder() -> pageone_engine::Builder {
         Some(n) => b.workers(n as usize),
         None => b,
     };
-    match setting(
+    let b = match setting(
         c"PAGEONE_POPULATE_MERGED",
         "(1 to map merged pages as they merge)",
     ) {
         Some(_) => b.populate_merged(true),
         None => b,
+    };
+    match env_text(c"PAGEONE_RESTORE_HUGE_PAGES")
+        .as_deref()
+        .map(str::trim)
+    {
+        Some("0") => b.restore_huge_pages(false),
+        _ => b,
     }
 }
 

@@ -35,7 +35,7 @@ pub struct OverheadArgs {
     #[arg(long, value_delimiter = ',', default_value = "plain,ksm,pageone")]
     sides: Vec<String>,
     /// The operations to run, comma-separated [default: all]: first-touch, read-merged,
-    /// write-merged, munmap, dontneed, free, mprotect, fork, exit, write-stall.
+    /// write-merged, munmap, dontneed, free, mprotect, fork, exit, write-stall, huge-read.
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,
     /// pageone's merge period (PAGEONE_MERGE_PERIOD_MS) in milliseconds.
@@ -158,6 +158,10 @@ fn row(r: &OpResult) {
     let stalls = r.stalls_over.map_or(String::new(), |[a, b, c]| {
         format!("  ({a} writes >= 100 us, {b} >= 1 ms, {c} >= 10 ms)")
     });
+    let stalls = match r.huge_fraction {
+        Some(f) => format!("{stalls}  ({:.0}% mapped by huge pages)", 100.0 * f),
+        None => stalls,
+    };
     println!(
         "{:<13} {:<8} {:>10} {:>10} {:>10} {:>21} {:>7.1}% {:>6}{stalls}",
         r.op.name(),

@@ -35,7 +35,7 @@ struct Percentiles {
 
 /// pageone first (blue), then KSM (orange), then plain (grey), as the chart's colours go.
 const SIDES: [(&str, &str); 3] = [("pageone", "pageone"), ("ksm", "KSM"), ("plain", "plain")];
-const TOUCHES: [&str; 3] = ["first-touch", "read-merged", "write-merged"];
+const TOUCHES: [&str; 4] = ["first-touch", "read-merged", "write-merged", "huge-read"];
 const CALLS: [&str; 6] = ["munmap", "dontneed", "free", "mprotect", "fork", "exit"];
 
 fn label(op: &str) -> String {
@@ -43,6 +43,7 @@ fn label(op: &str) -> String {
         "first-touch" => "first touch".into(),
         "read-merged" => "read".into(),
         "write-merged" => "write (CoW)".into(),
+        "huge-read" => "random read (THP)".into(),
         o => o.into(),
     }
 }
