@@ -354,6 +354,16 @@ enum pageone_status pageone_config_set_populate_merged(struct pageone_config *cf
 enum pageone_status pageone_config_set_merging(struct pageone_config *cfg, bool on);
 
 /**
+ * Sets whether huge pages the watch split are collapsed back where nothing merged (the
+ * default; `restore_huge_pages` in the Rust API).
+ *
+ * # Safety
+ *
+ * `cfg` must be NULL or a live configuration not used by another thread during the call.
+ */
+enum pageone_status pageone_config_set_restore_huge_pages(struct pageone_config *cfg, bool on);
+
+/**
  * Sets how written pages are detected: a `pageone_watch_mode`. Other values give
  * `PAGEONE_INVALID_ARGUMENT`.
  *

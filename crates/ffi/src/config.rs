@@ -200,6 +200,21 @@ pub unsafe extern "C" fn pageone_config_set_merging(
     unsafe { config_setter!(cfg.merging = on) }
 }
 
+/// Sets whether huge pages the watch split are collapsed back where nothing merged (the
+/// default; `restore_huge_pages` in the Rust API).
+///
+/// # Safety
+///
+/// `cfg` must be NULL or a live configuration not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_config_set_restore_huge_pages(
+    cfg: *mut pageone_config,
+    on: bool,
+) -> pageone_status {
+    // SAFETY: NULL or a live configuration used by no other thread, by the contract.
+    unsafe { config_setter!(cfg.restore_huge_pages = on) }
+}
+
 /// Sets how written pages are detected: a `pageone_watch_mode`. Other values give
 /// `PAGEONE_INVALID_ARGUMENT`.
 ///
