@@ -27,6 +27,9 @@ const MARK: u64 = 0x5EED_F00D_u64;
 pub enum Op {
     /// The first write to each page of fresh memory.
     FirstTouch,
+    /// The same while another thread of the program runs on another CPU (a vCPU, a worker): a
+    /// first touch that replaces a mapped page (the zero page) then costs a TLB shootdown there.
+    FirstTouchBusy,
     /// The first read of each page of a merged region.
     ReadMerged,
     /// The first write to each page of a merged region (copy-on-write break).
@@ -54,8 +57,9 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 12] = [
         Op::FirstTouch,
+        Op::FirstTouchBusy,
         Op::ReadMerged,
         Op::WriteMerged,
         Op::Munmap,
@@ -71,6 +75,7 @@ impl Op {
     pub fn name(self) -> &'static str {
         match self {
             Op::FirstTouch => "first-touch",
+            Op::FirstTouchBusy => "first-touch-busy",
             Op::ReadMerged => "read-merged",
             Op::WriteMerged => "write-merged",
             Op::Munmap => "munmap",
@@ -326,6 +331,24 @@ pub fn child(s: &OpSpec) -> std::io::Result<()> {
     let (mut per_page, mut per_call) = (Histogram::default(), Histogram::default());
     if s.op == Op::FirstTouch {
         first_touch(s, &mut out, &mut per_page)?;
+    } else if s.op == Op::FirstTouchBusy {
+        // A thread of the program spinning meanwhile (on the other CPU, as the scheduler places
+        // it), stopped once the touches are timed.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let spinner = {
+            let stop = stop.clone();
+            // Relaxed: a stop flag only.
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        let r = first_touch(s, &mut out, &mut per_page);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        spinner.join().expect("the spinning thread");
+        r?;
     } else if s.op == Op::HugeRead {
         huge_read(s, &mut out, &mut per_page)?;
     } else {

@@ -34,7 +34,8 @@ pub struct OverheadArgs {
     /// The sides to run, comma-separated: plain, ksm, pageone.
     #[arg(long, value_delimiter = ',', default_value = "plain,ksm,pageone")]
     sides: Vec<String>,
-    /// The operations to run, comma-separated [default: all]: first-touch, read-merged,
+    /// The operations to run, comma-separated [default: all]: first-touch, first-touch-busy,
+    /// read-merged,
     /// write-merged, munmap, dontneed, free, mprotect, fork, exit, write-stall, huge-read.
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,

@@ -35,12 +35,19 @@ struct Percentiles {
 
 /// pageone first (blue), then KSM (orange), then plain (grey), as the chart's colours go.
 const SIDES: [(&str, &str); 3] = [("pageone", "pageone"), ("ksm", "KSM"), ("plain", "plain")];
-const TOUCHES: [&str; 4] = ["first-touch", "read-merged", "write-merged", "huge-read"];
+const TOUCHES: [&str; 5] = [
+    "first-touch",
+    "first-touch-busy",
+    "read-merged",
+    "write-merged",
+    "huge-read",
+];
 const CALLS: [&str; 6] = ["munmap", "dontneed", "free", "mprotect", "fork", "exit"];
 
 fn label(op: &str) -> String {
     match op {
         "first-touch" => "first touch".into(),
+        "first-touch-busy" => "first touch, a thread busy".into(),
         "read-merged" => "read".into(),
         "write-merged" => "write (CoW)".into(),
         "huge-read" => "random read (THP)".into(),
