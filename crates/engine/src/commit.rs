@@ -22,9 +22,9 @@ use crate::candidates::{Action, Candidate};
 use crate::changes::{Change, Fate};
 use crate::classify::Classified;
 use crate::colocate::Colocated;
-use crate::config::{Config, WatchMode};
+use crate::config::Config;
 use crate::freeze::{
-    Freezer, FrozenRun, NormalPriority, ProtectedRun, RestoreReport, Scratch, MAX_RUN,
+    Freezer, FrozenRun, NormalPriority, ProtectedRun, Rearm, RestoreReport, Scratch, MAX_RUN,
 };
 use crate::layout::holding_still;
 use crate::state::{Page, PageKind, RegionState, Shared, State};
@@ -190,6 +190,10 @@ fn commit_run(
         pagemap: &pagemap,
         changes: &sh.changes,
         parking: &sh.parking,
+        rearm: sh.freeze_mode.map(|frozen| Rearm {
+            frozen,
+            watched: sh.reg_mode,
+        }),
     };
     map_copies_before_freeze(&plan.acts[..run.n], &plan.holes, plan.store_base);
     let tf = Instant::now();
@@ -531,14 +535,9 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
             continue;
         }
         let m = (k..run.n).take_while(|&q| released(q)).count();
+        // Released pages stay empty: once the run is no longer registered for missing faults
+        // (when the guard goes), a touch there is the kernel's own fault.
         (k..k + m).for_each(|q| frozen.consume(q));
-        // Released pages read the shared zero page from now on, mapped before the writers are
-        // woken: a later touch is the kernel's, not a missing fault answered by the fault thread.
-        // (Checksum watching cannot tell the zero page from a page of zeros: it leaves them
-        // empty.)
-        if cx.sh.mode == WatchMode::UffdWp {
-            let _ = cx.sh.uffd.fill_zero_pages(run.start + k * PAGE, m * PAGE);
-        }
         k += m;
     }
     out.restore = frozen.restore();
@@ -565,7 +564,7 @@ fn replace_frozen(
         // copies, which the plan holds.
         match unsafe { map_subrun(plan.fd, addr, sid, m) } {
             Ok(()) => {
-                (k..k + m).for_each(|q| frozen.consume(q));
+                (k..k + m).for_each(|q| frozen.consume_mapped(q));
                 watch_store_mapping(cx.sh, addr, m);
                 map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
             }
@@ -993,12 +992,8 @@ unsafe fn release_zeroed(
         return Err(e);
     }
     *rs.vmas += COST;
-    // Registered for missing pages first, so that the zero page can be mapped through the
-    // context.
+    // Registered like the memory around it; empty, a touch is the kernel's own fault.
     let registered = sh.uffd.register(addr, len, sh.reg_mode);
-    if registered.is_ok() && sh.mode == WatchMode::UffdWp {
-        let _ = sh.uffd.fill_zero_pages(addr, len);
-    }
     // Not registered (the kernel refused): the pages hold nothing, but a freeze by moving them
     // out would not hold writers off there. As pages of a store mapping, a later freeze is a
     // write-protection through the store mappings' context, which fails: they are left alone.

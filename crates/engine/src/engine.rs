@@ -46,6 +46,9 @@ struct Watch {
     mode: WatchMode,
     /// How registered memory is registered with `uffd`.
     reg_mode: u64,
+    /// How a frozen run is registered while frozen, if not as registered memory is (see
+    /// `Shared::freeze_mode`).
+    freeze_mode: Option<u64>,
 }
 
 impl Watch {
@@ -83,16 +86,21 @@ impl Watch {
             _ if wp_ok => WatchMode::UffdWp,
             _ => WatchMode::Checksum,
         };
-        let reg_mode = UFFDIO_REGISTER_MODE_MISSING
-            | if mode == WatchMode::UffdWp {
-                UFFDIO_REGISTER_MODE_WP
-            } else {
-                0
-            };
+        // Watching by write-protection, registered memory is registered for write-protection
+        // only: a first touch, or a touch of a page released or dropped, is the kernel's own
+        // fault. Missing faults are asked for only on a run while it is frozen (its pages are
+        // moved out, and a touch must wait for them; see `freeze::Rearm`). Checksum watching
+        // registers for missing faults throughout.
+        let (reg_mode, freeze_mode) = if mode == WatchMode::UffdWp {
+            (UFFDIO_REGISTER_MODE_WP, Some(UFFDIO_REGISTER_MODE_MISSING))
+        } else {
+            (UFFDIO_REGISTER_MODE_MISSING, None)
+        };
         Ok(Watch {
             uffd,
             mode,
             reg_mode,
+            freeze_mode,
         })
     }
 }
@@ -130,14 +138,19 @@ impl Engine {
             uffd,
             mode,
             reg_mode,
+            freeze_mode,
         } = Watch::open(&config)?;
         let config_workers = config.workers;
         let (store, daemon_unreachable) = open_store(&config)?;
         // The scratch area receives frozen pages; UFFDIO_MOVE needs its destination registered
-        // with the same context and the same protections as the source.
+        // with the same context and the same protections as the source (a frozen run).
         let scratch = sys::mmap_anonymous(SCRATCH_SLOTS * PAGE).map_err(EngineError::Map)? as usize;
-        uffd.register(scratch, SCRATCH_SLOTS * PAGE, reg_mode)
-            .map_err(EngineError::Uffd)?;
+        uffd.register(
+            scratch,
+            SCRATCH_SLOTS * PAGE,
+            freeze_mode.unwrap_or(reg_mode),
+        )
+        .map_err(EngineError::Uffd)?;
         // A child of a fork must not share the frozen pages held there: moving them back would
         // fail (a page shared with a child cannot move).
         // SAFETY: MADV_DONTFORK changes no contents of the engine's own scratch area.
@@ -166,7 +179,7 @@ impl Engine {
             store_uffd,
             mode,
             reg_mode,
-            huge_zero_unflagged: mode == WatchMode::UffdWp && sys::huge_zero_page_unflagged(),
+            freeze_mode,
             daemon_unreachable,
             state: Mutex::new(State::new(store, scratch, pagemap)),
             period_lock: Mutex::new(()),

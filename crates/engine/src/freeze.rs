@@ -187,6 +187,24 @@ pub(crate) struct Freezer<'a> {
     pub(crate) changes: &'a Mutex<ChangeLog>,
     /// Where a page that cannot be put back waits (see the `parking` module).
     pub(crate) parking: &'a Parking,
+    /// How the run is registered while frozen and after, when registered memory is not
+    /// registered for missing faults (see `Shared::freeze_mode`).
+    pub(crate) rearm: Option<Rearm>,
+}
+
+/// The registration modes of a run while it is frozen (missing faults: a touch waits for its
+/// page) and after (as registered memory is: write-protection only).
+///
+/// The kernel takes a registration for a mode already registered as nothing to do, so the run
+/// is registered for missing faults *only* while frozen, which replaces the write-protection
+/// mode, and for write-protection only after, which replaces that. Its moved pages come back as
+/// new entries without a write-protect bit (written, to the watch), as ever after a freeze; a
+/// page that could not move keeps its bit, which a write while the run was frozen would leave
+/// on a writable entry: so such pages are un-protected after (written, to the watch).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rearm {
+    pub(crate) frozen: u64,
+    pub(crate) watched: u64,
 }
 
 /// A run of anonymous pages moved out into its scratch slots: page `k` is in slot `k` from the
@@ -198,6 +216,11 @@ pub(crate) struct FrozenRun<'a> {
     range: &'a FrozenRange,
     changes: &'a Mutex<ChangeLog>,
     parking: &'a Parking,
+    rearm: Option<Rearm>,
+    /// Whether the run was registered for missing faults (if `rearm`), so its pages could move.
+    registered: bool,
+    /// Whether a page of it was parked (see `restore`).
+    parked: bool,
     /// The change log's mark at the freeze.
     mark: usize,
     scratch: usize,
@@ -205,6 +228,8 @@ pub(crate) struct FrozenRun<'a> {
     n: usize,
     moved: [bool; MAX_RUN],
     consumed: [bool; MAX_RUN],
+    /// Consumed pages whose address now maps a copy (a mapping of its own, not the run's).
+    mapped: [bool; MAX_RUN],
     /// Where a page went back when the program moved its mapping meanwhile (else 0): its
     /// writers are woken there.
     moved_to: [usize; MAX_RUN],
@@ -232,23 +257,34 @@ impl<'a> FrozenRun<'a> {
         assert!(n <= MAX_RUN, "a run of {n} pages exceeds the longest run");
         let mark = log.mark();
         f.range.publish(start, n, mark);
+        // Missing faults first: once a page is out, a touch must wait for it. (Refused where the
+        // program unmapped part of the run meanwhile: then nothing moves.)
+        let registered = f
+            .rearm
+            .map_or(true, |r| f.uffd.register(start, n * PAGE, r.frozen).is_ok());
         let mut run = FrozenRun {
             uffd: f.uffd,
             range: f.range,
             changes: f.changes,
             parking: f.parking,
+            rearm: f.rearm,
+            registered,
+            parked: false,
             mark,
             scratch: f.scratch,
             start,
             n,
             moved: [false; MAX_RUN],
             consumed: [false; MAX_RUN],
+            mapped: [false; MAX_RUN],
             moved_to: [0; MAX_RUN],
             restored: false,
             #[cfg(test)]
             fail_pages: 0,
         };
-        run.move_out(f.pagemap);
+        if registered {
+            run.move_out(f.pagemap);
+        }
         run
     }
 
@@ -309,6 +345,41 @@ impl<'a> FrozenRun<'a> {
         self.consumed[k] = true;
     }
 
+    /// Marks moved page `k` consumed by a copy mapped over its address (see [`consume`]): that
+    /// address is no longer part of the run's mapping.
+    ///
+    /// [`consume`]: Self::consume
+    pub(crate) fn consume_mapped(&mut self, k: usize) {
+        self.consume(k);
+        self.mapped[k] = true;
+    }
+
+    /// Registers the run's pages that are still its mapping's (put back, or released: empty) as
+    /// registered memory is, without missing faults again (see `Shared::freeze_mode`). Not while
+    /// a page of it is parked (its waiters need the missing faults), nor where the program
+    /// changed the mapping meanwhile (refused: missing faults there are answered by the fault
+    /// thread as before).
+    fn rearm_watch(&self) {
+        let Some(r) = self.rearm.filter(|_| self.registered && !self.parked) else {
+            return;
+        };
+        let mut k = 0;
+        while k < self.n {
+            if self.mapped[k] {
+                k += 1;
+                continue;
+            }
+            let m = (k..self.n).take_while(|&q| !self.mapped[q]).count();
+            let _ = self
+                .uffd
+                .register(self.start + k * PAGE, m * PAGE, r.watched);
+            k += m;
+        }
+        for k in (0..self.n).filter(|&k| !self.moved[k]) {
+            let _ = self.uffd.writeprotect(self.start + k * PAGE, PAGE, false);
+        }
+    }
+
     /// Puts back every moved page that was not consumed (the originals of merged and released
     /// pages stay in their slots until the [`Scratch`] discards them). The run stays frozen, its
     /// writers blocked, until the guard is dropped. Done once; dropping the guard does it if the commit did not. Returns
@@ -363,6 +434,7 @@ impl<'a> FrozenRun<'a> {
                     // writes.
                     PutBack::Failed(e) if unsafe { self.parking.park(to, slot) } => {
                         report.parked += 1;
+                        self.parked = true;
                         report.error = Some((to, e));
                         false
                     }
@@ -410,6 +482,7 @@ impl Drop for FrozenRun<'_> {
     fn drop(&mut self) {
         // On an early return or a panic the report is logged here, after the wake.
         let report = self.restore();
+        self.rearm_watch();
         self.range.clear();
         let _ = self.uffd.wake(self.start, self.n * PAGE);
         for &to in self.moved_to.iter().take(self.n).filter(|&&to| to != 0) {
@@ -591,10 +664,27 @@ mod tests {
         region: usize,
         scratch: usize,
         n: usize,
+        rearm: Option<Rearm>,
     }
 
     impl Frozen {
         fn new(n: usize) -> Self {
+            Self::registered(n, None)
+        }
+
+        /// The region registered for write-protection only, as the engine registers memory it
+        /// watches that way: missing faults only while a run is frozen.
+        fn watched(n: usize) -> Self {
+            Self::registered(
+                n,
+                Some(Rearm {
+                    frozen: UFFDIO_REGISTER_MODE_MISSING,
+                    watched: UFFDIO_REGISTER_MODE_WP,
+                }),
+            )
+        }
+
+        fn registered(n: usize, rearm: Option<Rearm>) -> Self {
             let uffd = sys::Uffd::open(UFFD_FEATURE_MOVE).unwrap();
             assert_ne!(
                 uffd.features() & UFFD_FEATURE_MOVE,
@@ -607,9 +697,12 @@ mod tests {
                 unsafe { std::ptr::write_bytes((region + k * PAGE) as *mut u8, k as u8 + 1, PAGE) };
             }
             let scratch = sys::mmap_anonymous(SCRATCH_SLOTS * PAGE).unwrap() as usize;
-            uffd.register(region, n * PAGE, UFFDIO_REGISTER_MODE_MISSING)
-                .unwrap();
-            uffd.register(scratch, SCRATCH_SLOTS * PAGE, UFFDIO_REGISTER_MODE_MISSING)
+            let (region_mode, scratch_mode) = match rearm {
+                Some(r) => (r.watched, r.frozen),
+                None => (UFFDIO_REGISTER_MODE_MISSING, UFFDIO_REGISTER_MODE_MISSING),
+            };
+            uffd.register(region, n * PAGE, region_mode).unwrap();
+            uffd.register(scratch, SCRATCH_SLOTS * PAGE, scratch_mode)
                 .unwrap();
             Frozen {
                 uffd,
@@ -620,6 +713,7 @@ mod tests {
                 region,
                 scratch,
                 n,
+                rearm,
             }
         }
 
@@ -636,6 +730,7 @@ mod tests {
                 pagemap: &self.pagemap,
                 changes: &self.changes,
                 parking: &self.parking,
+                rearm: self.rearm,
             };
             let log = lock(&self.changes);
             // SAFETY: the region and the scratch area are registered above and only this test
@@ -868,6 +963,43 @@ mod tests {
             [false],
             "a consumed page stays released"
         );
+    }
+
+    /// Memory registered for write-protection only: the run is registered for missing faults
+    /// while frozen (a writer waits for its page), and not after: a released page's address is
+    /// then the kernel's to fill on a touch, with no fault for anyone to answer.
+    #[test]
+    fn a_watched_run_waits_for_missing_faults_only_while_frozen() {
+        let t = Frozen::watched(3);
+        let mut run = t.freeze();
+        assert_eq!(
+            t.present(t.region, 3),
+            [false; 3],
+            "frozen pages are moved out"
+        );
+        let done = write_on_a_thread(t.region + 2 * PAGE, 0xee);
+        blocked_at(&t.uffd, t.region + 2 * PAGE);
+        assert!(done.try_recv().is_err(), "a write to a frozen page waits");
+        run.consume(1);
+        drop(run);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer is woken when the run is dropped");
+        assert!(t.intact(0, 1) && t.intact(2, 0xee));
+        // The released page: touched, the kernel maps a page of zeros; no fault reaches the
+        // context.
+        let done = write_on_a_thread(t.region + PAGE + 8, 7);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("a touch of a released page is the kernel's own fault");
+        assert!(
+            matches!(t.uffd.read_event(), Ok(None)),
+            "no fault was reported"
+        );
+        // SAFETY: a present page of this test's region; its writer is done.
+        let page = unsafe { std::slice::from_raw_parts((t.region + PAGE) as *const u8, PAGE) };
+        assert!(page
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == if i == 8 { 7 } else { 0 }));
     }
 
     /// Runs take slot after slot; the used slots are discarded when a run would not fit, and

@@ -76,9 +76,9 @@ fn register_locked(
 ) -> Result<(), EngineError> {
     let (a, end) = (range.start, range.end);
     let unmergeable = registrable(st, maps, a, end)?;
-    populate_zero_pages(sh, a..end, &unmergeable);
+    // Nothing is mapped over untouched pages: registered for write-protection only, a first
+    // touch is the kernel's own fault (see `Shared::freeze_mode`).
     watch_pieces(sh, a..end, &unmergeable)?;
-    fill_zero_pages(sh, a..end, &unmergeable);
     // (Config is a leaf lock: nothing takes another lock while holding it.)
     let merging = lock(&sh.config).merging;
     if sh.mode == WatchMode::UffdWp && merging {
@@ -117,63 +117,6 @@ fn register_locked(
     }
     tracing::debug!(addr = a, len = end - a, "registered");
     Ok(())
-}
-
-/// Maps the shared zero page over the pages of `range` never touched (but in `skip`), before the
-/// range is registered: a first touch of registered memory is then the kernel's own copy-on-write
-/// of the zero page, not a missing fault answered by the fault thread (a thread round trip per
-/// page, measured at 30 times the kernel's first touch).
-///
-/// Huge pages stay as the program set them up. Where the range may have them (`MADV_HUGEPAGE`, or
-/// `enabled=always`), reading an untouched, aligned 2 MiB maps the huge zero page: no page table
-/// at all (the small zero page costs 8 bytes a page of page table), and the watch never
-/// write-protects it, so the first write there gets a whole huge page in one fault, in the kernel
-/// (Linux 6.18 does; 6.8 splits it and copies a small page, as for the small zero page). On
-/// kernels whose `PAGEMAP_SCAN` does not flag the huge zero page as the zero page, the small one
-/// is mapped through the userfaultfd after registration instead ([`fill_zero_pages`]).
-fn populate_zero_pages(sh: &Shared, range: Range<usize>, skip: &[Range<usize>]) {
-    if sh.mode != WatchMode::UffdWp || sh.huge_zero_unflagged {
-        // (Checksum watching cannot tell the zero page from a page of zeros: there, untouched
-        // pages stay empty.)
-        return;
-    }
-    for p in uncovered(range, skip) {
-        // SAFETY: reading changes no contents of the program's anonymous memory: holes read
-        // zeros either way.
-        let _ = unsafe { sys::madvise(p.start as *mut u8, p.len(), libc::MADV_POPULATE_READ) };
-    }
-}
-
-/// The small zero page over the pages of `range` never touched (but in `skip`), mapped through
-/// the userfaultfd just after the range is registered and before it is write-protected: where
-/// [`populate_zero_pages`] would map the huge zero page, which this kernel's `PAGEMAP_SCAN` takes
-/// for a page of data (it would be write-protected, frozen and released page by page).
-fn fill_zero_pages(sh: &Shared, range: Range<usize>, skip: &[Range<usize>]) {
-    if sh.mode != WatchMode::UffdWp || !sh.huge_zero_unflagged {
-        return;
-    }
-    for p in uncovered(range, skip) {
-        let _ = sh.uffd.fill_zero_pages(p.start, p.len());
-    }
-}
-
-/// The parts of `range` outside `skip` (ranges in address order, not overlapping).
-fn uncovered(range: Range<usize>, skip: &[Range<usize>]) -> Vec<Range<usize>> {
-    let mut cur = range.start;
-    let mut out = Vec::new();
-    for s in skip
-        .iter()
-        .filter(|s| s.end > range.start && s.start < range.end)
-    {
-        if s.start > cur {
-            out.push(cur..s.start);
-        }
-        cur = cur.max(s.end);
-    }
-    if cur < range.end {
-        out.push(cur..range.end);
-    }
-    out
 }
 
 /// Checks that `[a, end)` can be registered: private anonymous memory, or pages this engine
@@ -333,28 +276,16 @@ pub(crate) fn discard(sh: &Shared, a: usize, len: usize) -> Result<(), EngineErr
             )
         })
     });
-    let mut emptied = Vec::new();
     if in_store {
         for piece in store_pieces(sh, &st, a..end) {
             empty_store_piece(sh, &piece)?;
             dropped_pages(&mut st, piece.start..piece.end);
-            emptied.push(piece.start..piece.end);
             watch_emptied(sh, &st, piece.start..piece.end)?;
         }
         st.store.punch_pending();
     }
-    // The dropped pages read the shared zero page from now on: a later touch is the kernel's own
-    // copy-on-write, not a missing fault answered by the fault thread. (Emptied store pieces
-    // have it already.)
-    if sh.mode == WatchMode::UffdWp {
-        for (r, pages) in overlapping(&st, a..end) {
-            let (lo, hi) = (r.start + pages.start * PAGE, r.start + pages.end * PAGE);
-            for g in uncovered(lo..hi, &emptied) {
-                let _ = sh.uffd.fill_zero_pages(g.start, g.len());
-                let _ = sh.uffd.wake(g.start, g.len());
-            }
-        }
-    }
+    // The dropped pages hold nothing: a later touch is the kernel's own fault (registered
+    // memory is not registered for missing faults when watched by write-protection).
     Ok(())
 }
 
@@ -413,14 +344,11 @@ fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError>
     Ok(())
 }
 
-/// Registers `range`, fresh anonymous memory, like the region around it; when watching by
-/// write-protection, with the shared zero page mapped first (as registration does).
+/// Registers `range`, fresh anonymous memory, like the region around it.
 fn watch_emptied(sh: &Shared, st: &State, range: Range<usize>) -> Result<(), EngineError> {
-    populate_zero_pages(sh, range.clone(), &[]);
     sh.uffd
         .register(range.start, range.len(), sh.reg_mode)
         .map_err(EngineError::Uffd)?;
-    fill_zero_pages(sh, range.clone(), &[]);
     if sh.mode == WatchMode::UffdWp {
         let _ = st.pagemap.write_protect(range.start, range.end);
     }
@@ -589,23 +517,5 @@ fn break_cow(addr: usize) {
     // Relaxed: only the write itself matters, not ordering with other memory.
     while let Err(cur) = w.compare_exchange_weak(v, v, Ordering::Relaxed, Ordering::Relaxed) {
         v = cur;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_uncovered_parts_of_a_range_lie_inside_it() {
-        let p = PAGE;
-        let skip = [0..2 * p, 4 * p..5 * p, 7 * p..12 * p];
-        assert_eq!(
-            uncovered(p..10 * p, &skip),
-            vec![2 * p..4 * p, 5 * p..7 * p]
-        );
-        assert_eq!(uncovered(5 * p..6 * p, &skip), vec![5 * p..6 * p]);
-        assert_eq!(uncovered(8 * p..9 * p, &skip), Vec::<Range<usize>>::new());
-        assert_eq!(uncovered(0..3 * p, &[]), vec![0..3 * p]);
     }
 }

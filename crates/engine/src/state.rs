@@ -191,10 +191,11 @@ pub(crate) struct Shared {
     pub(crate) store_uffd: Option<sys::Uffd>,
     pub(crate) mode: WatchMode,
     pub(crate) reg_mode: u64,
-    /// Whether this kernel's `PAGEMAP_SCAN` does not tell the huge zero page apart
-    /// (`sys::huge_zero_page_unflagged`): then registration maps the small zero page over
-    /// untouched memory through the userfaultfd, not the huge one by reading it.
-    pub(crate) huge_zero_unflagged: bool,
+    /// How a frozen run is registered while it is frozen (missing faults), when registered
+    /// memory is registered for write-protection only: its pages are moved out, and a touch must
+    /// wait for them instead of getting a fresh page (see `freeze::Rearm`). `None` (checksum
+    /// watching): registered memory is registered for missing faults throughout.
+    pub(crate) freeze_mode: Option<u64>,
     /// Whether the configured daemon could not be joined at the start (reported as the daemon
     /// link while there is none).
     pub(crate) daemon_unreachable: bool,

@@ -447,8 +447,8 @@ pub(crate) fn present_pages(mode: WatchMode) -> sys::ScanQuery {
     }
 }
 
-/// The pages of the anonymous pieces of a region that are present or written (swapped pages
-/// too), but the zero page: one walk, which also write-protects the written pages again
+/// The pages of the anonymous pieces of a region that are present (or swapped), but the zero
+/// page: one walk, which also write-protects the written pages again
 /// (`PM_SCAN_WP_MATCHING` protects the matching pages that are `PAGE_IS_WRITTEN`). With
 /// `PM_SCAN_WP_MATCHING` the kernel skips every mapping that is not write-protectable
 /// (`PAGE_IS_WPALLOWED`: registered with a context that has async write-protection), which
@@ -457,13 +457,17 @@ pub(crate) fn present_pages(mode: WatchMode) -> sys::ScanQuery {
 /// The zero page, small or huge, is left out (the watch takes it for a page not present) and so
 /// never write-protected: it cannot be written in place (a write maps a new page, reported as
 /// written), and a write to a write-protected huge zero page splits it into small pages, where
-/// an unprotected one gets a whole huge page in one fault (see `registry::populate_zero_pages`).
+/// an unprotected one gets a whole huge page in one fault. Unpopulated entries are left alone
+/// too (a first touch there is the kernel's own fault, a huge page where it gives one).
 fn anonymous_pages() -> sys::ScanQuery {
     sys::ScanQuery {
         flags: PM_SCAN_WP_MATCHING,
         category_mask: PAGE_IS_PFNZERO,
         category_inverted: PAGE_IS_PFNZERO,
-        category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN,
+        // Pages only (present or swapped): the kernel counts an unpopulated entry as written, and
+        // protecting it would install a marker, a page table where there was none (and no huge
+        // page for the first touch there).
+        category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
         return_mask: PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_HUGE,
     }
 }

@@ -148,8 +148,8 @@ impl Pagemap {
     }
 
     /// Write-protects (async uffd-wp) every page of `[start, end)` not protected yet, reporting
-    /// nothing: `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` and no output vector, which the kernel
-    /// runs as its exclusive write-protect fast path. VMAs without async uffd-wp are skipped.
+    /// nothing: `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` and no output vector. VMAs without async
+    /// uffd-wp are skipped, and so are unpopulated entries.
     ///
     /// The zero page (small or huge) is left unprotected: it cannot be written in place (a write
     /// maps a new page, which shows as written), and a write to a protected huge zero page would
@@ -160,8 +160,11 @@ impl Pagemap {
             flags: PM_SCAN_WP_MATCHING,
             category_mask: PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
             category_inverted: PAGE_IS_PFNZERO,
+            // Pages only: the kernel counts an unpopulated entry as written, and protecting it
+            // would install a marker (a page table where there was none, and no huge page for
+            // the first touch there).
+            category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
             return_mask: PAGE_IS_WRITTEN,
-            ..Default::default()
         };
         self.walk(start, end, &q, None)
     }
