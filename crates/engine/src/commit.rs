@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use pageone_index::KeyId;
 use pageone_sync::lock;
-use pageone_sys::{self as sys, uapi::*};
+use pageone_sys as sys;
 
 use crate::access::{equals_copy, is_zero, PageReader, PAGE};
 use crate::candidates::{Action, Candidate};
@@ -25,6 +25,7 @@ use crate::colocate::Colocated;
 use crate::config::Config;
 use crate::freeze::{
     Freezer, FrozenRun, NormalPriority, ProtectedRun, Rearm, RestoreReport, Scratch, MAX_RUN,
+    STORE_MODE,
 };
 use crate::layout::holding_still;
 use crate::state::{Page, PageKind, RegionState, Shared, State};
@@ -1017,7 +1018,7 @@ unsafe fn release_zeroed(
 /// is not merged again after a copy-on-write break).
 fn watch_store_mapping(sh: &Shared, addr: usize, pages: usize) {
     if let Some(u) = &sh.store_uffd {
-        let _ = u.register(addr, pages * PAGE, UFFDIO_REGISTER_MODE_WP);
+        let _ = u.register(addr, pages * PAGE, STORE_MODE);
     }
 }
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the

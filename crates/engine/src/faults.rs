@@ -52,8 +52,8 @@ pub(crate) fn fault_loop(sh: &Shared) {
             while read_some(sh, &sh.uffd, true) == READ_AT_ONCE {}
         }
         if let (Some(u), true) = (&sh.store_uffd, ready[1]) {
-            // Changes to the store mappings of merged pages (its write faults are the committer's
-            // to wake).
+            // Changes to the store mappings of merged pages, and reads of holes of the store's
+            // file (its write-protect faults are the committer's to wake).
             while read_some(sh, u, false) == READ_AT_ONCE {}
         }
     }
@@ -72,6 +72,16 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
             UffdEvent::PageFault { address, .. } if answer => {
                 faults[nfaults] = address as usize & !(PAGE - 1);
                 nfaults += 1;
+            }
+            // A store mapping read where the store's file has a hole (a zero hole not filled
+            // yet): the zero page, as the file would give.
+            UffdEvent::PageFault {
+                address, wp: false, ..
+            } => {
+                let addr = address as usize & !(PAGE - 1);
+                if uffd.zeropage(addr, PAGE).is_err() {
+                    let _ = uffd.wake(addr, PAGE);
+                }
             }
             UffdEvent::PageFault { .. } => {}
             e => {

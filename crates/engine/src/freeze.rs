@@ -23,6 +23,14 @@ use crate::access::PAGE;
 use crate::changes::{Change, ChangeLog, Fate};
 use crate::parking::Parking;
 
+/// How store mappings (merged pages) are registered with the store mappings' context: for missing
+/// faults, which brings the kernel's reports of the program's changes to them and leaves the
+/// kernel's fault-around on (it maps the 16 pages around a read fault; a mapping registered for
+/// write-protection gets none, so every first read of a merged page took a fault of its own).
+/// Write-protection is registered only on a run of them held still ([`ProtectedRun`]). The missing
+/// faults there are reads of holes of the store's file (zero holes), answered with the zero page.
+pub(crate) const STORE_MODE: u64 = UFFDIO_REGISTER_MODE_MISSING;
+
 /// Longest run frozen at once: bounds how long a writer can be blocked.
 pub(crate) const MAX_RUN: usize = 512;
 
@@ -612,12 +620,17 @@ pub(crate) struct ProtectedRun<'a> {
 
 impl<'a> ProtectedRun<'a> {
     /// Write-protects the `n` pages from `start` (`n <= MAX_RUN`) through `uffd`, the context
-    /// their store mappings are registered with for write-protection. `None`, with nothing left
-    /// protected, if some page is not in a write-protectable mapping.
+    /// their store mappings are registered with (for write-protection while held, [`STORE_MODE`]
+    /// otherwise). `None`, with nothing left protected, if some page is not in a
+    /// write-protectable mapping.
     pub(crate) fn protect(uffd: &'a sys::Uffd, start: usize, n: usize) -> Option<Self> {
         assert!(n <= MAX_RUN, "a run of {n} pages exceeds the longest run");
-        if uffd.writeprotect(start, n * PAGE, true).is_err() {
+        let registered = uffd
+            .register(start, n * PAGE, UFFDIO_REGISTER_MODE_WP)
+            .is_ok();
+        if !registered || uffd.writeprotect(start, n * PAGE, true).is_err() {
             let _ = uffd.writeprotect(start, n * PAGE, false);
+            let _ = uffd.register(start, n * PAGE, STORE_MODE);
             return None;
         }
         Some(ProtectedRun {
@@ -638,6 +651,18 @@ impl Drop for ProtectedRun<'_> {
     fn drop(&mut self) {
         for k in (0..self.n).filter(|&k| !self.replaced[k]) {
             let _ = self.uffd.writeprotect(self.start + k * PAGE, PAGE, false);
+        }
+        // The pages not replaced are registered as store mappings are again (the replaced ones
+        // are new mappings, registered so already).
+        let mut k = 0;
+        while k < self.n {
+            let m = (k..self.n).take_while(|&q| !self.replaced[q]).count();
+            if m > 0 {
+                let _ = self
+                    .uffd
+                    .register(self.start + k * PAGE, m * PAGE, STORE_MODE);
+            }
+            k += m.max(1);
         }
         let _ = self.uffd.wake(self.start, self.n * PAGE);
     }

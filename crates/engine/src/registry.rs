@@ -12,6 +12,7 @@ use crate::access::PAGE;
 use crate::changes::Change;
 use crate::config::WatchMode;
 use crate::error::EngineError;
+use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings, cut};
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
@@ -181,7 +182,7 @@ fn watch_pieces(
         let r = if store_piece {
             sh.store_uffd
                 .as_ref()
-                .map_or(Ok(()), |u| u.register(s, e - s, UFFDIO_REGISTER_MODE_WP))
+                .map_or(Ok(()), |u| u.register(s, e - s, STORE_MODE))
         } else {
             sh.uffd.register(s, e - s, sh.reg_mode)
         };
@@ -337,7 +338,7 @@ fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError>
     if let Err(e) = mapped {
         if let Some(u) = unregistered {
             // Still the store mapping: watched again, so that it can be merged again.
-            let _ = u.register(s, len, UFFDIO_REGISTER_MODE_WP);
+            let _ = u.register(s, len, STORE_MODE);
         }
         return Err(EngineError::Map(e));
     }

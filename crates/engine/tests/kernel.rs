@@ -1066,3 +1066,42 @@ fn race_writes(base: usize, pages: usize, seed: u64, stop: &AtomicBool) -> Vec<u
     }
     last
 }
+
+/// A first read of a merged page maps the merged pages around it too (the kernel's fault-around,
+/// which a mapping registered for write-protection does not get): store mappings are registered
+/// for missing faults, and write-protected only while a run of them is held still.
+#[test]
+fn a_read_of_a_merged_page_maps_its_neighbours() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 256;
+    let mem = common::filled(2 * n, |i| (i % n) as u64 + 1);
+    e.register(mem.as_mut_ptr(), mem.len()).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    let pm = sys::Pagemap::open().unwrap();
+    let start = mem.as_ptr() as usize;
+    let present = || {
+        pm.count_pages(start, 2 * n, sys::uapi::PAGE_IS_PRESENT)
+            .unwrap()
+    };
+    let before = present();
+    // One page read, in the middle of the second half.
+    let at = n + n / 2;
+    assert!(check(&mem[at * PAGE..(at + 1) * PAGE], (at % n) as u64 + 1));
+    let mapped = present() - before;
+    assert!(
+        mapped >= 8,
+        "one read mapped {mapped} merged page(s): no fault-around"
+    );
+    for (i, page) in mem.chunks(PAGE).enumerate() {
+        assert!(check(page, (i % n) as u64 + 1), "page {i} changed");
+    }
+    e.unregister(mem.as_mut_ptr(), mem.len()).unwrap();
+    for (i, page) in mem.chunks(PAGE).enumerate() {
+        assert!(
+            check(page, (i % n) as u64 + 1),
+            "page {i} changed by unmerging"
+        );
+    }
+}
