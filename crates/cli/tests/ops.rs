@@ -244,6 +244,7 @@ fn the_metrics_endpoint_is_scraped_over_http() {
             "pageone_client_cow_breaks_total{",
             "pageone_client_vma_limited_merges_total{",
             "pageone_client_pages_recycled_total{",
+            "pageone_client_huge_pages_restored_total{",
             "pageone_client_worker_cpu_seconds_total{",
         ] {
             assert!(sample(text, family, &pid).is_some(), "{family}: {text}");

@@ -118,6 +118,10 @@ const CLIENT_COUNTERS: &[(&str, &str)] = &[
         "pages_left_private",
         "Pages made private after a join because they had not moved to the new store",
     ),
+    (
+        "huge_pages_restored",
+        "Huge pages collapsed back where the watch had split them and nothing merged",
+    ),
 ];
 
 /// Serves scrapes on `listener` until the process ends.
