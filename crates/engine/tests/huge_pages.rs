@@ -110,6 +110,27 @@ fn huge_mapped(a: usize, len: usize) -> usize {
         .unwrap()
 }
 
+/// Whether every page of `m` is mapped by a huge page (filled before); if not, the test is
+/// skipped (said on stderr).
+fn all_huge(m: &HugeMapping) -> bool {
+    let all = huge_mapped(m.base, m.len) == m.len / PAGE;
+    if !all {
+        eprintln!("skipped: transparent huge pages are not available here");
+    }
+    all
+}
+
+/// The engine `b` builds, if it watches by write-protection; else `None` and the test is skipped
+/// (said on stderr).
+fn watching_by_write_protection(b: pageone_engine::Builder) -> Option<Engine> {
+    let e = b.build().unwrap();
+    if e.watch_mode() != WatchMode::UffdWp {
+        eprintln!("skipped: no async write-protection here");
+        return None;
+    }
+    Some(e)
+}
+
 /// Whether this kernel gives a whole huge page to the first write to the huge zero page (6.18
 /// does, 6.8 splits it), tried on memory of the test's own.
 fn huge_page_on_first_write() -> bool {
@@ -225,8 +246,7 @@ fn half_duplicate_huge_pages_merge_their_duplicates_only() {
     for i in 0..m.len / PAGE {
         fill(m.page(i), content(i));
     }
-    if huge_mapped(m.base, m.len) < m.len / PAGE {
-        eprintln!("skipped: transparent huge pages are not available here");
+    if !all_huge(&m) {
         return;
     }
     let splits_before = vmstat("thp_split_page");
@@ -302,20 +322,17 @@ fn huge_pages_split_by_writes_come_back_where_nothing_merges() {
         for i in 0..m.len / PAGE {
             fill(m.page(i), content(i, 0));
         }
-        if huge_mapped(m.base, m.len) < m.len / PAGE {
-            eprintln!("skipped: transparent huge pages are not available here");
+        if !all_huge(&m) {
             return;
         }
-        let e = Engine::builder()
-            .merge_period(Duration::from_millis(20))
-            .watch(WatchMode::Auto)
-            .restore_huge_pages(restore)
-            .build()
-            .unwrap();
-        if e.watch_mode() != WatchMode::UffdWp {
-            eprintln!("skipped: no async write-protection here");
+        let Some(e) = watching_by_write_protection(
+            Engine::builder()
+                .merge_period(Duration::from_millis(20))
+                .watch(WatchMode::Auto)
+                .restore_huge_pages(restore),
+        ) else {
             return;
-        }
+        };
         e.register(m.base as *mut u8, m.len).unwrap();
         wait_for(&e, |s| s.full_scans >= 4);
         // Written again: each huge page's first write splits it.
@@ -392,19 +409,16 @@ fn no_write_is_lost_while_huge_pages_are_collapsed_back() {
     for page in 0..n {
         write(page, 0);
     }
-    if huge_mapped(m.base, m.len) < n {
-        eprintln!("skipped: transparent huge pages are not available here");
+    if !all_huge(&m) {
         return;
     }
-    let e = Engine::builder()
-        .merge_period(Duration::from_millis(10))
-        .merge_periods(1)
-        .build()
-        .unwrap();
-    if e.watch_mode() != WatchMode::UffdWp {
-        eprintln!("skipped: no async write-protection here");
+    let Some(e) = watching_by_write_protection(
+        Engine::builder()
+            .merge_period(Duration::from_millis(10))
+            .merge_periods(1),
+    ) else {
         return;
-    }
+    };
     e.register(m.base as *mut u8, m.len).unwrap();
     let writers = 2;
     let (stop, lost, writes) = (AtomicBool::new(false), AtomicU64::new(0), AtomicU64::new(0));
