@@ -958,9 +958,9 @@ fn judge_held(
 }
 
 /// Releases the `m` zeroed pages of the run's region from page `index` on, in a mapping of the
-/// store (COW-broken), if the VMA budget has room: an empty anonymous mapping goes over them, is
-/// registered like the region around it and gets the shared zero page (never write-protected: a
-/// write maps a page of its own, which the watch sees). Returns whether they were released, and
+/// store (COW-broken), if the VMA budget has room: an empty anonymous mapping goes over them and
+/// is registered like the region around it (a touch there is the kernel's own fault; a write maps
+/// a page of its own, which the watch sees). Returns whether they were released, and
 /// the error of a mapping that failed (to log once the pages are let go). Allocates nothing and
 /// takes no lock a program thread may hold.
 ///

@@ -1,8 +1,9 @@
 //! The fault thread: reads everything the kernel reports on the userfaultfd of registered memory.
 //! Changes the program made to registered memory (unmappings, moves, dropped pages) are recorded
-//! in the change log, under its lock, as they are read (see the `changes` module); missing faults
-//! that are not frozen pages (first touches, released zero pages) are answered with the shared
-//! zero page.
+//! in the change log, under its lock, as they are read (see the `changes` module). Missing faults
+//! come from what is registered for them: a frozen run (left to the committer), parked pages (see
+//! the `parking` module), registered memory throughout under checksum watching (first touches,
+//! released zero pages: the shared zero page), and holes of the store's file in its mappings.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -117,7 +118,8 @@ fn answer_fault(sh: &Shared, log: &ChangeLog, addr: usize) {
         sh.parking.put_back(&sh.uffd, addr..addr + PAGE);
         return;
     }
-    // A first touch or a released zero page: map the shared zero page. A write-protect marker
+    // A page of a run no longer frozen, or (checksum watching) a first touch or a released zero
+    // page: map the shared zero page. A write-protect marker
     // (async watching of an unpopulated page) makes that fail with EEXIST: clear it and retry, or
     // as a last resort install a zeroed page. Other errors (EEXIST because the page came back,
     // ENOENT because the address is now a merged mapping, EAGAIN while a change's event waits to

@@ -184,40 +184,6 @@ impl Pagemap {
     }
 }
 
-/// Whether this kernel maps the huge zero page where a range advised `MADV_HUGEPAGE` is first
-/// read, and `PAGEMAP_SCAN` does not flag it `PAGE_IS_PFNZERO` (kernels that compare a huge
-/// page's frame with the small zero page's only). Probed once per call on 4 MiB of fresh memory;
-/// false where there are no transparent huge pages.
-pub fn huge_zero_page_unflagged() -> bool {
-    const HUGE: usize = 2 << 20;
-    let Ok(raw) = crate::mmap_anonymous(2 * HUGE) else {
-        return false;
-    };
-    let base = (raw as usize + HUGE - 1) & !(HUGE - 1);
-    // SAFETY: `[base, base + HUGE)` lies inside the fresh mapping above, which nothing else
-    // knows; neither advice changes its contents (it reads zeros either way).
-    let populated = unsafe {
-        crate::madvise(base as *mut u8, HUGE, libc::MADV_HUGEPAGE).is_ok()
-            && crate::madvise(base as *mut u8, HUGE, libc::MADV_POPULATE_READ).is_ok()
-    };
-    let q = ScanQuery {
-        category_anyof_mask: PAGE_IS_PRESENT,
-        return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_HUGE,
-        ..ScanQuery::default()
-    };
-    let mut found = Vec::new();
-    let scanned = populated
-        && Pagemap::open()
-            .and_then(|pm| pm.scan(base, base + HUGE, &q, &mut found))
-            .is_ok();
-    // SAFETY: the probe's own mapping, not referred to any more.
-    let _ = unsafe { crate::munmap(raw, 2 * HUGE) };
-    scanned
-        && found
-            .iter()
-            .any(|r| r.categories & PAGE_IS_HUGE != 0 && r.categories & PAGE_IS_PFNZERO == 0)
-}
-
 /// Whether this kernel has the `PAGEMAP_SCAN` ioctl (6.7+).
 pub fn pagemap_scan_supported() -> bool {
     let Ok(pm) = Pagemap::open() else {
