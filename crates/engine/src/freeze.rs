@@ -227,8 +227,9 @@ pub(crate) struct FrozenRun<'a> {
     rearm: Option<Rearm>,
     /// Whether the run was registered for missing faults (if `rearm`), so its pages could move.
     registered: bool,
-    /// Whether a page of it was parked (see `restore`).
-    parked: bool,
+    /// Pages parked at their own address (see `restore`): they stay registered for missing
+    /// faults until their bytes are back (see the `parking` module).
+    parked: [bool; MAX_RUN],
     /// The change log's mark at the freeze.
     mark: usize,
     scratch: usize,
@@ -277,7 +278,7 @@ impl<'a> FrozenRun<'a> {
             parking: f.parking,
             rearm: f.rearm,
             registered,
-            parked: false,
+            parked: [false; MAX_RUN],
             mark,
             scratch: f.scratch,
             start,
@@ -368,16 +369,18 @@ impl<'a> FrozenRun<'a> {
     /// changed the mapping meanwhile (refused: missing faults there are answered by the fault
     /// thread as before).
     fn rearm_watch(&self) {
-        let Some(r) = self.rearm.filter(|_| self.registered && !self.parked) else {
+        let Some(r) = self.rearm.filter(|_| self.registered) else {
             return;
         };
+        // Mapped copies are mappings of their own; parked pages are re-armed when they are back.
+        let skipped = |q: usize| self.mapped[q] || self.parked[q];
         let mut k = 0;
         while k < self.n {
-            if self.mapped[k] {
+            if skipped(k) {
                 k += 1;
                 continue;
             }
-            let m = (k..self.n).take_while(|&q| !self.mapped[q]).count();
+            let m = (k..self.n).take_while(|&q| !skipped(q)).count();
             let _ = self
                 .uffd
                 .register(self.start + k * PAGE, m * PAGE, r.watched);
@@ -438,11 +441,13 @@ impl<'a> FrozenRun<'a> {
                         report.gone += 1;
                         false
                     }
-                    // SAFETY: `slot` holds the frozen page, in the scratch area nobody else
-                    // writes.
-                    PutBack::Failed(e) if unsafe { self.parking.park(to, slot) } => {
+                    PutBack::Failed(e)
+                        // SAFETY: `slot` holds the frozen page, in the scratch area nobody else
+                        // writes.
+                        if unsafe { self.parking.park(to, slot, self.watched_mode()) } =>
+                    {
                         report.parked += 1;
-                        self.parked = true;
+                        self.parked[k] = to == self.start + k * PAGE;
                         report.error = Some((to, e));
                         false
                     }
@@ -464,6 +469,11 @@ impl<'a> FrozenRun<'a> {
         }
         drop(log);
         report
+    }
+
+    /// The registration a parked page of this run gets back with its bytes (0: none to change).
+    fn watched_mode(&self) -> u64 {
+        self.rearm.map_or(0, |r| r.watched)
     }
 
     /// [`restore`](Self::restore), with the put-backs of pages `ks` failing as out of memory
@@ -669,18 +679,20 @@ impl Drop for ProtectedRun<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! The guards on the real kernel: whatever path leaves a freeze (the commit's own, an early
     //! return, a panic), the pages come back with their contents and blocked writers go on.
 
     use super::*;
-    use std::sync::mpsc;
+    use std::sync::{mpsc, RwLock, RwLockReadGuard};
     use std::time::{Duration, Instant};
 
     /// A region of `n` pages (page `k` filled with `k + 1`) and a scratch area, both registered
     /// for missing faults with a context that can move pages, as the engine registers them. No
     /// thread answers missing faults: a page is only read where the page tables say it is.
     struct Frozen {
+        /// Held for the test: see [`NO_FORK`].
+        _forks_wait: Option<RwLockReadGuard<'static, ()>>,
         uffd: sys::Uffd,
         range: FrozenRange,
         changes: Mutex<ChangeLog>,
@@ -691,6 +703,11 @@ mod tests {
         n: usize,
         rearm: Option<Rearm>,
     }
+
+    /// Held shared by the tests of frozen runs and exclusively by tests that fork: a run these
+    /// tests freeze does not hold forks off as the engine's runs do (see `layout::holding_still`),
+    /// and a page shared with a child is copied back, not moved, which some of them tell apart.
+    pub(crate) static NO_FORK: RwLock<()> = RwLock::new(());
 
     impl Frozen {
         fn new(n: usize) -> Self {
@@ -730,6 +747,7 @@ mod tests {
             uffd.register(scratch, SCRATCH_SLOTS * PAGE, scratch_mode)
                 .unwrap();
             Frozen {
+                _forks_wait: Some(NO_FORK.read().unwrap_or_else(|e| e.into_inner())),
                 uffd,
                 range: FrozenRange::default(),
                 changes: Mutex::default(),
@@ -894,6 +912,47 @@ mod tests {
         assert!(t.parking.is_empty());
     }
 
+    /// A `fork` while a page is parked waits until the page is back: the child reads its bytes
+    /// (fails without the wait: the child reads the empty address as zeros).
+    #[test]
+    fn a_fork_waits_for_parked_pages() {
+        crate::layout::watch_forks().unwrap();
+        let mut t = Frozen::new(2);
+        t._forks_wait = None;
+        let mut run = t.freeze();
+        assert_eq!(run.restore_with_failures(&[1]).parked, 1);
+        drop(run);
+        // Memory comes back after a few tries of the fault thread (played by a thread here).
+        t.parking.fail_copies.store(5, Ordering::Relaxed);
+        let status = std::thread::scope(|s| {
+            s.spawn(|| {
+                while t.parking.put_back(&t.uffd, 0..usize::MAX) > 0 {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            });
+            let _no_run = NO_FORK.write().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the child only reads this test's memory and exits.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                let page = (t.region + PAGE) as *const u8;
+                // SAFETY: a page of the region, mapped in the child; nothing writes it there.
+                let kept = (0..PAGE).all(|i| unsafe { page.add(i).read_volatile() } == 2);
+                // SAFETY: ends the child without running the parent's destructors.
+                unsafe { libc::_exit(i32::from(!kept)) };
+            }
+            let mut status = 0;
+            // SAFETY: waits for the child forked above.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            status
+        });
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child read the parked page as zeros (status {status:#x})"
+        );
+        assert!(t.parking.is_empty() && t.intact(1, 2));
+    }
+
     /// A parked page the program unmaps, drops or moves meanwhile: dropped with its mapping or
     /// on `MADV_DONTNEED`, moved with `mremap`. A thread waiting on a dropped one is woken to
     /// fault again (and then gets the zero page, as any dropped page).
@@ -1025,6 +1084,54 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(i, &v)| v == if i == 8 { 7 } else { 0 }));
+    }
+
+    /// A parked page of a watched run stays registered for missing faults (a touch waits for
+    /// its bytes); the rest of the run is watched again at once, and the page once it is back
+    /// (before, the whole run stayed registered for missing faults, unwatched, for good).
+    #[test]
+    fn a_watched_run_is_watched_again_around_its_parked_page() {
+        const MISSING: (bool, bool) = (true, false);
+        const WATCHED: (bool, bool) = (false, true);
+        let t = Frozen::watched(3);
+        let mut run = t.freeze();
+        assert_eq!(run.restore_with_failures(&[1]).parked, 1);
+        drop(run);
+        let modes = |k: usize| registration_of(t.region + k * PAGE);
+        assert_eq!([modes(0), modes(1), modes(2)], [WATCHED, MISSING, WATCHED]);
+        let done = write_on_a_thread(t.region + PAGE, 0xee);
+        blocked_at(&t.uffd, t.region + PAGE);
+        assert_eq!(t.parking.put_back(&t.uffd, 0..usize::MAX), 0);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the writer is woken when its page is back");
+        assert!(t.intact(1, 0xee));
+        assert_eq!(modes(1), WATCHED);
+    }
+
+    /// Whether the mapping of `addr` is registered for missing faults and for write-protection
+    /// (its `VmFlags` in `/proc/self/smaps`: `um`, `uw`).
+    fn registration_of(addr: usize) -> (bool, bool) {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line
+                .split_whitespace()
+                .next()
+                .and_then(|r| r.split_once('-'));
+            let bounds = range.and_then(|(a, b)| {
+                Some((
+                    usize::from_str_radix(a, 16).ok()?,
+                    usize::from_str_radix(b, 16).ok()?,
+                ))
+            });
+            if let Some((start, end)) = bounds.filter(|_| line.contains(' ')) {
+                inside = (start..end).contains(&addr);
+            } else if let Some(flags) = line.strip_prefix("VmFlags:").filter(|_| inside) {
+                let has = |f: &str| flags.split_whitespace().any(|x| x == f);
+                return (has("um"), has("uw"));
+            }
+        }
+        panic!("no mapping holds {addr:#x}");
     }
 
     /// Runs take slot after slot; the used slots are discarded when a run would not fit, and

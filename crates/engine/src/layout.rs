@@ -100,8 +100,17 @@ thread_local! {
     static FORKING: RefCell<Option<MappingChange>> = const { RefCell::new(None) };
 }
 
+/// Before `fork`: waits for a run held still and for parked pages (see the `parking` module),
+/// then holds new runs (which alone park pages) off until the fork returns.
 extern "C" fn before_fork() {
-    FORKING.with(|f| *f.borrow_mut() = Some(changing_mappings()));
+    let held = loop {
+        crate::parking::wait_for_parked_pages();
+        let held = changing_mappings();
+        if !crate::parking::any_parked() {
+            break held;
+        }
+    };
+    FORKING.with(|f| *f.borrow_mut() = Some(held));
 }
 
 extern "C" fn after_fork() {
@@ -117,9 +126,9 @@ extern "C" fn after_fork_in_child() {
     LAYOUT.store(std::ptr::null_mut(), Ordering::Relaxed);
 }
 
-/// Makes `fork` wait for a run held still and hold new ones off until it returns: a child copies
-/// the parent's memory as it is, and a frozen page is not in it (the child would read it empty).
-/// Installed once per process.
+/// Makes `fork` wait for a run held still and for parked pages, and hold new runs off until it
+/// returns: a child copies the parent's memory as it is, and a frozen or parked page is not in it
+/// (the child would read it empty). Installed once per process.
 pub(crate) fn watch_forks() -> std::io::Result<()> {
     static ONCE: Once = Once::new();
     let mut r = Ok(());
@@ -300,9 +309,13 @@ mod tests {
             let _ = wait_release.recv();
         });
         wait_held.recv().unwrap();
+        let no_run = crate::freeze::tests::NO_FORK
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
         // SAFETY: the child only tries the lock (allocating once, which glibc allows after a
         // fork) and _exits.
         let pid = unsafe { libc::fork() };
+        drop(no_run);
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
             let free = layout().try_write().is_ok();

@@ -10,7 +10,9 @@
 //! page or `MADV_DONTNEED` of it drops the parked bytes (the program asked for that), `mremap`
 //! moves them with the mapping; unregistering the page puts its bytes back first.
 //!
-//! Not covered: a child forked while a page is parked reads that page as zeros.
+//! A `fork` waits until no page of the process is parked (see [`wait_for_parked_pages`]): a
+//! child copies the parent's memory as it is, and a parked page's address is empty (the child
+//! would read zeros there). The fork waits as a touch of the parked page would: for memory.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,6 +28,26 @@ use crate::changes::Change;
 /// Pages that can be parked at once (256 KiB, resident for the engine's life).
 pub(crate) const PARK_SLOTS: usize = 64;
 
+/// Pages parked by every engine of the process (see [`wait_for_parked_pages`]).
+static PARKED: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether a page of the process is parked.
+pub(crate) fn any_parked() -> bool {
+    // SeqCst: pairs with the updates in `Parking`: a fork that holds the layout lock (no run
+    // can park a page meanwhile) and reads 0 here sees every page that went back.
+    PARKED.load(Ordering::SeqCst) > 0
+}
+
+/// Waits until no page of the process is parked: the engines' fault threads put parked pages
+/// back as soon as there is memory for them (every 10 ms while any is parked).
+pub(crate) fn wait_for_parked_pages() {
+    let mut wait = Duration::from_millis(1);
+    while any_parked() {
+        std::thread::sleep(wait);
+        wait = (wait * 2).min(Duration::from_millis(10));
+    }
+}
+
 /// How a parked page went back.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Return {
@@ -37,11 +59,22 @@ pub(crate) enum Return {
     Later,
 }
 
+/// A parking slot: the page it holds the bytes of (`addr`, 0 if free) and the registration
+/// modes the page gets back with them (`rearm`: those of the rest of its run, which is watched by
+/// write-protection, or 0). While parked the page is registered for missing faults only, so that
+/// a touch waits for its bytes; afterwards it is watched as the rest of its run is.
+#[derive(Clone, Copy, Default)]
+struct Parked {
+    addr: usize,
+    rearm: u64,
+}
+
 /// The parked pages and their slots (see the module doc).
 pub(crate) struct Parking {
     area: usize,
-    /// The address each slot holds the bytes of (0: free).
-    slots: Mutex<[usize; PARK_SLOTS]>,
+    /// The address each slot holds the bytes of (0: free), and the registration modes its
+    /// address gets once they are back (0: left as it is).
+    slots: Mutex<[Parked; PARK_SLOTS]>,
     /// How many slots are taken, for a check without the lock.
     taken: AtomicUsize,
     /// In tests: how many more copies back fail as out of memory.
@@ -66,7 +99,7 @@ impl Parking {
         }
         Ok(Parking {
             area: area as usize,
-            slots: Mutex::new([0; PARK_SLOTS]),
+            slots: Mutex::new([Parked { addr: 0, rearm: 0 }; PARK_SLOTS]),
             taken: AtomicUsize::new(0),
             #[cfg(test)]
             fail_copies: AtomicUsize::new(0),
@@ -81,31 +114,47 @@ impl Parking {
 
     /// Whether the page at `addr` is parked.
     pub(crate) fn holds(&self, addr: usize) -> bool {
-        !self.is_empty() && lock(&self.slots).contains(&addr)
+        !self.is_empty() && lock(&self.slots).iter().any(|p| p.addr == addr)
     }
 
     /// Parks the page of `addr`, whose bytes are at `from` (a frozen page's scratch slot):
-    /// copies them into a free slot. False if every slot is taken.
+    /// copies them into a free slot. Once they are back, `addr` is registered with `rearm`
+    /// (unless 0). False if every slot is taken.
     ///
     /// # Safety
     ///
     /// `from` is a page of the engine's own memory that nobody writes meanwhile.
-    pub(crate) unsafe fn park(&self, addr: usize, from: usize) -> bool {
+    pub(crate) unsafe fn park(&self, addr: usize, from: usize, rearm: u64) -> bool {
         let mut slots = lock(&self.slots);
-        let Some(i) = slots.iter().position(|&a| a == 0) else {
+        let Some(i) = slots.iter().position(|p| p.addr == 0) else {
             return false;
         };
         // SAFETY: slot `i` is a free page of the parking area, which only this engine uses and
         // only under this lock; `from` is a page nobody writes (the caller's contract).
         unsafe { std::ptr::copy_nonoverlapping(from as *const u8, self.slot(i) as *mut u8, PAGE) };
-        slots[i] = addr;
-        // Relaxed: the slots themselves are read under the lock.
-        self.taken.fetch_add(1, Ordering::Relaxed);
+        slots[i] = Parked { addr, rearm };
+        self.count(1);
         true
     }
 
     fn slot(&self, i: usize) -> usize {
         self.area + i * PAGE
+    }
+
+    /// `n` more pages parked (under the slots' lock).
+    fn count(&self, n: usize) {
+        // Relaxed: the slots themselves are read under the lock.
+        self.taken.fetch_add(n, Ordering::Relaxed);
+        // SeqCst: see `any_parked`.
+        PARKED.fetch_add(n, Ordering::SeqCst);
+    }
+
+    /// `n` fewer pages parked (under the slots' lock, once they are back or dropped).
+    fn uncount(&self, n: usize) {
+        // Relaxed: as in `count`.
+        self.taken.fetch_sub(n, Ordering::Relaxed);
+        // SeqCst: see `any_parked`.
+        PARKED.fetch_sub(n, Ordering::SeqCst);
     }
 
     /// Follows a change the program made (read by the fault thread): parked pages that were
@@ -118,15 +167,14 @@ impl Parking {
         }
         let mut slots = lock(&self.slots);
         let range = change.range();
-        for a in slots.iter_mut().filter(|a| range.contains(a)) {
-            let _ = uffd.wake(*a, PAGE);
+        for p in slots.iter_mut().filter(|p| range.contains(&p.addr)) {
+            let _ = uffd.wake(p.addr, PAGE);
             match *change {
                 Change::Unmap { .. } | Change::Remove { .. } => {
-                    *a = 0;
-                    // Relaxed: as in `park`.
-                    self.taken.fetch_sub(1, Ordering::Relaxed);
+                    p.addr = 0;
+                    self.uncount(1);
                 }
-                Change::Remap { from, to, .. } => *a = to + (*a - from),
+                Change::Remap { from, to, .. } => p.addr = to + (p.addr - from),
             }
         }
     }
@@ -140,16 +188,19 @@ impl Parking {
         let mut slots = lock(&self.slots);
         let mut left = 0;
         for i in 0..PARK_SLOTS {
-            let a = slots[i];
-            if a == 0 || !range.contains(&a) {
+            let Parked { addr, rearm } = slots[i];
+            if addr == 0 || !range.contains(&addr) {
                 continue;
             }
-            match self.copy_back(uffd, a, i) {
+            match self.copy_back(uffd, addr, i) {
                 Return::Later => left += 1,
                 Return::Back | Return::Gone => {
-                    slots[i] = 0;
-                    // Relaxed: as in `park`.
-                    self.taken.fetch_sub(1, Ordering::Relaxed);
+                    if rearm != 0 {
+                        // Watched again as the rest of its run (refused if it is gone).
+                        let _ = uffd.register(addr, PAGE, rearm);
+                    }
+                    slots[i].addr = 0;
+                    self.uncount(1);
                 }
             }
         }
@@ -196,6 +247,10 @@ impl Parking {
 
 impl Drop for Parking {
     fn drop(&mut self) {
+        // Pages still parked here are gone with the engine (which put back those of its
+        // registered memory when unregistering it): a fork must not wait for them.
+        let left = lock(&self.slots).iter().filter(|p| p.addr != 0).count();
+        self.uncount(left);
         // SAFETY: the engine's own mapping, not used any more.
         let _ = unsafe { sys::munmap(self.area as *mut u8, PARK_SLOTS * PAGE) };
     }
