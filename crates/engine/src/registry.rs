@@ -17,6 +17,7 @@ use crate::layout::{apply_changes, changing_mappings, cut};
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
+use crate::store::{is_merged_mapping, is_private_store_mapping};
 
 /// Registers `[a, a+len)` for merging (see `Engine::register`).
 pub(crate) fn register(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result<(), EngineError> {
@@ -120,10 +121,11 @@ fn register_locked(
     Ok(())
 }
 
-/// Checks that `[a, end)` can be registered: private anonymous memory, or pages this engine
-/// merged and later unmerged (private copies in mappings of its own store, which stay private:
-/// they cannot be frozen again), not overlapping a registered region. Returns the pieces that are
-/// mappings of the store.
+/// Checks that `[a, end)` can be registered: private anonymous memory, or private mappings of a
+/// store (pages merged here and unregistered since, or merged by the process this one was forked
+/// from: see `is_merged_mapping`), not overlapping a registered region. Returns the pieces that
+/// are mappings of a store: their pages are watched as copy-on-write-broken ones (left alone
+/// while they map their copy, merged again once written).
 fn registrable(
     st: &State,
     maps: &[sys::Mapping],
@@ -134,7 +136,7 @@ fn registrable(
     let mut cur = a;
     let mut unmergeable = Vec::new();
     for m in maps.iter().filter(|m| m.end > a && m.start < end) {
-        let ours = st.store.maps_inode(m.inode) && m.perms == "rw-p";
+        let ours = m.perms == "rw-p" && (st.store.maps_inode(m.inode) || is_merged_mapping(m));
         if m.start > cur || !(m.is_private_anonymous_rw() || ours) {
             return Err(EngineError::NotAnonymous { addr: a, len });
         }
@@ -244,14 +246,15 @@ struct StorePiece {
     prot: libc::c_int,
 }
 
-/// The pieces of `range` that are mappings of the store, from the process's mappings there
-/// (asked of the kernel for the range alone).
+/// The pieces of `range` that are mappings of a store (this engine's, one it replaced, or the one
+/// of the process it was forked from), from the process's mappings there (asked of the kernel for
+/// the range alone).
 fn store_pieces(sh: &Shared, st: &State, range: Range<usize>) -> Vec<StorePiece> {
     sh.maps
         .in_range(range.start, range.end)
         .unwrap_or_default()
         .iter()
-        .filter(|m| st.store.maps_inode(m.inode) || st.store.replaced_inode(m.inode))
+        .filter(|m| st.store.maps_inode(m.inode) || is_private_store_mapping(m))
         .map(|m| StorePiece {
             start: m.start.max(range.start),
             end: m.end.min(range.end),

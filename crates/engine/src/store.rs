@@ -50,6 +50,21 @@ fn watch_forks() {
     });
 }
 
+/// Whether `m` maps a store file privately for reading and writing, as merged pages are mapped:
+/// this engine's store, a daemon's, or that of the process this one was forked from (memfds named
+/// `pageone-stable` or `pageone-scope`). Its pages map copies until written, then are private
+/// copies in that mapping.
+pub fn is_merged_mapping(m: &sys::Mapping) -> bool {
+    m.perms == "rw-p" && is_private_store_mapping(m)
+}
+
+/// Whether `m` is a private mapping of a store file, with any protection (see
+/// [`is_merged_mapping`]).
+pub(crate) fn is_private_store_mapping(m: &sys::Mapping) -> bool {
+    let names = ["/memfd:pageone-stable", "/memfd:pageone-scope"];
+    m.perms.ends_with('p') && names.iter().any(|n| m.path.starts_with(n))
+}
+
 /// The memfd and this process's shared view of it.
 pub(crate) struct StoreFile {
     fd: OwnedFd,

@@ -235,10 +235,11 @@ fn start() -> Option<&'static Engine> {
     Some(eng)
 }
 
-/// Registers, in a forked child, the private anonymous read/write parts of the ranges registered
-/// in its parent at the fork. Pages the parent had merged are mappings of the parent's store here:
-/// left alone (they are shared already, and written they become private copies in that mapping,
-/// which no engine of the child can hold still).
+/// Registers, in a forked child, the ranges registered in its parent at the fork: their private
+/// anonymous read/write parts, and the pages the parent had merged, which are mappings of the
+/// parent's store here. Those stay shared with the parent while the child leaves them alone; a
+/// page the child writes becomes a private copy in that mapping, which the child's engine merges
+/// again as it would a copy-on-write break of its own.
 fn inherit(eng: &Engine, ranges: &[(usize, usize)]) {
     if ranges.is_empty() {
         return;
@@ -249,7 +250,8 @@ fn inherit(eng: &Engine, ranges: &[(usize, usize)]) {
     for &(a, e) in ranges {
         for m in maps
             .iter()
-            .filter(|m| m.end > a && m.start < e && m.is_private_anonymous_rw())
+            .filter(|m| m.end > a && m.start < e)
+            .filter(|m| m.is_private_anonymous_rw() || pageone_engine::is_merged_mapping(m))
         {
             let (s, t) = (m.start.max(a), m.end.min(e));
             // Refused (e.g. changed meanwhile): left to the kernel, as inherited.

@@ -135,6 +135,7 @@ static void merge(void) {
         memset(p + HALF * PAGE, 7, WRITTEN * PAGE);
         memset(p, 9, 16 * PAGE); /* over pages the parent merged */
         check(merges(p + HALF * PAGE, WRITTEN), "child: its writes over inherited memory merge");
+        check(merges(p, 16), "child: its writes over pages the parent merged merge again");
         unsigned char *q = anonymous(2048);
         memset(q, 5, 2048 * PAGE);
         check(madvise(q, 2048 * PAGE, MADV_MERGEABLE) == 0, "child: MADV_MERGEABLE");
@@ -143,10 +144,15 @@ static void merge(void) {
         check(all(p, HALF, HALF + WRITTEN, 7) && patterned(p, HALF + WRITTEN, PAGES),
               "child: the second half is right");
         check(all(q, 0, 2048, 5), "child: the fresh memory is right");
-        check(madvise(p + HALF * PAGE, PAGE, MADV_DONTNEED) == 0 && all(p, HALF, HALF + 1, 0) &&
-                  madvise(p + 20 * PAGE, PAGE, MADV_DONTNEED) == 0 && all(p, 20, 21, 0) &&
-                  all(p, HALF + 1, HALF + WRITTEN, 7) && all(p, 21, 22, 21 % 4 + 1),
-              "child: dropped pages (its own merged, its parent's merged) read zeros");
+        check(madvise(p + HALF * PAGE, PAGE, MADV_DONTNEED) == 0 && all(p, HALF, HALF + 1, 0),
+              "child: a dropped page it merged reads zeros");
+        check(madvise(p + 20 * PAGE, PAGE, MADV_DONTNEED) == 0 && all(p, 20, 21, 0),
+              "child: a dropped page its parent merged reads zeros");
+        check(madvise(p + 2 * PAGE, PAGE, MADV_DONTNEED) == 0 && all(p, 2, 3, 0),
+              "child: a dropped page it wrote over its parent's merge reads zeros");
+        check(all(p, 0, 2, 9) && all(p, 3, 16, 9) && all(p, HALF + 1, HALF + WRITTEN, 7) &&
+                  all(p, 21, 22, 21 % 4 + 1),
+              "child: the pages around them keep their bytes");
         _exit(0);
     }
     wait_child(c);
@@ -180,6 +186,7 @@ static void grandchild(void) {
     if (c == 0) {
         memset(p + HALF * PAGE, 7, WRITTEN * PAGE);
         check(merges(p + HALF * PAGE, WRITTEN), "child: its writes over inherited memory merge");
+        check(merges(p, 16), "child: its writes over pages the parent merged merge again");
         unsigned char *q = anonymous(2 * WRITTEN);
         number(q, 2 * WRITTEN);
         check(madvise(q, 2 * WRITTEN * PAGE, MADV_MERGEABLE) == 0, "child: MADV_MERGEABLE");
@@ -311,6 +318,7 @@ static void exec(void) {
         }
         check(started, "child: an engine starts without any call");
         check(merges(p + HALF * PAGE, WRITTEN), "child: its writes over inherited memory merge");
+        check(merges(p, 16), "child: its writes over pages the parent merged merge again");
         check(all(p, HALF, HALF + WRITTEN, 7) && patterned(p, HALF + WRITTEN, PAGES) &&
                   patterned(p, 0, HALF),
               "child: every page is right");
