@@ -107,12 +107,14 @@ struct Run {
     acts: [Option<Action>; MAX_RUN],
 }
 
-/// Copies `sid..sid + m`, for the `m` pages of a region from page `index` on.
+/// Copies `sid..sid + m`, for the `m` pages of a region from page `index` on, whose mapping has
+/// protection `prot` (`PROT_*`), which the copies' mapping keeps.
 #[derive(Clone, Copy)]
 struct Subrun {
     index: usize,
     sid: KeyId,
     m: usize,
+    prot: libc::c_int,
 }
 
 /// Freezes, verifies and replaces runs of the batch's candidates, in address order; `budget` is
@@ -562,8 +564,8 @@ fn replace_frozen(
         };
         let addr = run.start + k * PAGE;
         // SAFETY: the subrun is frozen (its pages are in scratch) and compared equal to its
-        // copies, which the plan holds.
-        match unsafe { map_subrun(plan.fd, addr, sid, m) } {
+        // copies, which the plan holds. (Frozen by moving, its mapping is read/write.)
+        match unsafe { map_subrun(plan.fd, addr, (sid, m), libc::PROT_READ | libc::PROT_WRITE) } {
             Ok(()) => {
                 (k..k + m).for_each(|q| frozen.consume_mapped(q));
                 watch_store_mapping(cx.sh, addr, m);
@@ -793,14 +795,21 @@ fn map_copies_before_freeze(acts: &[Option<Action>], holes: &HoleSet, store_base
     }
 }
 
-/// Maps copies `sid..sid + m` of the store `fd` privately over the `m` pages at `addr`.
+/// Maps copies `sid..sid + m` of the store `fd` privately over the `m` pages at `addr`, with
+/// protection `prot` (that of the mapping they replace).
 ///
 /// # Safety
 /// The pages at `addr` are held still and equal their copies, so replacing the mapping discards
 /// nothing.
-unsafe fn map_subrun(fd: i32, addr: usize, sid: KeyId, m: usize) -> std::io::Result<()> {
+unsafe fn map_subrun(
+    fd: i32,
+    addr: usize,
+    (sid, m): (KeyId, usize),
+    prot: libc::c_int,
+) -> std::io::Result<()> {
+    let offset = sid as u64 * PAGE as u64;
     // SAFETY: by the caller's contract.
-    unsafe { sys::mmap_private_fixed(addr as *mut u8, m * PAGE, fd, sid as u64 * PAGE as u64) }
+    unsafe { sys::mmap_private_fixed_with(addr as *mut u8, m * PAGE, fd, offset, prot) }
 }
 
 /// Merges a run of COW-broken pages again. They live in store mappings, which `UFFDIO_MOVE` cannot
@@ -811,6 +820,13 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
     let sh = cx.sh;
     let Some(u2) = &sh.store_uffd else { return };
     let (start, n) = (run.start, run.n);
+    // The copies are mapped with the protection of what they replace (the program may have made
+    // merged memory read-only). Asked before the pages are held: it allocates nothing where the
+    // kernel answers `PROCMAP_QUERY`, and a change of protection through the shim waits for the
+    // commit. `None`: mappings of several protections; the run is left alone this time.
+    let Ok(Some(prot)) = sh.maps.protection(start, start + n * PAGE) else {
+        return;
+    };
     // `None`: some page is not in a write-protectable mapping; the run is left alone this time.
     cx.hold_still_from_now();
     let Some(mut held) = ProtectedRun::protect(u2, start, n) else {
@@ -827,7 +843,7 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
             let index = run.first_index + k;
             // SAFETY: the subrun's pages are write-protected with writers blocked and hold only
             // zeros (read above).
-            match unsafe { release_zeroed(cx, rs, index, m) } {
+            match unsafe { release_zeroed(cx, rs, (index, m), prot) } {
                 Ok(true) => (k..k + m).for_each(|q| held.mark_replaced(q)),
                 Ok(false) => {}
                 Err(e) => map_error = Some(e),
@@ -841,9 +857,15 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
             continue;
         };
         let index = run.first_index + k;
+        let sub = Subrun {
+            index,
+            sid,
+            m,
+            prot,
+        };
         // SAFETY: the subrun's pages are write-protected with writers blocked and equal their
         // copies (compared above).
-        match unsafe { map_copies(cx, rs, Subrun { index, sid, m }, 2) } {
+        match unsafe { map_copies(cx, rs, sub, 2) } {
             Ok(true) => (k..k + m).for_each(|q| held.mark_replaced(q)),
             Ok(false) => {}
             Err(e) => map_error = Some(e),
@@ -873,7 +895,12 @@ unsafe fn map_copies(
     sub: Subrun,
     cost: usize,
 ) -> Result<bool, std::io::Error> {
-    let Subrun { index, sid, m } = sub;
+    let Subrun {
+        index,
+        sid,
+        m,
+        prot,
+    } = sub;
     let sh = cx.sh;
     let addr = rs.region.start + index * PAGE;
     let mapped = if !cx.budget.allows(rs.vmas, cost) {
@@ -885,7 +912,7 @@ unsafe fn map_copies(
         // The store mapping replaced is reported by its context: the engine's own change.
         lock(&sh.changes).expect(mapping_change(addr, m));
         // SAFETY: the pages are held still and equal their copies (this function's contract).
-        let r = unsafe { map_subrun(rs.store.fd(), addr, sid, m) }.map(|()| true);
+        let r = unsafe { map_subrun(rs.store.fd(), addr, (sid, m), prot) }.map(|()| true);
         if r.is_err() {
             lock(&sh.changes).unexpect(mapping_change(addr, m));
         }
@@ -958,7 +985,8 @@ fn judge_held(
 }
 
 /// Releases the `m` zeroed pages of the run's region from page `index` on, in a mapping of the
-/// store (COW-broken), if the VMA budget has room: an empty anonymous mapping goes over them and
+/// store (COW-broken) with protection `prot`, if the VMA budget has room: an empty anonymous
+/// mapping of that protection goes over them and
 /// is registered like the region around it (a touch there is the kernel's own fault; a write maps
 /// a page of its own, which the watch sees). Returns whether they were released, and
 /// the error of a mapping that failed (to log once the pages are let go). Allocates nothing and
@@ -971,8 +999,8 @@ fn judge_held(
 unsafe fn release_zeroed(
     cx: &mut CommitCtx<'_>,
     rs: &mut RunState<'_>,
-    index: usize,
-    m: usize,
+    (index, m): (usize, usize),
+    prot: libc::c_int,
 ) -> Result<bool, std::io::Error> {
     const COST: usize = 2;
     let sh = cx.sh;
@@ -984,10 +1012,8 @@ unsafe fn release_zeroed(
     lock(&sh.changes).expect(mapping_change(addr, m));
     // SAFETY: the pages are held still and hold only zeros (this function's contract); the
     // mapping replaces them, as a whole, by an empty private anonymous mapping of the same
-    // protection (registered memory is read/write).
-    let mapped = unsafe {
-        sys::mmap_anonymous_fixed(addr as *mut u8, len, libc::PROT_READ | libc::PROT_WRITE)
-    };
+    // protection.
+    let mapped = unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, prot) };
     if let Err(e) = mapped {
         lock(&sh.changes).unexpect(mapping_change(addr, m));
         return Err(e);

@@ -209,6 +209,61 @@ fn cow_broken_page_merges_again() {
     assert!(check(&mem[(n + 7) * PAGE..(n + 8) * PAGE], 8));
 }
 
+/// Merged memory the program made read-only: a COW-broken page merged again keeps the mapping's
+/// protection (it was mapped read/write, so a write the program meant to fault went through).
+#[test]
+fn a_page_merged_again_keeps_its_protection() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 64;
+    let mut r = merged_halves(&e, n);
+    let base = r.as_ptr() as usize;
+    let at = 7 * PAGE + 9;
+    let mem = r.as_mut_slice();
+    let saved = mem[at];
+    mem[at] = saved.wrapping_add(1);
+    let s = wait_for(&e, |s| s.cow_breaks >= 1);
+    assert_eq!(s.pages_sharing, n as u64 - 1, "{s:?}");
+    r.as_mut_slice()[at] = saved;
+    {
+        let _change = pageone_engine::changing_mappings();
+        // SAFETY: the region's own pages; nothing holds a reference into them.
+        let ro =
+            unsafe { libc::mprotect(base as *mut libc::c_void, 2 * n * PAGE, libc::PROT_READ) };
+        assert_eq!(ro, 0);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(
+        s.pages_sharing, n as u64,
+        "the page did not merge again: {s:?}"
+    );
+    let writable: Vec<_> = sys::self_mappings()
+        .unwrap()
+        .into_iter()
+        .filter(|m| {
+            m.start < base + 2 * n * PAGE && m.end > base && m.prot() & libc::PROT_WRITE != 0
+        })
+        .map(|m| (m.start, m.end, m.perms))
+        .collect();
+    assert!(
+        writable.is_empty(),
+        "writable again after the merge: {writable:?}"
+    );
+    assert!(r
+        .as_slice()
+        .chunks(PAGE)
+        .enumerate()
+        .all(|(i, p)| check(p, (i % n) as u64 + 1)));
+    // SAFETY: as above; read/write again for the region's drop.
+    unsafe {
+        libc::mprotect(
+            base as *mut libc::c_void,
+            2 * n * PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+        )
+    };
+}
+
 /// `MADV_DONTNEED` of merged pages, then `Engine::discard` (what the shim does): the dropped
 /// pages read zeros and hold no reference to their copies; every other page keeps its bytes and
 /// stays merged; the emptied pages are watched like the rest (written, the bytes stay; equal to

@@ -153,12 +153,27 @@ pub unsafe fn mmap_private_fixed(
     fd: RawFd,
     offset: u64,
 ) -> io::Result<()> {
+    // SAFETY: the caller's contract, which is this one's.
+    unsafe { mmap_private_fixed_with(addr, len, fd, offset, libc::PROT_READ | libc::PROT_WRITE) }
+}
+
+/// [`mmap_private_fixed`] with protection `prot`.
+///
+/// # Safety
+/// As [`mmap_private_fixed`].
+pub unsafe fn mmap_private_fixed_with(
+    addr: *mut u8,
+    len: usize,
+    fd: RawFd,
+    offset: u64,
+    prot: libc::c_int,
+) -> io::Result<()> {
     // SAFETY: the caller owns the range (see the function's contract).
     let p = unsafe {
         raw_mmap(
             addr.cast(),
             len,
-            libc::PROT_READ | libc::PROT_WRITE,
+            prot,
             libc::MAP_PRIVATE | libc::MAP_FIXED,
             fd,
             offset as libc::off_t,

@@ -143,6 +143,43 @@ impl Maps {
         Ok(out)
     }
 
+    /// The protection (`PROT_*`) of `[start, end)` if one protection covers all of it (`None`: a
+    /// hole, or mappings of different protections). Allocates nothing where the kernel has
+    /// `PROCMAP_QUERY` (else it reads the whole file).
+    pub fn protection(&self, start: usize, end: usize) -> io::Result<Option<libc::c_int>> {
+        let mut prot = None;
+        let mut at = start;
+        while at < end {
+            let mut q = ProcmapQuery {
+                size: std::mem::size_of::<ProcmapQuery>() as u64,
+                query_flags: PROCMAP_QUERY_COVERING_OR_NEXT_VMA,
+                query_addr: at as u64,
+                ..Default::default()
+            };
+            // SAFETY: q is a live procmap_query asking for no name and no build id.
+            let r = unsafe { crate::raw_ioctl(self.file.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+            match cvt(r as libc::c_long) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTTY | libc::EINVAL)) => {
+                    return Ok(same_protection(
+                        &self_mappings_filtered(start, end)?,
+                        start,
+                        end,
+                    ));
+                }
+                Err(e) => return Err(e),
+                Ok(_) => {}
+            }
+            let p = protection_of(q.vma_flags);
+            if q.vma_start as usize > at || prot.is_some_and(|x| x != p) {
+                return Ok(None);
+            }
+            prot = Some(p);
+            at = q.vma_end as usize;
+        }
+        Ok(prot)
+    }
+
     /// The mapping holding `addr` or else the first above it (`None`: there is none), its name
     /// read into `name`.
     fn query(&self, addr: usize, name: &mut [u8]) -> io::Result<Option<Mapping>> {
@@ -163,6 +200,28 @@ impl Maps {
             Ok(_) => Ok(Some(mapping_of(&q, name))),
         }
     }
+}
+
+/// The `PROT_*` bits of a `PROCMAP_QUERY` answer's flags.
+fn protection_of(vma_flags: u64) -> libc::c_int {
+    let on = |bit: u64, p: libc::c_int| if vma_flags & bit != 0 { p } else { 0 };
+    on(PROCMAP_QUERY_VMA_READABLE, libc::PROT_READ)
+        | on(PROCMAP_QUERY_VMA_WRITABLE, libc::PROT_WRITE)
+        | on(PROCMAP_QUERY_VMA_EXECUTABLE, libc::PROT_EXEC)
+}
+
+/// [`Maps::protection`] from the mappings that meet `[start, end)`, in address order.
+fn same_protection(maps: &[Mapping], start: usize, end: usize) -> Option<libc::c_int> {
+    let mut prot = None;
+    let mut at = start;
+    for m in maps {
+        if m.start > at || prot.is_some_and(|p| p != m.prot()) {
+            return None;
+        }
+        prot = Some(m.prot());
+        at = m.end;
+    }
+    (at >= end).then_some(prot).flatten()
 }
 
 /// The [`Mapping`] a `PROCMAP_QUERY` answer describes, as its line of `/proc/self/maps` would.
@@ -246,6 +305,39 @@ mod tests {
             );
         }
         (p, fd)
+    }
+
+    #[test]
+    fn the_protection_of_a_range_is_that_of_all_its_mappings() {
+        let (p, _fd) = mixed_mappings();
+        let at = |k: usize| p as usize + k * PAGE;
+        let maps = Maps::open().unwrap();
+        let rw = Some(libc::PROT_READ | libc::PROT_WRITE);
+        let cases = [
+            ((0, 4), rw),
+            ((5, 6), Some(libc::PROT_READ)),
+            ((4, 6), None),
+            ((6, 8), rw),
+        ];
+        let check = |(a, e): (usize, usize), want| {
+            assert_eq!(
+                maps.protection(at(a), at(e)).unwrap(),
+                want,
+                "pages {a}..{e}"
+            );
+            let listed = self_mappings_filtered(at(a), at(e)).unwrap();
+            assert_eq!(
+                same_protection(&listed, at(a), at(e)),
+                want,
+                "pages {a}..{e}"
+            );
+        };
+        cases.into_iter().for_each(|(r, want)| check(r, want));
+        // SAFETY: the test's own mapping; nothing refers into it.
+        unsafe { munmap(p.add(7 * PAGE), PAGE).unwrap() };
+        check((6, 8), None);
+        // SAFETY: as above.
+        unsafe { munmap(p, 7 * PAGE).unwrap() };
     }
 
     #[test]
