@@ -24,11 +24,7 @@ pub(crate) fn fault_loop(sh: &Shared) {
     // Relaxed: only an id, read by the committer when it next commits.
     sh.fault_thread_id
         .store(sys::thread_id(), Ordering::Relaxed);
-    let mut fds = vec![
-        sh.uffd.as_raw_fd(),
-        std::os::fd::AsRawFd::as_raw_fd(&sh.stop_fd),
-    ];
-    fds.extend(sh.store_uffd.as_ref().map(|u| u.as_raw_fd()));
+    let waiter = Waiter::new(sh);
     loop {
         // Never the state lock here: its holder may be waiting in the kernel for this thread
         // to read an event (an unregistering making store mappings anonymous, say).
@@ -42,13 +38,7 @@ pub(crate) fn fault_loop(sh: &Shared) {
         // until its report is read).
         // While pages are parked, they are tried again every 10 ms (see `read_some`).
         let timeout = if sh.parking.is_empty() { 100 } else { 10 };
-        let ready = match sys::poll_readable(&fds, timeout) {
-            Ok(r) => [r[0], r.get(2).copied().unwrap_or(false)],
-            Err(_) => {
-                std::thread::sleep(Duration::from_millis(1));
-                [true; 2]
-            }
-        };
+        let ready = waiter.wait(timeout);
         if ready[0] || !sh.parking.is_empty() {
             while read_some(sh, &sh.uffd, true) == READ_AT_ONCE {}
         }
@@ -57,6 +47,58 @@ pub(crate) fn fault_loop(sh: &Shared) {
             // file (its write-protect faults are the committer's to wake).
             while read_some(sh, u, false) == READ_AT_ONCE {}
         }
+    }
+}
+
+/// Waits for the contexts (and the stop signal) to have something to read: through epoll, whose
+/// wait costs less per wake than `poll`'s (which takes and drops a reference on each descriptor
+/// at every call, and with scattered merges this thread wakes once per merged page); `poll`
+/// where epoll cannot be had.
+enum Waiter {
+    Epoll(sys::Epoll),
+    Poll(Vec<i32>),
+}
+
+/// The tokens of the descriptors (bits of `sys::Epoll::wait_readable`'s answer).
+const MAIN: u32 = 0;
+const STOP: u32 = 1;
+const STORE: u32 = 2;
+
+impl Waiter {
+    fn new(sh: &Shared) -> Self {
+        let stop = std::os::fd::AsRawFd::as_raw_fd(&sh.stop_fd);
+        let store = sh.store_uffd.as_ref().map(|u| u.as_raw_fd());
+        let epoll = sys::Epoll::new().and_then(|ep| {
+            ep.add(sh.uffd.as_raw_fd(), MAIN)?;
+            ep.add(stop, STOP)?;
+            store.map_or(Ok(()), |fd| ep.add(fd, STORE))?;
+            Ok(ep)
+        });
+        match epoll {
+            Ok(ep) => Waiter::Epoll(ep),
+            Err(_) => Waiter::Poll(
+                [sh.uffd.as_raw_fd(), stop]
+                    .into_iter()
+                    .chain(store)
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Waits up to `timeout_ms`; returns whether the main context and the store mappings'
+    /// context have something to read (both, after an error: a read finds out).
+    fn wait(&self, timeout_ms: i32) -> [bool; 2] {
+        let ready = match self {
+            Waiter::Epoll(ep) => ep
+                .wait_readable(timeout_ms)
+                .map(|bits| [bits & 1 << MAIN != 0, bits & 1 << STORE != 0]),
+            Waiter::Poll(fds) => sys::poll_readable(fds, timeout_ms)
+                .map(|r| [r[0], r.get(2).copied().unwrap_or(false)]),
+        };
+        ready.unwrap_or_else(|_| {
+            std::thread::sleep(Duration::from_millis(1));
+            [true; 2]
+        })
     }
 }
 

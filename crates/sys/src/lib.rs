@@ -38,6 +38,7 @@ use std::io;
 use std::os::fd::RawFd;
 
 mod access;
+mod epoll;
 mod memfd;
 mod mm;
 mod pagemap;
@@ -50,6 +51,7 @@ mod uds;
 mod uffd;
 
 pub use access::*;
+pub use epoll::*;
 pub use memfd::*;
 pub use mm::*;
 pub use pagemap::*;
