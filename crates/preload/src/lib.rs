@@ -247,15 +247,31 @@ fn inherit(eng: &Engine, ranges: &[(usize, usize)]) {
     let Ok(maps) = sys::self_mappings() else {
         return;
     };
+    let eligible =
+        |m: &&sys::Mapping| m.is_private_anonymous_rw() || pageone_engine::is_merged_mapping(m);
     for &(a, e) in ranges {
-        for m in maps
+        // Neighbouring eligible mappings are registered in one call (merged pages the parent
+        // could not join are a mapping each: one call per mapping would read the process's
+        // mappings as many times).
+        let mut run: Option<(usize, usize)> = None;
+        let pieces = maps
             .iter()
             .filter(|m| m.end > a && m.start < e)
-            .filter(|m| m.is_private_anonymous_rw() || pageone_engine::is_merged_mapping(m))
+            .filter(eligible);
+        for (s, t) in pieces
+            .map(|m| (m.start.max(a), m.end.min(e)))
+            .chain([(usize::MAX, 0)])
         {
-            let (s, t) = (m.start.max(a), m.end.min(e));
-            // Refused (e.g. changed meanwhile): left to the kernel, as inherited.
-            let _ = eng.merge(s as *mut u8, t - s);
+            match &mut run {
+                Some(r) if r.1 == s => r.1 = t,
+                _ => {
+                    if let Some((rs, rt)) = run.take() {
+                        // Refused (e.g. changed meanwhile): left to the kernel, as inherited.
+                        let _ = eng.merge(rs as *mut u8, rt - rs);
+                    }
+                    run = Some((s, t));
+                }
+            }
         }
     }
 }

@@ -19,9 +19,8 @@ impl Epoll {
         // SAFETY: creates a new descriptor, owned below.
         let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) } as libc::c_long)?;
         // SAFETY: a fresh descriptor nobody else owns.
-        Ok(Epoll {
-            fd: unsafe { OwnedFd::from_raw_fd(fd as RawFd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        Ok(Epoll { fd })
     }
 
     /// Watches `fd` for reading; `token` (below 64) names it in [`wait_readable`]'s answer.
