@@ -83,27 +83,11 @@ pub(crate) enum Fate {
 }
 
 /// Changes recorded and not applied to the regions yet.
-///
-/// Recording allocates nothing up to [`ROOM`] changes between two takes: the fault thread records,
-/// and it must not wait for a lock of the program's allocator, whose holder may be a program thread
-/// the kernel holds until this thread reads its report (an `munmap` or `madvise` inside `free`).
-#[derive(Debug)]
+#[derive(Default, Debug)]
 pub(crate) struct ChangeLog {
     pending: Vec<Change>,
     /// The engine's own changes announced and not reported yet.
     own: Vec<Change>,
-}
-
-/// Changes (and announcements) the log holds without allocating.
-pub(crate) const ROOM: usize = 1024;
-
-impl Default for ChangeLog {
-    fn default() -> Self {
-        ChangeLog {
-            pending: Vec::with_capacity(ROOM),
-            own: Vec::with_capacity(ROOM),
-        }
-    }
 }
 
 impl ChangeLog {
@@ -131,11 +115,9 @@ impl ChangeLog {
         }
     }
 
-    /// Takes the changes recorded so far, oldest first, to apply them (the log keeps room for as
-    /// many more: the taker allocates, not the recorder).
+    /// Takes the changes recorded so far, oldest first, to apply them.
     pub(crate) fn take(&mut self) -> Vec<Change> {
-        let room = self.pending.capacity().max(ROOM);
-        std::mem::replace(&mut self.pending, Vec::with_capacity(room))
+        std::mem::take(&mut self.pending)
     }
 
     /// How many changes are recorded: a mark for [`fate_since`](Self::fate_since).
@@ -194,24 +176,6 @@ mod tests {
     use proptest::prelude::*;
 
     const P: usize = 4096;
-
-    /// After a take, the log has room for as many changes as before: recording them (the fault
-    /// thread) allocates nothing.
-    #[test]
-    fn recording_after_a_take_has_room_without_allocating() {
-        let mut log = ChangeLog::default();
-        let unmap = |k: usize| Change::Unmap {
-            start: k * P,
-            end: (k + 1) * P,
-        };
-        (0..ROOM + 1).for_each(|k| log.record(unmap(k)));
-        let grown = log.pending.capacity();
-        assert_eq!(log.take().len(), ROOM + 1);
-        assert!(log.pending.capacity() >= grown);
-        let before = log.pending.as_ptr();
-        (0..grown).for_each(|k| log.record(unmap(k)));
-        assert_eq!(log.pending.as_ptr(), before, "recording reallocated");
-    }
 
     #[test]
     fn a_page_is_followed_through_moves_drops_and_unmaps() {
