@@ -173,15 +173,19 @@ fn merged_halves(e: &Engine, n: usize) -> Region<'_> {
     r
 }
 
-/// Changes byte `at` of a merged page of `merged_halves(e, n)` (a copy-on-write break), writes
-/// it back, and checks that the page merges again and every page holds its contents.
-fn break_and_restore(e: &Engine, r: &mut Region<'_>, n: usize, at: usize) {
+/// Changes byte `at` of a merged page of `merged_halves(e, n)` (a copy-on-write break) and waits
+/// for the engine to see it; returns the byte it held.
+fn break_cow(e: &Engine, r: &mut Region<'_>, n: usize, at: usize) -> u8 {
     let mem = r.as_mut_slice();
     let saved = mem[at];
     mem[at] = saved.wrapping_add(1);
     let s = wait_for(e, |s| s.cow_breaks >= 1);
     assert_eq!((s.cow_breaks, s.pages_sharing), (1, n as u64 - 1), "{s:?}");
-    r.as_mut_slice()[at] = saved;
+    saved
+}
+
+/// Waits for every page of `merged_halves(e, n)` to be merged again, and checks their contents.
+fn merged_again(e: &Engine, r: &Region<'_>, n: usize) {
     let s = wait_for(e, |s| s.pages_sharing >= n as u64);
     assert_eq!(
         s.pages_sharing, n as u64,
@@ -192,6 +196,14 @@ fn break_and_restore(e: &Engine, r: &mut Region<'_>, n: usize, at: usize) {
         .chunks(PAGE)
         .enumerate()
         .all(|(i, p)| check(p, (i % n) as u64 + 1)));
+}
+
+/// Breaks a merged page of `merged_halves(e, n)` at byte `at` (see [`break_cow`]), writes it
+/// back, and checks that the page merges again and every page holds its contents.
+fn break_and_restore(e: &Engine, r: &mut Region<'_>, n: usize, at: usize) {
+    let saved = break_cow(e, r, n, at);
+    r.as_mut_slice()[at] = saved;
+    merged_again(e, r, n);
 }
 
 /// A merged page that was written (COW-broken) and later holds a duplicate's contents again is
@@ -219,11 +231,7 @@ fn a_page_merged_again_keeps_its_protection() {
     let mut r = merged_halves(&e, n);
     let base = r.as_ptr() as usize;
     let at = 7 * PAGE + 9;
-    let mem = r.as_mut_slice();
-    let saved = mem[at];
-    mem[at] = saved.wrapping_add(1);
-    let s = wait_for(&e, |s| s.cow_breaks >= 1);
-    assert_eq!(s.pages_sharing, n as u64 - 1, "{s:?}");
+    let saved = break_cow(&e, &mut r, n, at);
     r.as_mut_slice()[at] = saved;
     {
         let _change = pageone_engine::changing_mappings();
@@ -232,11 +240,7 @@ fn a_page_merged_again_keeps_its_protection() {
             unsafe { libc::mprotect(base as *mut libc::c_void, 2 * n * PAGE, libc::PROT_READ) };
         assert_eq!(ro, 0);
     }
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert_eq!(
-        s.pages_sharing, n as u64,
-        "the page did not merge again: {s:?}"
-    );
+    merged_again(&e, &r, n);
     let writable: Vec<_> = sys::self_mappings()
         .unwrap()
         .into_iter()
@@ -249,11 +253,6 @@ fn a_page_merged_again_keeps_its_protection() {
         writable.is_empty(),
         "writable again after the merge: {writable:?}"
     );
-    assert!(r
-        .as_slice()
-        .chunks(PAGE)
-        .enumerate()
-        .all(|(i, p)| check(p, (i % n) as u64 + 1)));
     // SAFETY: as above; read/write again for the region's drop.
     unsafe {
         libc::mprotect(
