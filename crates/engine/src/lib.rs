@@ -115,4 +115,4 @@ pub use pageone_proto as proto;
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;
 pub use stats::{DaemonLink, Stats};
-pub use store::is_merged_mapping;
+pub use store::{is_merged_mapping, is_store_mapping};

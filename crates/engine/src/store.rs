@@ -61,8 +61,14 @@ pub fn is_merged_mapping(m: &sys::Mapping) -> bool {
 /// Whether `m` is a private mapping of a store file, with any protection (see
 /// [`is_merged_mapping`]).
 pub(crate) fn is_private_store_mapping(m: &sys::Mapping) -> bool {
+    m.perms.ends_with('p') && is_store_mapping(m)
+}
+
+/// Whether `m` maps a store file (a memfd named `pageone-stable`, an engine's own store, or
+/// `pageone-scope`, a daemon's), privately or shared, with any protection.
+pub fn is_store_mapping(m: &sys::Mapping) -> bool {
     let names = ["/memfd:pageone-stable", "/memfd:pageone-scope"];
-    m.perms.ends_with('p') && names.iter().any(|n| m.path.starts_with(n))
+    names.iter().any(|n| m.path.starts_with(n))
 }
 
 /// The memfd and this process's shared view of it.

@@ -57,7 +57,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Mutex;
 
 use libc::{c_int, c_ulong, c_void, size_t};
-use pageone_engine::{changing_mappings, Engine};
+use pageone_engine::{changing_mappings, is_store_mapping, Engine};
 use pageone_sync::lock;
 use pageone_sys as sys;
 
@@ -408,7 +408,9 @@ fn huge_pages_but_on_the_store(a: usize, e: usize) -> c_int {
         if s > cur && r == 0 {
             r = set_errno(&std::io::Error::from_raw_os_error(libc::ENOMEM));
         }
-        if !is_store(m) && raw_madvise(s as *mut c_void, t - s, libc::MADV_HUGEPAGE) != 0 && r == 0
+        if !is_store_mapping(m)
+            && raw_madvise(s as *mut c_void, t - s, libc::MADV_HUGEPAGE) != 0
+            && r == 0
         {
             r = -1;
         }
@@ -420,17 +422,12 @@ fn huge_pages_but_on_the_store(a: usize, e: usize) -> c_int {
     r
 }
 
-/// A mapping of a store of pageone's (merged pages).
-fn is_store(m: &sys::Mapping) -> bool {
-    m.path.contains("pageone-stable") || m.path.contains("pageone-scope")
-}
-
 /// What `MADV_MERGEABLE` does with a mapping of its range: private memory is registered now if it
 /// is read/write, else later (see [`pending`]); `None` for any other mapping.
 fn registers_now(m: &sys::Mapping) -> Option<bool> {
     let anonymous =
         m.inode == 0 && (m.path.is_empty() || m.path == "[heap]" || m.path.starts_with("[anon:"));
-    let private = m.perms.ends_with('p') && (anonymous || is_store(m));
+    let private = m.perms.ends_with('p') && (anonymous || is_store_mapping(m));
     private.then(|| m.prot() & RW == RW)
 }
 
@@ -648,7 +645,7 @@ fn drop_piecewise(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
     for m in maps.iter().filter(|m| m.end > a && m.start < e) {
         hole |= m.start > cur;
         let (s, t) = (m.start.max(a), m.end.min(e));
-        let this = if advice == libc::MADV_FREE && is_store(m) {
+        let this = if advice == libc::MADV_FREE && is_store_mapping(m) {
             libc::MADV_DONTNEED
         } else {
             advice
@@ -687,7 +684,7 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
     let foreign = |s: usize, t: usize| !eng.is_some_and(|g| g.is_registered(s as *mut u8, t - s));
     for m in maps
         .iter()
-        .filter(|m| m.end > a && m.start < e && is_store(m))
+        .filter(|m| m.end > a && m.start < e && is_store_mapping(m))
     {
         let (s, t) = (m.start.max(a), m.end.min(e));
         if !foreign(s, t) {
