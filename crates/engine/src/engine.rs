@@ -3,13 +3,13 @@
 
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
+use crate::apart::{self, EngineThread};
 use crate::error::Chain;
 use crate::faults::fault_loop;
 use crate::freeze::{FrozenRange, SCRATCH_SLOTS};
@@ -27,9 +27,9 @@ pub struct Engine {
     shared: Arc<Shared>,
     /// The workers (shared with the engine and commit threads): registration queues read-ahead.
     pool: Arc<Pool>,
-    engine_thread: Option<JoinHandle<()>>,
-    commit_thread: Option<JoinHandle<()>>,
-    fault_thread: Option<JoinHandle<()>>,
+    engine_thread: Option<EngineThread<()>>,
+    commit_thread: Option<EngineThread<()>>,
+    fault_thread: Option<EngineThread<()>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -213,9 +213,7 @@ impl Engine {
         // Threads inherit the mask of the thread creating them; the caller's is restored below.
         let _mask = sys::block_all_signals().map_err(EngineError::Thread)?;
         let s = shared.clone();
-        let fault_thread = std::thread::Builder::new()
-            .name("pageone-faults".into())
-            .spawn(move || fault_loop(&s))
+        let fault_thread = apart::spawn("pageone-faults".into(), move || fault_loop(&s))
             .map_err(EngineError::Thread)?;
         let pool =
             Arc::new(Pool::new(workers, shared.clocks.clone()).map_err(EngineError::Thread)?);
@@ -224,15 +222,13 @@ impl Engine {
         let (to_committer, batches) = std::sync::mpsc::sync_channel(0);
         let engine_pool = pool.clone();
         let s = shared.clone();
-        let commit_thread = std::thread::Builder::new()
-            .name("pageone-commit".into())
-            .spawn(move || commit_loop(&s, batches))
+        let commit_thread = apart::spawn("pageone-commit".into(), move || commit_loop(&s, batches))
             .map_err(EngineError::Thread)?;
         let s = shared.clone();
-        let engine_thread = std::thread::Builder::new()
-            .name("pageone-engine".into())
-            .spawn(move || engine_loop(&s, &engine_pool, to_committer))
-            .map_err(EngineError::Thread)?;
+        let engine_thread = apart::spawn("pageone-engine".into(), move || {
+            engine_loop(&s, &engine_pool, to_committer)
+        })
+        .map_err(EngineError::Thread)?;
         Ok(Self {
             shared,
             pool,

@@ -19,6 +19,8 @@ pub enum EngineError {
     Unaligned { addr: usize, len: usize },
     #[error("range {addr:#x}+{len:#x} is not entirely private anonymous read/write memory")]
     NotAnonymous { addr: usize, len: usize },
+    #[error("range {addr:#x}+{len:#x} overlaps memory the engine uses itself")]
+    EngineMemory { addr: usize, len: usize },
     #[error("range {addr:#x}+{len:#x} overlaps a registered region without matching it")]
     Overlap { addr: usize, len: usize },
     #[error("range {addr:#x}+{len:#x} is not registered")]

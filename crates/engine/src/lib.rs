@@ -66,6 +66,8 @@
 //! `read_ahead` define for it.
 //!
 //! * `access`: reading pages of live memory (through the kernel), and what a read finds.
+//!   `apart`: the memory the engine uses itself (its threads' stacks, an embedder's allocator),
+//!   which it never registers.
 //! * `changes`: changes to registered memory the kernel reports; `layout`: the regions cut and
 //!   moved by them, and the lock that holds mapping changes and `fork` off a frozen run.
 //! * `candidates`: the pages a period may merge, and their order into batches by content.
@@ -80,6 +82,7 @@
 //! * `engine`: the [`Engine`] handle that starts and stops it all.
 
 mod access;
+mod apart;
 mod candidates;
 mod changes;
 mod classify;
@@ -106,6 +109,7 @@ mod store;
 mod watch;
 mod zero_holes;
 
+pub use apart::{keep_apart, KeptApart};
 pub use config::{Builder, Config, WatchMode};
 pub use engine::{Engine, Region};
 pub use error::{DaemonError, EngineError};

@@ -9,9 +9,10 @@
 use pageone_sync::lock;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 
 use pageone_sys as sys;
+
+use crate::apart::{self, EngineThread};
 
 type Job = Arc<dyn Fn(usize) + Send + Sync>;
 
@@ -82,7 +83,7 @@ struct Shared {
 
 pub(crate) struct Pool {
     shared: Arc<Shared>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    threads: Mutex<Vec<EngineThread<()>>>,
 }
 
 impl Pool {
@@ -110,9 +111,7 @@ impl Pool {
         while threads.len() < n {
             let index = threads.len();
             let shared = self.shared.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("pageone-worker-{index}"))
-                .spawn(move || worker(&shared))?;
+            let t = apart::spawn(format!("pageone-worker-{index}"), move || worker(&shared))?;
             threads.push(t);
         }
         Ok(())

@@ -123,7 +123,8 @@ fn register_locked(
 
 /// Checks that `[a, end)` can be registered: private anonymous memory, or private mappings of a
 /// store (pages merged here and unregistered since, or merged by the process this one was forked
-/// from: see `is_merged_mapping`), not overlapping a registered region. Returns the pieces that
+/// from: see `is_merged_mapping`), not overlapping a registered region or memory the engine
+/// uses itself (see `apart`). Returns the pieces that
 /// are mappings of a store: their pages are watched as copy-on-write-broken ones (left alone
 /// while they map their copy, merged again once written).
 fn registrable(
@@ -133,6 +134,9 @@ fn registrable(
     end: usize,
 ) -> Result<Vec<Range<usize>>, EngineError> {
     let len = end - a;
+    if crate::apart::overlaps(&(a..end)) {
+        return Err(EngineError::EngineMemory { addr: a, len });
+    }
     let mut cur = a;
     let mut unmergeable = Vec::new();
     for m in maps.iter().filter(|m| m.end > a && m.start < end) {

@@ -587,6 +587,20 @@ fn bad_input_is_rejected_and_changes_nothing() {
         e.register(other, PAGE),
         Err(EngineError::NotAnonymous { .. })
     ));
+    // Memory the engine uses itself is never registered, while it is kept apart.
+    let own = sys::mmap_anonymous(2 * PAGE).unwrap();
+    let kept = pageone_engine::keep_apart(own as usize + PAGE..own as usize + 2 * PAGE).unwrap();
+    assert!(matches!(
+        e.register(own, 2 * PAGE),
+        Err(EngineError::EngineMemory { .. })
+    ));
+    assert!(matches!(
+        e.merge(own, 2 * PAGE),
+        Err(EngineError::EngineMemory { .. })
+    ));
+    drop(kept);
+    e.register(own, 2 * PAGE).unwrap();
+    e.unregister(own, 2 * PAGE).unwrap();
     // Bad configuration.
     assert!(matches!(
         Engine::builder().workers(0).build(),
@@ -595,6 +609,8 @@ fn bad_input_is_rejected_and_changes_nothing() {
     assert!(e.reconfigure(|c| c.merge_periods = 0).is_err());
     assert_eq!(e.config().merge_periods, 2);
     assert_eq!(e.stats().registered_bytes, 4 * PAGE as u64);
+    // SAFETY: `own` was mapped above, unregistered, and is not referenced.
+    unsafe { sys::munmap(own, 2 * PAGE).unwrap() };
 }
 
 /// Several writer threads keep writing pages (each owns a disjoint set and keeps a shadow of what

@@ -59,7 +59,10 @@ impl From<&EngineError> for pageone_status {
             EngineError::Store(_) => PAGEONE_STORE,
             EngineError::Index(_) => PAGEONE_INDEX,
             EngineError::Unaligned { .. } => PAGEONE_UNALIGNED,
-            EngineError::NotAnonymous { .. } => PAGEONE_NOT_ANONYMOUS,
+            // Memory the engine uses itself is not the program's anonymous memory either.
+            EngineError::NotAnonymous { .. } | EngineError::EngineMemory { .. } => {
+                PAGEONE_NOT_ANONYMOUS
+            }
             EngineError::Overlap { .. } => PAGEONE_OVERLAP,
             EngineError::NotRegistered { .. } => PAGEONE_NOT_REGISTERED,
             EngineError::Config(_) => PAGEONE_CONFIG,

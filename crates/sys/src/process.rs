@@ -293,6 +293,28 @@ pub fn minor_faults() -> io::Result<u64> {
     Ok(ru.ru_minflt as u64)
 }
 
+/// The memory of a running thread's stack (guard included, and whatever the C library keeps
+/// there: the thread's descriptor and its static TLS), as `start..end`.
+pub fn thread_stack(thread: libc::pthread_t) -> io::Result<std::ops::Range<usize>> {
+    // SAFETY: a zeroed pthread_attr_t that pthread_getattr_np initialises (it is destroyed after
+    // use); `thread` is a live thread of this process (the caller holds its handle).
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        let r = libc::pthread_getattr_np(thread, &mut attr);
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+        let mut addr: *mut libc::c_void = std::ptr::null_mut();
+        let mut size: libc::size_t = 0;
+        let r = libc::pthread_attr_getstack(&attr, &mut addr, &mut size);
+        libc::pthread_attr_destroy(&mut attr);
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+        Ok(addr as usize..addr as usize + size)
+    }
+}
+
 #[cfg(test)]
 mod fault_tests {
     #[test]
