@@ -754,7 +754,7 @@ fn a_connection_lost_while_the_process_lives_keeps_its_copies() {
     assert!(read());
     drop(s);
     wait_for("the daemon to see the connection end", 10, || {
-        scope(&status(&path), "linger").map_or(true, |sc| sc["clients"][0]["connected"] == false)
+        scope(&status(&path), "linger").is_none_or(|sc| sc["clients"][0]["connected"] == false)
     });
     assert!(read(), "the copy was freed under a live process");
     assert_eq!(store_bytes(), Some(serde_json::json!(PAGE)));
@@ -802,7 +802,7 @@ fn an_engine_that_stops_frees_its_copies_while_the_process_lives() {
     );
     engine.shutdown();
     wait_for("the copy freed", 10, || {
-        scope(&status(&path), "goodbye").map_or(true, |s| s["store_resident_bytes"] == 0)
+        scope(&status(&path), "goodbye").is_none_or(|s| s["store_resident_bytes"] == 0)
     });
     // SAFETY: the mapping is ours and unregistered; nobody writes it.
     let intact = (0..pages * page).all(|i| unsafe { std::ptr::read_volatile(at.add(i)) } == 0x33);

@@ -70,6 +70,10 @@ pub fn keep_apart(range: Range<usize>) -> Option<KeptApart> {
 
 /// Whether `range` overlaps memory kept apart. A range being added concurrently may be missed:
 /// a range matters from when [`keep_apart`] returned.
+pub fn is_kept_apart(range: Range<usize>) -> bool {
+    overlaps(&range)
+}
+
 pub(crate) fn overlaps(range: &Range<usize>) -> bool {
     TABLE.iter().any(|s| {
         // Acquire: pairs with the Release in keep_apart (start is visible once end is).

@@ -82,6 +82,17 @@ pub(crate) enum Fate {
     Gone,
 }
 
+/// Changes the log holds room for, so that the fault thread records them without allocating:
+/// an allocation can wait for a thread that waits for the fault thread (a `fork` holding the
+/// allocator's locks while another thread's `free` gives registered memory back and waits for
+/// its report to be read). The room is made again by the thread that takes the changes, before
+/// it takes the log's lock; only past this many changes in one period does recording allocate.
+pub(crate) const ROOM: usize = 4096;
+/// Announcements of the engine's own changes the log holds room for: a committed run announces
+/// a mapping per part of it at most (of `freeze::MAX_RUN` pages: checked there), besides a few
+/// others.
+pub(crate) const OWN_ROOM: usize = 1024;
+
 /// Changes recorded and not applied to the regions yet.
 #[derive(Default, Debug)]
 pub(crate) struct ChangeLog {
@@ -91,6 +102,19 @@ pub(crate) struct ChangeLog {
 }
 
 impl ChangeLog {
+    /// An empty log with room (see [`ROOM`]).
+    pub(crate) fn with_room() -> Self {
+        Self {
+            pending: Vec::with_capacity(ROOM),
+            own: Vec::with_capacity(OWN_ROOM),
+        }
+    }
+
+    /// Whether no change waits to be taken.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
     /// Records a change the kernel reported, unless it is one the engine announced (then that
     /// announcement is used up).
     pub(crate) fn record(&mut self, c: Change) {
@@ -115,9 +139,10 @@ impl ChangeLog {
         }
     }
 
-    /// Takes the changes recorded so far, oldest first, to apply them.
-    pub(crate) fn take(&mut self) -> Vec<Change> {
-        std::mem::take(&mut self.pending)
+    /// Takes the changes recorded so far, oldest first, to apply them; `room` (empty, allocated
+    /// before the log's lock was taken) records the next ones.
+    pub(crate) fn take(&mut self, room: Vec<Change>) -> Vec<Change> {
+        std::mem::replace(&mut self.pending, room)
     }
 
     /// How many changes are recorded: a mark for [`fate_since`](Self::fate_since).
@@ -211,7 +236,7 @@ mod tests {
         assert_eq!(log.origin_since(102 * P, 1), 102 * P);
         // A page moved onto an address a later change unmaps is gone; one moved before a change
         // at its old address is not touched by it.
-        assert_eq!(log.take().len(), 4);
+        assert_eq!(log.take(Vec::new()).len(), 4);
         assert_eq!(log.mark(), 0);
     }
 

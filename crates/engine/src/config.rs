@@ -64,6 +64,14 @@ pub struct Config {
     /// them and nothing merged (`MADV_COLLAPSE`, a few per period; see `docs/DESIGN.md`, "Huge
     /// pages"). On by default; only where the kernel gave the region huge pages.
     pub restore_huge_pages: bool,
+    /// Give the C heap's free memory back to the kernel after periods that allocated much
+    /// (`malloc_trim`), on by default: the engine allocates through the program's `malloc`,
+    /// and glibc keeps freed memory otherwise. Off where the engine's memory comes from an
+    /// allocator of its own (the `LD_PRELOAD` shim's): then trimming would only touch the
+    /// program's heap, which may be registered, and an engine thread must never drop registered
+    /// memory (the kernel holds it until the fault thread reads the report, while it holds the
+    /// allocator's lock).
+    pub trim_c_heap: bool,
     /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
     /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET` (ignored, like every
     /// `PAGEONE_*` variable, in a set-user-ID, set-group-ID or file-capability program).
@@ -87,6 +95,7 @@ impl Default for Config {
             vma_margin: 1024,
             populate_merged: false,
             restore_huge_pages: true,
+            trim_c_heap: true,
             merging: true,
             daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
         }
@@ -137,6 +146,11 @@ impl Builder {
     }
     pub fn populate_merged(mut self, on: bool) -> Self {
         self.config.populate_merged = on;
+        self
+    }
+    /// Off: the C heap is never trimmed by the engine (see [`Config::trim_c_heap`]).
+    pub fn trim_c_heap(mut self, on: bool) -> Self {
+        self.config.trim_c_heap = on;
         self
     }
     /// Off: huge pages split by the watch stay split (see [`Config::restore_huge_pages`]).

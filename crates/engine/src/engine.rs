@@ -10,6 +10,7 @@ use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
 use crate::apart::{self, EngineThread};
+use crate::changes::ChangeLog;
 use crate::error::Chain;
 use crate::faults::fault_loop;
 use crate::freeze::{FrozenRange, SCRATCH_SLOTS};
@@ -186,7 +187,7 @@ impl Engine {
             config: Mutex::new(config),
             frozen: FrozenRange::default(),
             parking: Parking::new().map_err(EngineError::Map)?,
-            changes: Mutex::default(),
+            changes: Mutex::new(ChangeLog::with_room()),
             stop: AtomicBool::new(false),
             faults_done: AtomicBool::new(false),
             fault_thread_id: AtomicI32::new(0),

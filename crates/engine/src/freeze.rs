@@ -33,6 +33,8 @@ pub(crate) const STORE_MODE: u64 = UFFDIO_REGISTER_MODE_MISSING;
 
 /// Longest run frozen at once: bounds how long a writer can be blocked.
 pub(crate) const MAX_RUN: usize = 512;
+// A committed run's announcements fit the change log's room (see `changes::OWN_ROOM`).
+const _: () = assert!(2 * MAX_RUN <= crate::changes::OWN_ROOM);
 
 /// Slots of the scratch area: the runs of one commit take slot after slot, and the originals of
 /// the pages they merged or released are discarded once the slots are used up or the commit ends
@@ -270,7 +272,7 @@ impl<'a> FrozenRun<'a> {
         // program unmapped part of the run meanwhile: then nothing moves.)
         let registered = f
             .rearm
-            .map_or(true, |r| f.uffd.register(start, n * PAGE, r.frozen).is_ok());
+            .is_none_or(|r| f.uffd.register(start, n * PAGE, r.frozen).is_ok());
         let mut run = FrozenRun {
             uffd: f.uffd,
             range: f.range,

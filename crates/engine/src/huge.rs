@@ -46,7 +46,7 @@ pub(crate) struct Collapsed {
 impl Collapsed {
     /// Whether the range at `addr` may be collapsed at `now`.
     fn due(&self, addr: usize, now: Instant) -> bool {
-        self.by_addr.get(&addr).map_or(true, |&(_, t)| now >= t)
+        self.by_addr.get(&addr).is_none_or(|&(_, t)| now >= t)
     }
 
     /// Records a collapse of the range at `addr` (or an attempt the kernel refused: `refused`

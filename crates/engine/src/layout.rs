@@ -194,10 +194,12 @@ pub(crate) fn forget_pages(st: &mut State, piece: &RegionState) {
 /// Applies the changes the kernel reported and the engine has not applied yet to the regions
 /// (the caller holds the state lock: lock order state, then change log).
 pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
-    let changes = lock(&sh.changes).take();
-    if changes.is_empty() {
+    if lock(&sh.changes).is_empty() {
         return;
     }
+    // Allocated before the log's lock: the fault thread may wait for it (see `changes::ROOM`).
+    let room = Vec::with_capacity(crate::changes::ROOM);
+    let changes = lock(&sh.changes).take(room);
     // Read-ahead results name addresses that may have changed. Dropped pages change none: their
     // epochs move on (see `dropped`), so their results go unused, and the wait for a read-ahead
     // under way (a whole registration's) is not put on a `MADV_DONTNEED`.

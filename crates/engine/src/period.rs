@@ -613,7 +613,7 @@ fn tidy_up(sh: &Shared, many: bool, worked: bool, period: u64) {
         st.heap_dirty &= !trim;
         trim
     };
-    if trim {
+    if trim && lock(&sh.config).trim_c_heap {
         sys::release_free_heap();
     }
 }

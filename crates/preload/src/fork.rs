@@ -68,10 +68,13 @@ extern "C" fn before_fork() {
     let pending = lock(&PENDING);
     FORKING.with(|f| *f.borrow_mut() = Some((start, pending)));
     set_errno_raw(saved);
+    // Last: nothing allocates from here to the fork.
+    crate::alloc::before_fork();
 }
 
 /// After `fork`, in the parent: the locks are released (the record is the child's alone).
 extern "C" fn in_parent() {
+    crate::alloc::after_fork();
     if let Some((mut start, pending)) = FORKING.with(|f| f.borrow_mut().take()) {
         start.len = 0;
         drop(pending);
@@ -83,6 +86,7 @@ extern "C" fn in_parent() {
 /// engine is forgotten (leaked: its threads do not exist here), and a start of the child's own
 /// is owed if it inherited something to merge.
 extern "C" fn in_child() {
+    crate::alloc::after_fork();
     let inherited = FORKING
         .with(|f| f.borrow_mut().take())
         .map(|(start, pending)| {
@@ -92,6 +96,7 @@ extern "C" fn in_child() {
         .unwrap_or(0);
     // Relaxed: the child has one thread; threads it starts later are ordered by their creation.
     CHILD.store(true, Ordering::Relaxed);
+    crate::WATCHING.store(false, Ordering::Relaxed);
     ACTIVE.store(false, Ordering::Relaxed);
     ENGINE.store(std::ptr::null_mut(), Ordering::Relaxed);
     OWED.store(

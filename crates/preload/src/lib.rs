@@ -31,10 +31,19 @@
 //! * **`userfaultfd` on mergeable memory.** A program that registers mergeable memory with a
 //!   userfaultfd of its own (QEMU's postcopy migration) gets it: the engine unregisters that
 //!   range first (as KSM has no such conflict).
-//! * **`PR_SET_MEMORY_MERGE`** registers the process's private anonymous read/write mappings
-//!   larger than 64 MiB other than `[heap]` and `[stack]`, now and as the program maps more (through
-//!   the interposed `mmap`). The size bound keeps glibc's malloc arenas (at most 64 MiB each) and the
-//!   engine's own memory out: the engine must never freeze memory it uses itself.
+//! * **`PR_SET_MEMORY_MERGE`** registers the process's private anonymous read/write mappings, as
+//!   KSM marks every anonymous mapping: `[heap]`, small mappings and named ones too, but not the
+//!   main thread's `[stack]` (it grows down past what was registered), the zero-filled tails of
+//!   loaded objects' data (`.bss`: the C library's and the shim's own state, which the engine's
+//!   threads use) or the engine's own memory. Mappings the program makes later are registered as
+//!   they appear when mapped through the interposed `mmap` and larger than 64 MiB, and the rest
+//!   (glibc maps memory for `malloc` with calls the shim does not see) by a thread of the shim
+//!   once every merge period. If the engine's memory cannot be kept apart (below), only unnamed
+//!   mappings over 64 MiB are registered: glibc's arenas (at most 64 MiB) then hold the
+//!   engine's memory, which it must never freeze.
+//! * **The engine's memory** comes from an allocator of the shim's own over address space
+//!   reserved for it ([`alloc`]), never from the program's `malloc`: the engine never freezes or
+//!   drops memory it uses, and never trims the program's heap.
 //! * **Re-entrancy and fork.** A thread-local flag passes through calls made while the shim is
 //!   working. The engine makes `fork` wait for a run it holds still. A forked child keeps merging,
 //!   as under KSM (which keeps `VM_MERGEABLE` across `fork`, and the `PR_SET_MEMORY_MERGE` flag):
@@ -48,6 +57,7 @@
 //!   them makes them empty anonymous memory, as above. If the child's engine cannot start, the
 //!   child passes everything to the kernel (logged once).
 
+mod alloc;
 mod fork;
 mod pending;
 
@@ -66,10 +76,15 @@ use pending::{Pending, Span};
 const PR_SET_MEMORY_MERGE: c_int = 67;
 const PR_GET_MEMORY_MERGE: c_int = 68;
 const MADV_DONTNEED_LOCKED: c_int = 24;
-/// `PR_SET_MEMORY_MERGE` registers mappings larger than this (see the crate doc).
+/// Without the engine's memory apart, `PR_SET_MEMORY_MERGE` registers mappings larger than this
+/// only (see the crate doc).
 const MERGE_ALL_MIN: usize = 64 << 20;
 /// `_IOWR(0xAA, 0x00, struct uffdio_register)`: a userfaultfd registration.
 const UFFDIO_REGISTER: c_ulong = pageone_sys::uapi::UFFDIO_REGISTER as c_ulong;
+
+/// Every allocation of the shim and the engine comes from memory the engine never registers.
+#[global_allocator]
+static GLOBAL: alloc::EngineAlloc = alloc::EngineAlloc;
 
 thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
@@ -106,7 +121,9 @@ fn log(msg: &str) {
 /// `PAGEONE_RESTORE_HUGE_PAGES=0` (ignored, like every `PAGEONE_*` variable, in set-user-ID and
 /// similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
-    let b = Engine::builder();
+    // The engine's memory is the shim's allocator's: the program's heap is not the engine's to
+    // trim (see `alloc`).
+    let b = Engine::builder().trim_c_heap(!alloc::apart());
     let b = match setting(c"PAGEONE_MERGE_PERIOD_MS", "milliseconds") {
         Some(ms) => b.merge_period(std::time::Duration::from_millis(ms)),
         None => b,
@@ -759,18 +776,92 @@ extern "C" fn on_load() {
 #[link_section = ".init_array"]
 static ON_LOAD: extern "C" fn() = on_load;
 
+/// With `PR_SET_MEMORY_MERGE` on, registers the eligible mappings now and, every merge period
+/// from a thread of the shim, those mapped since: glibc maps memory for `malloc` (a grown
+/// `[heap]`, arenas, large blocks) with calls the shim does not see.
+fn merge_all(eng: &'static Engine) {
+    register_eligible(eng);
+    if alloc::apart() {
+        watch_new_mappings(eng);
+    }
+}
+
+/// A thread of this process registers new eligible mappings (see [`merge_all`]).
+static WATCHING: AtomicBool = AtomicBool::new(false);
+
+/// Starts the thread that registers new eligible mappings every merge period while
+/// `PR_SET_MEMORY_MERGE` is on, once per process (a forked child starts its own), with every
+/// signal blocked and its stack kept out of what it registers.
+fn watch_new_mappings(eng: &'static Engine) {
+    // Relaxed: a start flag, set once; cleared in a forked child before it has other threads.
+    if WATCHING.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let Ok(_mask) = sys::block_all_signals() else {
+        return;
+    };
+    let period =
+        std::time::Duration::from_millis(env_number(c"PAGEONE_MERGE_PERIOD_MS").unwrap_or(200));
+    let spawned = std::thread::Builder::new()
+        .name("pageone-mappings".into())
+        .spawn(move || loop {
+            std::thread::sleep(period);
+            // Relaxed: see prctl.
+            if MERGE_ALL.load(Ordering::Relaxed) {
+                guarded(|| register_eligible(eng));
+            }
+        });
+    match spawned {
+        Ok(t) => {
+            use std::os::unix::thread::JoinHandleExt;
+            let kept = sys::thread_stack(t.as_pthread_t())
+                .ok()
+                .and_then(pageone_engine::keep_apart);
+            match kept {
+                Some(k) => std::mem::forget(k),
+                None => {
+                    log("the stack of the thread that registers new mappings is not kept apart")
+                }
+            }
+        }
+        Err(e) => log(&format!(
+            "cannot start a thread to register new mappings ({e}); only mappings made through \
+             mmap are registered as they appear"
+        )),
+    }
+}
+
 /// Registers the eligible mappings (see the crate doc) that are not registered yet.
-fn merge_all(eng: &Engine) {
+fn register_eligible(eng: &Engine) {
     let Ok(maps) = sys::self_mappings() else {
         return;
     };
+    // The end of the last file mapping: an anonymous mapping starting there is a `.bss`.
+    let mut file_end = 0;
     for m in maps {
-        let eligible =
-            m.is_private_anonymous_rw() && m.path.is_empty() && m.end - m.start > MERGE_ALL_MIN;
-        if eligible {
-            let _ = eng.merge(m.start as *mut u8, m.end - m.start);
+        let (p, len) = (m.start as *mut u8, m.end - m.start);
+        let bss = m.start == file_end && m.path.is_empty();
+        if merges_all(&m)
+            && !bss
+            && !pageone_engine::is_kept_apart(m.start..m.end)
+            && !eng.is_registered(p, len)
+        {
+            let _ = eng.merge(p, len);
+        }
+        if m.inode != 0 {
+            file_end = m.end;
         }
     }
+}
+
+/// Whether `PR_SET_MEMORY_MERGE` registers mapping `m`: when the engine's memory is apart, every
+/// private anonymous read/write mapping (`[heap]` and named ones too) but the main thread's
+/// `[stack]` and the zero-filled tails of loaded objects' data (their `.bss`, which holds the C
+/// library's and the shim's own state; skipped by the caller); else only unnamed ones larger
+/// than [`MERGE_ALL_MIN`].
+fn merges_all(m: &sys::Mapping) -> bool {
+    m.is_private_anonymous_rw()
+        && (alloc::apart() || (m.path.is_empty() && m.end - m.start > MERGE_ALL_MIN))
 }
 
 /// `prctl(2)`, answering `PR_SET_MEMORY_MERGE`/`PR_GET_MEMORY_MERGE` with pageone. (Declared with

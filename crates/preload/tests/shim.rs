@@ -126,9 +126,21 @@ fn a_randomized_program_on_huge_pages_never_reads_a_wrong_page() {
     run_model(true, 10.0);
 }
 
+/// The model with `PR_SET_MEMORY_MERGE` on: its heap, its shadow and its threads' stacks are
+/// registered too, beside the engine's own memory, which must stay apart.
+#[test]
+fn a_randomized_program_merging_everything_never_reads_a_wrong_page() {
+    run_model_with(false, 10.0, &[("MODEL_MERGE_ALL", "1")]);
+}
+
 /// Runs `tests/c/model.c` under the shim for `PAGEONE_MODEL_SECONDS` (else `default_seconds`),
 /// with `MODEL_HUGE` set if `huge`, and fails with its output.
 fn run_model(huge: bool, default_seconds: f64) {
+    run_model_with(huge, default_seconds, &[]);
+}
+
+/// [`run_model`] with more environment variables for the model.
+fn run_model_with(huge: bool, default_seconds: f64, env: &[(&str, &str)]) {
     let seconds: f64 = std::env::var("PAGEONE_MODEL_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -148,6 +160,7 @@ fn run_model(huge: bool, default_seconds: f64) {
     if huge {
         cmd.env("MODEL_HUGE", "1");
     }
+    cmd.envs(env.iter().copied());
     let mut child = cmd
         .arg(seed.to_string())
         .arg(seconds.to_string())
@@ -164,6 +177,7 @@ fn run_model(huge: bool, default_seconds: f64) {
             break Some(s);
         }
         if std::time::Instant::now() > deadline {
+            println!("{}", threads_of(child.id()));
             let _ = child.kill();
             let _ = child.wait();
             break None;
@@ -185,6 +199,54 @@ fn run_model(huge: bool, default_seconds: f64) {
         merged > 0,
         "nothing merged, so the model checked nothing (seed {seed}): {out}"
     );
+}
+
+/// Where each thread of process `pid` and of its children waits (name, kernel wait channel,
+/// system call and kernel stack): what a hang report needs.
+fn threads_of(pid: u32) -> String {
+    let mut out = String::new();
+    let mut pids = vec![pid.to_string()];
+    if let Ok(c) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+        pids.extend(c.split_whitespace().map(String::from));
+    }
+    for p in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        let maps = std::fs::read_to_string(format!("/proc/{p}/maps")).unwrap_or_default();
+        // The mapping holding an address a thread waits on (a futex, a range it changes).
+        let mapping_of = |addr: &str| {
+            let a = usize::from_str_radix(addr.trim_start_matches("0x"), 16).unwrap_or(0);
+            maps.lines()
+                .find(|l| {
+                    let r = l.split_whitespace().next().unwrap_or("");
+                    let (s, e) = r.split_once('-').unwrap_or(("0", "0"));
+                    let (s, e) = (
+                        usize::from_str_radix(s, 16).unwrap_or(0),
+                        usize::from_str_radix(e, 16).unwrap_or(0),
+                    );
+                    s <= a && a < e
+                })
+                .unwrap_or("(unmapped)")
+                .to_string()
+        };
+        for t in tasks.flatten() {
+            let d = t.path();
+            let read = |f: &str| std::fs::read_to_string(d.join(f)).unwrap_or_default();
+            let syscall = read("syscall");
+            let arg0 = syscall.split_whitespace().nth(1).unwrap_or("0");
+            out += &format!(
+                "process {p} thread {} {}: wchan {}, syscall {}\n  first argument in {}\n{}",
+                t.file_name().to_string_lossy(),
+                read("comm").trim(),
+                read("wchan").trim(),
+                syscall.trim(),
+                mapping_of(arg0),
+                read("stack")
+            );
+        }
+    }
+    out
 }
 
 /// Runs `tests/c/behaviour.c CHECK` under the shim (KSM off) and fails with its output.

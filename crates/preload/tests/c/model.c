@@ -11,7 +11,9 @@
  * page must read what the shadow says: the last bytes written, zeros after DONTNEED, zeros or the
  * old bytes after FREE.
  * Prints "OK steps=N merged_mappings=M"; on the first wrong page prints the seed, the step and
- * the page, and exits 1. */
+ * the page, and exits 1. With MODEL_MERGE_ALL set, the program first asks for
+ * PR_SET_MEMORY_MERGE: every anonymous mapping (its shadow, its threads' stacks, its heap) is
+ * registered too. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -21,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -471,6 +474,10 @@ int main(int argc, char **argv) {
     memset(R[0].addr, 0, PAGE);
     R[0].cid[0] = 0;
     signal(SIGUSR1, on_signal);
+    if (getenv("MODEL_MERGE_ALL") && prctl(67 /* PR_SET_MEMORY_MERGE */, 1, 0, 0, 0) != 0) {
+        printf("FAIL prctl(PR_SET_MEMORY_MERGE): %s\n", strerror(errno));
+        return 1;
+    }
     for (int i = 0; i < 8; i++)
         next(&rng) % 2 ? new_region(&rng, NULL) : new_malloc_region(&rng);
     pthread_t w[WRITERS];
