@@ -37,8 +37,9 @@
 //!   loaded objects' data (`.bss`: the C library's and the shim's own state, which the engine's
 //!   threads use) or the engine's own memory. Mappings the program makes later are registered as
 //!   they appear when mapped through the interposed `mmap` and larger than 64 MiB, and the rest
-//!   (glibc maps memory for `malloc` with calls the shim does not see) by a thread of the shim
-//!   once every merge period. If the engine's memory cannot be kept apart (below), only unnamed
+//!   (glibc maps memory for `malloc` with calls the shim does not see) by a thread of the shim:
+//!   within a merge period when the heap grew or the program mapped or unprotected memory
+//!   through the shim, else within up to 32 periods (a look reads all the process's mappings). If the engine's memory cannot be kept apart (below), only unnamed
 //!   mappings over 64 MiB are registered: glibc's arenas (at most 64 MiB) then hold the
 //!   engine's memory, which it must never freeze.
 //! * **The engine's memory** comes from an allocator of the shim's own over address space
@@ -563,6 +564,11 @@ fn forget_call(addr: *mut c_void, len: size_t) {
 /// registered all the same.
 fn protected(addr: *mut c_void, len: size_t, prot: c_int, r: c_int) {
     if r == 0 {
+        // Relaxed: see prctl; a hint for the thread that looks for new mappings (memory made
+        // read/write may be newly eligible).
+        if prot & RW == RW && MERGE_ALL.load(Ordering::Relaxed) {
+            MAPPED.store(true, Ordering::Relaxed);
+        }
         return made_writable(addr, len, prot);
     }
     // Relaxed: see `with_pending`.
@@ -780,7 +786,7 @@ static ON_LOAD: extern "C" fn() = on_load;
 /// from a thread of the shim, those mapped since: glibc maps memory for `malloc` (a grown
 /// `[heap]`, arenas, large blocks) with calls the shim does not see.
 fn merge_all(eng: &'static Engine) {
-    register_eligible(eng);
+    let _ = register_eligible(eng);
     if alloc::apart() {
         watch_new_mappings(eng);
     }
@@ -804,13 +810,7 @@ fn watch_new_mappings(eng: &'static Engine) {
         std::time::Duration::from_millis(env_number(c"PAGEONE_MERGE_PERIOD_MS").unwrap_or(200));
     let spawned = std::thread::Builder::new()
         .name("pageone-mappings".into())
-        .spawn(move || loop {
-            std::thread::sleep(period);
-            // Relaxed: see prctl.
-            if MERGE_ALL.load(Ordering::Relaxed) {
-                guarded(|| register_eligible(eng));
-            }
-        });
+        .spawn(move || look_for_new_mappings(eng, period));
     match spawned {
         Ok(t) => {
             use std::os::unix::thread::JoinHandleExt;
@@ -831,13 +831,56 @@ fn watch_new_mappings(eng: &'static Engine) {
     }
 }
 
-/// Registers the eligible mappings (see the crate doc) that are not registered yet.
-fn register_eligible(eng: &Engine) {
+/// A look at the process's mappings costs a read of all of them (merged memory is many): after a
+/// look that found nothing, the next waits twice as many merge periods, up to this many, unless
+/// the heap grew or the program mapped memory through the shim meanwhile.
+const MAX_LOOK_PERIODS: u32 = 32;
+
+/// Set by the interposed `mmap` when the program mapped private anonymous memory it did not
+/// register at once (see [`look_for_new_mappings`]).
+static MAPPED: AtomicBool = AtomicBool::new(false);
+
+/// The loop of the thread started by [`watch_new_mappings`]: every merge period, registers new
+/// eligible mappings if the heap grew (the program break moved) or the program mapped memory
+/// through the shim; else only every few periods (see [`MAX_LOOK_PERIODS`]), for arenas and large
+/// blocks glibc mapped behind the shim's back.
+fn look_for_new_mappings(eng: &'static Engine, period: std::time::Duration) {
+    // SAFETY: brk(0) only reads the program break.
+    let program_break = || unsafe { libc::syscall(libc::SYS_brk, 0) };
+    let mut brk = program_break();
+    let (mut wait, mut waited) = (1, 0);
+    loop {
+        std::thread::sleep(period);
+        // Relaxed: see prctl.
+        if !MERGE_ALL.load(Ordering::Relaxed) {
+            continue;
+        }
+        waited += 1;
+        let now = program_break();
+        // Relaxed: a hint; the look reads the mappings themselves.
+        let hinted = MAPPED.swap(false, Ordering::Relaxed) || now != brk;
+        if !hinted && waited < wait {
+            continue;
+        }
+        (brk, waited) = (now, 0);
+        let found = guarded(|| register_eligible(eng)).unwrap_or(0);
+        wait = if found > 0 || hinted {
+            1
+        } else {
+            (wait * 2).min(MAX_LOOK_PERIODS)
+        };
+    }
+}
+
+/// Registers the eligible mappings (see the crate doc) that are not registered yet; returns how
+/// many were.
+fn register_eligible(eng: &Engine) -> usize {
     let Ok(maps) = sys::self_mappings() else {
-        return;
+        return 0;
     };
     // The end of the last file mapping: an anonymous mapping starting there is a `.bss`.
     let mut file_end = 0;
+    let mut registered = 0;
     for m in maps {
         let (p, len) = (m.start as *mut u8, m.end - m.start);
         let bss = m.start == file_end && m.path.is_empty();
@@ -845,13 +888,15 @@ fn register_eligible(eng: &Engine) {
             && !bss
             && !pageone_engine::is_kept_apart(m.start..m.end)
             && !eng.is_registered(p, len)
+            && eng.merge(p, len).is_ok()
         {
-            let _ = eng.merge(p, len);
+            registered += 1;
         }
         if m.inode != 0 {
             file_end = m.end;
         }
     }
+    registered
 }
 
 /// Whether `PR_SET_MEMORY_MERGE` registers mapping `m`: when the engine's memory is apart, every
@@ -964,6 +1009,14 @@ pub unsafe extern "C" fn mmap(
                 let _ = eng.merge(p.cast(), len.div_ceil(sys::PAGE_SIZE) * sys::PAGE_SIZE);
             }
         });
+    } else if p != libc::MAP_FAILED
+        && flags & libc::MAP_ANONYMOUS != 0
+        && flags & libc::MAP_PRIVATE != 0
+        // Relaxed: see prctl.
+        && MERGE_ALL.load(Ordering::Relaxed)
+    {
+        // Relaxed: a hint for the thread that looks for new mappings.
+        MAPPED.store(true, Ordering::Relaxed);
     }
     p
 }
