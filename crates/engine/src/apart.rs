@@ -43,7 +43,7 @@ impl Drop for KeptApart {
     fn drop(&mut self) {
         let s = &TABLE[self.slot];
         // Relaxed then Release: readers that see the slot BUSY or free skip it; one that read the
-        // old end before this and the new start after it re-reads end and skips (see overlaps).
+        // old end before this and the new start after it re-reads end and skips (see is_kept_apart).
         s.end.store(BUSY, Ordering::Relaxed);
         s.start.store(0, Ordering::Relaxed);
         s.end.store(0, Ordering::Release);
@@ -60,7 +60,7 @@ pub fn keep_apart(range: Range<usize>) -> Option<KeptApart> {
             .is_ok()
         {
             s.start.store(range.start, Ordering::Relaxed);
-            // Release: pairs with the Acquire in overlaps (start is written before end).
+            // Release: pairs with the Acquire in is_kept_apart (start is written before end).
             s.end.store(range.end, Ordering::Release);
             return Some(KeptApart { slot });
         }
@@ -70,11 +70,7 @@ pub fn keep_apart(range: Range<usize>) -> Option<KeptApart> {
 
 /// Whether `range` overlaps memory kept apart. A range being added concurrently may be missed:
 /// a range matters from when [`keep_apart`] returned.
-pub fn is_kept_apart(range: Range<usize>) -> bool {
-    overlaps(&range)
-}
-
-pub(crate) fn overlaps(range: &Range<usize>) -> bool {
+pub fn is_kept_apart(range: &Range<usize>) -> bool {
     TABLE.iter().any(|s| {
         // Acquire: pairs with the Release in keep_apart (start is visible once end is).
         let end = s.end.load(Ordering::Acquire);
@@ -88,14 +84,14 @@ pub(crate) fn overlaps(range: &Range<usize>) -> bool {
     })
 }
 
-/// A thread of the engine whose stack is kept apart until it is joined.
-pub(crate) struct EngineThread<T> {
+/// A thread of the engine whose stack is kept apart until it is joined (forgotten, for good).
+pub struct EngineThread<T> {
     handle: JoinHandle<T>,
     _stack: Option<KeptApart>,
 }
 
 impl<T> EngineThread<T> {
-    pub(crate) fn join(self) -> std::thread::Result<T> {
+    pub fn join(self) -> std::thread::Result<T> {
         self.handle.join()
     }
 }
@@ -103,7 +99,7 @@ impl<T> EngineThread<T> {
 /// Starts a thread named `name` running `f`, with its stack kept apart before this returns (so
 /// before anything the caller registers next). If the stack cannot be found or the table is
 /// full, the thread runs all the same, logged: only memory registered over it could then hold it.
-pub(crate) fn spawn<T: Send + 'static>(
+pub fn spawn<T: Send + 'static>(
     name: String,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> std::io::Result<EngineThread<T>> {
@@ -132,14 +128,14 @@ mod tests {
     #[test]
     fn a_range_is_kept_apart_while_its_guard_lives() {
         let r = 0x7000_0000_0000..0x7000_0001_0000;
-        assert!(!overlaps(&r));
+        assert!(!is_kept_apart(&r));
         let g = keep_apart(r.clone()).expect("a free slot");
-        assert!(overlaps(&(r.start + 0x1000..r.start + 0x2000)));
-        assert!(overlaps(&(r.start - 0x1000..r.start + 1)));
-        assert!(!overlaps(&(r.end..r.end + 0x1000)));
-        assert!(!overlaps(&(r.start - 0x1000..r.start)));
+        assert!(is_kept_apart(&(r.start + 0x1000..r.start + 0x2000)));
+        assert!(is_kept_apart(&(r.start - 0x1000..r.start + 1)));
+        assert!(!is_kept_apart(&(r.end..r.end + 0x1000)));
+        assert!(!is_kept_apart(&(r.start - 0x1000..r.start)));
         drop(g);
-        assert!(!overlaps(&r));
+        assert!(!is_kept_apart(&r));
     }
 
     #[test]
@@ -153,9 +149,9 @@ mod tests {
         })
         .unwrap();
         let on_stack = rx.recv().unwrap();
-        assert!(overlaps(&(on_stack..on_stack + 1)));
+        assert!(is_kept_apart(&(on_stack..on_stack + 1)));
         go.send(()).unwrap();
         t.join().unwrap();
-        assert!(!overlaps(&(on_stack..on_stack + 1)));
+        assert!(!is_kept_apart(&(on_stack..on_stack + 1)));
     }
 }

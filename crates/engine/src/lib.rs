@@ -109,7 +109,7 @@ mod store;
 mod watch;
 mod zero_holes;
 
-pub use apart::{is_kept_apart, keep_apart, KeptApart};
+pub use apart::{is_kept_apart, keep_apart, spawn as spawn_apart, EngineThread, KeptApart};
 pub use config::{Builder, Config, WatchMode};
 pub use engine::{Engine, Region};
 pub use error::{DaemonError, EngineError};

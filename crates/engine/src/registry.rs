@@ -134,7 +134,7 @@ fn registrable(
     end: usize,
 ) -> Result<Vec<Range<usize>>, EngineError> {
     let len = end - a;
-    if crate::apart::overlaps(&(a..end)) {
+    if crate::apart::is_kept_apart(&(a..end)) {
         return Err(EngineError::EngineMemory { addr: a, len });
     }
     let mut cur = a;

@@ -118,10 +118,6 @@ pub(crate) fn after_fork() {
     unlock();
 }
 
-fn syscall_ok(r: libc::c_long) -> bool {
-    r != -1
-}
-
 impl Reserve {
     /// Reserves the address space at the first use; false if it cannot be.
     fn reserve(&mut self) -> bool {
@@ -179,7 +175,7 @@ impl Reserve {
                 libc::PROT_READ | libc::PROT_WRITE,
             )
         };
-        if !syscall_ok(r) {
+        if r == -1 {
             return false;
         }
         self.committed = to;
@@ -309,14 +305,13 @@ fn ours(ptr: *mut u8) -> bool {
 }
 
 /// Logs (once, without allocating) that a block came from the program's allocator.
-fn fell_back(layout: Layout) {
+fn fell_back() {
     static SAID: AtomicBool = AtomicBool::new(false);
     // Relaxed: a once-only message.
     if !SAID.swap(true, Ordering::Relaxed) {
         let msg = b"pageone: the engine's own memory ran out; the program's allocator serves it\n";
         // SAFETY: writes a static message.
         unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
-        let _ = layout;
     }
 }
 
@@ -324,39 +319,39 @@ fn is_large(layout: Layout) -> bool {
     layout.size() >= LARGE && layout.align() <= GRAIN
 }
 
-/// A large block: a span of its own (null if none is left).
-fn alloc_large(size: usize) -> *mut u8 {
+/// Runs `f` on the allocator's state with [`LOCK`] held.
+fn locked<T>(f: impl FnOnce(&mut Dlmalloc<Space>) -> T) -> T {
     lock();
-    // SAFETY: LOCK is held.
-    let r = unsafe { &mut *(*HEAP.0.get()).allocator().0.get() };
-    let p = r.take(size).map_or(std::ptr::null_mut(), |s| s as *mut u8);
+    // SAFETY: LOCK is held: nothing else touches the state meanwhile.
+    let r = f(unsafe { &mut *HEAP.0.get() });
     unlock();
-    p
+    r
 }
 
-fn free_large(ptr: *mut u8, size: usize) {
-    lock();
-    // SAFETY: LOCK is held.
-    let r = unsafe { &mut *(*HEAP.0.get()).allocator().0.get() };
-    r.give_back(ptr as usize, ptr as usize + size.next_multiple_of(GRAIN));
-    unlock();
+/// The reservation's spans (for large blocks); LOCK must be held (see [`locked`]).
+fn spans(heap: &mut Dlmalloc<Space>) -> &mut Reserve {
+    // SAFETY: the caller holds LOCK (it has the state exclusively).
+    unsafe { &mut *heap.allocator().0.get() }
 }
 
-/// A small block from dlmalloc (null if the reservation is used up or could not be made).
-fn alloc_small(layout: Layout, zeroed: bool) -> *mut u8 {
-    lock();
-    // SAFETY: LOCK is held.
-    let heap = unsafe { &mut *HEAP.0.get() };
-    // SAFETY: a valid size and alignment (the caller's layout).
-    let p = unsafe {
-        if zeroed {
-            heap.calloc(layout.size(), layout.align())
-        } else {
-            heap.malloc(layout.size(), layout.align())
+/// A block of the reservation: a span of its own if large, else from dlmalloc; null if the
+/// reservation is used up or could not be made. Spans read zeros (never used, or given back
+/// with `MADV_DONTNEED`).
+fn from_reservation(layout: Layout, zeroed: bool) -> *mut u8 {
+    locked(|heap| {
+        if is_large(layout) {
+            let r = spans(heap).take(layout.size());
+            return r.map_or(std::ptr::null_mut(), |s| s as *mut u8);
         }
-    };
-    unlock();
-    p
+        // SAFETY: a valid size and alignment (the caller's layout).
+        unsafe {
+            if zeroed {
+                heap.calloc(layout.size(), layout.align())
+            } else {
+                heap.malloc(layout.size(), layout.align())
+            }
+        }
+    })
 }
 
 // SAFETY: memory comes from the reservation (dlmalloc for small blocks, spans of their own for
@@ -364,13 +359,9 @@ fn alloc_small(layout: Layout, zeroed: bool) -> *mut u8 {
 // when the reservation is used up or could not be made (told apart by the address).
 unsafe impl GlobalAlloc for EngineAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = if is_large(layout) {
-            alloc_large(layout.size())
-        } else {
-            alloc_small(layout, false)
-        };
+        let p = from_reservation(layout, false);
         if p.is_null() {
-            fell_back(layout);
+            fell_back();
             // SAFETY: forwarded.
             return unsafe { System.alloc(layout) };
         }
@@ -378,14 +369,9 @@ unsafe impl GlobalAlloc for EngineAlloc {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // Spans of the reservation read zeros (never used, or given back with MADV_DONTNEED).
-        let p = if is_large(layout) {
-            alloc_large(layout.size())
-        } else {
-            alloc_small(layout, true)
-        };
+        let p = from_reservation(layout, true);
         if p.is_null() {
-            fell_back(layout);
+            fell_back();
             // SAFETY: forwarded.
             return unsafe { System.alloc_zeroed(layout) };
         }
@@ -397,25 +383,25 @@ unsafe impl GlobalAlloc for EngineAlloc {
             // SAFETY: ptr came from System with this layout.
             return unsafe { System.dealloc(ptr, layout) };
         }
-        if is_large(layout) {
-            free_large(ptr, layout.size());
-        } else {
-            lock();
-            // SAFETY: LOCK is held; ptr came from this dlmalloc with this layout.
-            unsafe { (*HEAP.0.get()).free(ptr, layout.size(), layout.align()) };
-            unlock();
-        }
+        locked(|heap| {
+            if is_large(layout) {
+                let end = ptr as usize + layout.size().next_multiple_of(GRAIN);
+                spans(heap).give_back(ptr as usize, end);
+            } else {
+                // SAFETY: ptr came from this dlmalloc with this layout.
+                unsafe { heap.free(ptr, layout.size(), layout.align()) };
+            }
+        });
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: the caller's alignment, a size it asked for.
         let new = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
         if ours(ptr) && !is_large(layout) && !is_large(new) {
-            lock();
-            // SAFETY: LOCK is held; ptr came from this dlmalloc with this layout.
-            let p =
-                unsafe { (*HEAP.0.get()).realloc(ptr, layout.size(), layout.align(), new_size) };
-            unlock();
+            // SAFETY: ptr came from this dlmalloc with this layout.
+            let p = locked(|heap| unsafe {
+                heap.realloc(ptr, layout.size(), layout.align(), new_size)
+            });
             if !p.is_null() {
                 return p;
             }

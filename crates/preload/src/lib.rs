@@ -808,22 +808,11 @@ fn watch_new_mappings(eng: &'static Engine) {
     };
     let period =
         std::time::Duration::from_millis(env_number(c"PAGEONE_MERGE_PERIOD_MS").unwrap_or(200));
-    let spawned = std::thread::Builder::new()
-        .name("pageone-mappings".into())
-        .spawn(move || look_for_new_mappings(eng, period));
-    match spawned {
-        Ok(t) => {
-            use std::os::unix::thread::JoinHandleExt;
-            let kept = sys::thread_stack(t.as_pthread_t())
-                .ok()
-                .and_then(pageone_engine::keep_apart);
-            match kept {
-                Some(k) => std::mem::forget(k),
-                None => {
-                    log("the stack of the thread that registers new mappings is not kept apart")
-                }
-            }
-        }
+    // Its stack is kept apart like an engine thread's; it runs for the life of the process.
+    match pageone_engine::spawn_apart("pageone-mappings".into(), move || {
+        look_for_new_mappings(eng, period)
+    }) {
+        Ok(t) => std::mem::forget(t),
         Err(e) => log(&format!(
             "cannot start a thread to register new mappings ({e}); only mappings made through \
              mmap are registered as they appear"
@@ -886,7 +875,7 @@ fn register_eligible(eng: &Engine) -> usize {
         let bss = m.start == file_end && m.path.is_empty();
         if merges_all(&m)
             && !bss
-            && !pageone_engine::is_kept_apart(m.start..m.end)
+            && !pageone_engine::is_kept_apart(&(m.start..m.end))
             && !eng.is_registered(p, len)
             && eng.merge(p, len).is_ok()
         {
