@@ -17,7 +17,7 @@ use crate::freeze::{FrozenRange, SCRATCH_SLOTS};
 use crate::parking::Parking;
 use crate::period::{commit_loop, engine_loop};
 use crate::pool::Pool;
-use crate::registry;
+use crate::registry::{self, DropAdvice};
 use crate::state::{Counters, Shared, State};
 use crate::stats::stats_of;
 use crate::store::Store;
@@ -325,6 +325,23 @@ impl Engine {
     /// `LD_PRELOAD` shim does this for unmodified programs. Unregistered memory is ignored.
     pub fn discard(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
         registry::discard(&self.shared, addr as usize, len)
+    }
+
+    /// `madvise(addr, len, advice)` (`MADV_DONTNEED` or `MADV_FREE`) as the kernel answers it,
+    /// with merged pages made empty anonymous memory (reading zeros; `MADV_FREE` of merged pages
+    /// drops them, which it allows): the same result as the `madvise` followed by
+    /// [`discard`](Self::discard), at a fraction of its cost where pages are merged (the kernel's
+    /// drop of a store mapping waits for the engine's fault thread; here it does not).
+    /// `Ok(false)` if the kernel refused the call: it applied it to the mappings before the one it
+    /// refused (a locked one; for `MADV_FREE` a mapping of the store among anonymous ones), and
+    /// the caller applies it mapping by mapping, with [`discard`](Self::discard) after each.
+    pub fn drop_pages(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        advice: DropAdvice,
+    ) -> Result<bool, EngineError> {
+        registry::drop_pages(&self.shared, addr as usize, len, advice)
     }
 
     /// Maps a fresh private anonymous region of `len` bytes (rounded up to pages) and registers it.

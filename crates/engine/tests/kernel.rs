@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use pageone_engine::{Engine, EngineError, Region, WatchMode};
+use pageone_engine::{DropAdvice, Engine, EngineError, Region, WatchMode};
 use pageone_sys as sys;
 
 mod common;
@@ -263,11 +263,19 @@ fn a_page_merged_again_keeps_its_protection() {
     };
 }
 
-/// `MADV_DONTNEED` of merged pages, then `Engine::discard` (what the shim does): the dropped
-/// pages read zeros and hold no reference to their copies; every other page keeps its bytes and
-/// stays merged; the emptied pages are watched like the rest (written, the bytes stay; equal to
-/// a copy again, they merge again).
-fn discard_merged_pages_on(mode: WatchMode) {
+/// How a test drops pages.
+#[derive(Clone, Copy)]
+enum Dropping {
+    /// `madvise(MADV_DONTNEED)`, then `Engine::discard`.
+    MadviseThenDiscard,
+    /// `Engine::drop_pages` (what the shim does).
+    Engine(DropAdvice),
+}
+
+/// Merged pages dropped (`how`): the dropped pages read zeros and hold no reference to their
+/// copies; every other page keeps its bytes and stays merged; the emptied pages are watched like
+/// the rest (written, the bytes stay; equal to a copy again, they merge again).
+fn discard_merged_pages_on(mode: WatchMode, how: Dropping) {
     let _g = serial();
     let e = engine(mode);
     let n = 64;
@@ -279,10 +287,17 @@ fn discard_merged_pages_on(mode: WatchMode) {
     assert_eq!(s.pages_sharing, n as u64, "{s:?}");
     let (ptr, base) = (r.as_ptr(), r.as_ptr() as usize);
     let drop_pages = |first: usize, pages: usize| {
-        // SAFETY: pages of the test's own region; no reference into it is live.
-        unsafe { sys::madvise(ptr.add(first * PAGE), pages * PAGE, libc::MADV_DONTNEED) }.unwrap();
-        e.discard(ptr.wrapping_add(first * PAGE), pages * PAGE)
-            .unwrap();
+        let (at, len) = (ptr.wrapping_add(first * PAGE), pages * PAGE);
+        match how {
+            Dropping::MadviseThenDiscard => {
+                // SAFETY: pages of the test's own region; no reference into it is live.
+                unsafe { sys::madvise(at, len, libc::MADV_DONTNEED) }.unwrap();
+                e.discard(at, len).unwrap();
+            }
+            Dropping::Engine(advice) => {
+                assert!(e.drop_pages(at, len, advice).unwrap(), "the kernel refused");
+            }
+        }
     };
     let faults = e.stats().faults_answered;
     drop_pages(5, 1);
@@ -336,12 +351,93 @@ fn discard_merged_pages_on(mode: WatchMode) {
 
 #[test]
 fn discarding_merged_pages_gives_zeros_and_keeps_the_rest_merged() {
-    discard_merged_pages_on(WatchMode::Auto);
+    discard_merged_pages_on(WatchMode::Auto, Dropping::MadviseThenDiscard);
 }
 
 #[test]
 fn discarding_merged_pages_gives_zeros_and_keeps_the_rest_merged_checksum_fallback() {
-    discard_merged_pages_on(WatchMode::Checksum);
+    discard_merged_pages_on(WatchMode::Checksum, Dropping::MadviseThenDiscard);
+}
+
+#[test]
+fn dropping_merged_pages_gives_zeros_and_keeps_the_rest_merged() {
+    discard_merged_pages_on(WatchMode::Auto, Dropping::Engine(DropAdvice::DontNeed));
+}
+
+#[test]
+fn freeing_merged_pages_drops_them_and_keeps_the_rest_merged() {
+    discard_merged_pages_on(WatchMode::Auto, Dropping::Engine(DropAdvice::Free));
+}
+
+/// What the kernel refuses, `Engine::drop_pages` refuses alike, changing nothing the kernel
+/// would not: `MADV_DONTNEED` of a locked merged page, `MADV_FREE` of a range holding merged
+/// and anonymous pages (it drops the anonymous pages before the first merged one). The merged
+/// pages keep their bytes and stay merged, and a `madvise` then `discard` of them afterwards (the
+/// caller's way, mapping by mapping) still gives zeros.
+#[test]
+fn a_drop_the_kernel_refuses_changes_nothing_merged() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 16;
+    // Unique pages, then two halves of the same contents.
+    let mut r = e.alloc_region(3 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        let content = if i < n { 1000 + i } else { (i - n) % n + 1 };
+        fill(p, content as u64);
+    }
+    wait_for(&e, |s| s.pages_sharing >= n as u64);
+    let (ptr, base) = (r.as_ptr(), r.as_ptr() as usize);
+    let page = |i: usize| ptr.wrapping_add(i * PAGE);
+    let locked = n + 3;
+    // SAFETY: a page of the test's own region.
+    assert_eq!(unsafe { libc::mlock(page(locked).cast(), PAGE) }, 0);
+    let refused_locked = !e
+        .drop_pages(page(locked), PAGE, DropAdvice::DontNeed)
+        .unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::munlock(page(locked).cast(), PAGE) }, 0);
+    assert!(
+        refused_locked,
+        "MADV_DONTNEED of a locked page was not refused"
+    );
+    // Anonymous pages, then merged ones: the kernel frees the first, refuses the second.
+    assert!(!file_backed(base + (n / 2) * PAGE));
+    let mixed = e
+        .drop_pages(page(n / 2), n * PAGE, DropAdvice::Free)
+        .unwrap();
+    assert!(
+        !mixed,
+        "MADV_FREE of anonymous and merged pages was not refused"
+    );
+    let mem = r.as_mut_slice();
+    for i in n..3 * n {
+        let want = ((i - n) % n + 1) as u64;
+        assert!(check(&mem[i * PAGE..(i + 1) * PAGE], want), "page {i}");
+        // (`mlock` made the locked page a private copy: the kernel's copy-on-write for locking
+        // writable memory.)
+        assert!(
+            i == locked || file_backed(base + i * PAGE),
+            "page {i} is no longer merged"
+        );
+    }
+    // The caller's way after a refusal: each mapping dropped, then discarded.
+    // SAFETY: pages of the test's own region; no reference into it is live.
+    unsafe { sys::madvise(page(locked), PAGE, libc::MADV_DONTNEED) }.unwrap();
+    e.discard(page(locked), PAGE).unwrap();
+    let mem = r.as_mut_slice();
+    assert!(check(&mem[locked * PAGE..(locked + 1) * PAGE], 0));
+    assert!(!file_backed(base + locked * PAGE));
+    // Still watched: equal to a copy again, merged again.
+    fill(&mut mem[locked * PAGE..(locked + 1) * PAGE], 4);
+    wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert!(check(
+        &r.as_mut_slice()[locked * PAGE..(locked + 1) * PAGE],
+        4
+    ));
+    assert!(
+        file_backed(base + locked * PAGE),
+        "the page did not merge again"
+    );
 }
 
 /// After unregister the range is plain anonymous memory again: no mapping of the store is left,

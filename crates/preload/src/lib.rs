@@ -68,7 +68,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Mutex;
 
 use libc::{c_int, c_ulong, c_void, size_t};
-use pageone_engine::{changing_mappings, is_store_mapping, Engine};
+use pageone_engine::{changing_mappings, is_store_mapping, DropAdvice, Engine};
 use pageone_sync::lock;
 use pageone_sys as sys;
 
@@ -640,9 +640,30 @@ fn drop_pages(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
         return raw_madvise(addr, len, advice);
     };
     let _change = changing_mappings();
-    if raw_madvise(addr, len, advice) == 0 {
-        emptied(eng, a, e);
-        return 0;
+    let how = match advice {
+        libc::MADV_FREE => DropAdvice::Free,
+        libc::MADV_DONTNEED => DropAdvice::DontNeed,
+        _ => {
+            // MADV_DONTNEED_LOCKED: as the kernel answers it, then the merged pages emptied.
+            if raw_madvise(addr, len, advice) != 0 {
+                return drop_piecewise(eng, a, e, advice);
+            }
+            emptied(eng, a, e);
+            return 0;
+        }
+    };
+    match guarded(|| eng.drop_pages(a as *mut u8, e - a, how)) {
+        Some(Ok(true)) => return 0,
+        Some(Ok(false)) => {}
+        Some(Err(err)) => {
+            log(&format!("dropped merged pages could not be emptied: {err}"));
+            return 0;
+        }
+        None => {
+            if raw_madvise(addr, len, advice) == 0 {
+                return 0;
+            }
+        }
     }
     // Refused somewhere: the kernel applies it mapping by mapping and stops at the first it
     // refuses (a locked one; for MADV_FREE also a file mapping, which merged pages are), having
