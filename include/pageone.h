@@ -89,6 +89,10 @@ typedef enum pageone_status {
    * The pageone daemon could not be joined.
    */
   PAGEONE_DAEMON = 111,
+  /**
+   * The kernel refused the call; `errno` holds its error.
+   */
+  PAGEONE_REFUSED = 112,
 } pageone_status;
 
 /**
@@ -447,6 +451,24 @@ enum pageone_status pageone_engine_register(const struct pageone_engine *engine,
 enum pageone_status pageone_engine_unregister(const struct pageone_engine *engine,
                                               void *addr,
                                               size_t len);
+
+/**
+ * `madvise(addr, len, advice)` for `MADV_DONTNEED`, `MADV_DONTNEED_LOCKED` or `MADV_FREE`, as
+ * the kernel answers it (`PAGEONE_REFUSED` with the kernel's `errno` where it refuses), with
+ * merged pages made empty: they read zeros, as the kernel promises (`MADV_FREE` of merged pages
+ * drops them, which it allows). Merged pages are mappings of pageone's store: a plain `madvise`
+ * would leave them reading their merged copy, so call this instead of `madvise` on registered
+ * memory. `PAGEONE_INVALID_ARGUMENT` for any other advice.
+ *
+ * # Safety
+ *
+ * `engine` must be NULL or a live engine. The range must belong to the caller, whose data there
+ * is dropped.
+ */
+enum pageone_status pageone_engine_drop_pages(const struct pageone_engine *engine,
+                                              void *addr,
+                                              size_t len,
+                                              int advice);
 
 /**
  * Writes a snapshot of the engine's counters to `*out`.

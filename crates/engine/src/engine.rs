@@ -11,13 +11,14 @@ use pageone_sys::{self as sys, uapi::*};
 use crate::access::PAGE;
 use crate::apart::{self, EngineThread};
 use crate::changes::ChangeLog;
+use crate::dropping::{self, DropAdvice};
 use crate::error::Chain;
 use crate::faults::fault_loop;
 use crate::freeze::{FrozenRange, SCRATCH_SLOTS};
 use crate::parking::Parking;
 use crate::period::{commit_loop, engine_loop};
 use crate::pool::Pool;
-use crate::registry::{self, DropAdvice};
+use crate::registry;
 use crate::state::{Counters, Shared, State};
 use crate::stats::stats_of;
 use crate::store::Store;
@@ -324,24 +325,23 @@ impl Engine {
     /// anonymous memory now (reading zeros, as the kernel promises); nothing else is touched. The
     /// `LD_PRELOAD` shim does this for unmodified programs. Unregistered memory is ignored.
     pub fn discard(&self, addr: *mut u8, len: usize) -> Result<(), EngineError> {
-        registry::discard(&self.shared, addr as usize, len)
+        dropping::discard(&self.shared, addr as usize, len)
     }
 
-    /// `madvise(addr, len, advice)` (`MADV_DONTNEED` or `MADV_FREE`) as the kernel answers it,
-    /// with merged pages made empty anonymous memory (reading zeros; `MADV_FREE` of merged pages
-    /// drops them, which it allows): the same result as the `madvise` followed by
-    /// [`discard`](Self::discard), at a fraction of its cost where pages are merged (the kernel's
-    /// drop of a store mapping waits for the engine's fault thread; here it does not).
-    /// `Ok(false)` if the kernel refused the call: it applied it to the mappings before the one it
-    /// refused (a locked one; for `MADV_FREE` a mapping of the store among anonymous ones), and
-    /// the caller applies it mapping by mapping, with [`discard`](Self::discard) after each.
+    /// `madvise(addr, len, advice)` as the kernel answers it (`EngineError::Refused` with its
+    /// error where it refuses), with merged pages made empty anonymous memory: they read zeros,
+    /// as the kernel promises (`MADV_FREE` of merged pages drops them, which it allows). The same
+    /// result as the `madvise` followed by [`discard`](Self::discard), at a fraction of the cost
+    /// where pages are merged: the kernel's drop of merged pages would wait for the engine's
+    /// fault thread to read its report; here it does not. The `LD_PRELOAD` shim does this for
+    /// unmodified programs. Unregistered memory is dropped as by the kernel alone.
     pub fn drop_pages(
         &self,
         addr: *mut u8,
         len: usize,
         advice: DropAdvice,
-    ) -> Result<bool, EngineError> {
-        registry::drop_pages(&self.shared, addr as usize, len, advice)
+    ) -> Result<(), EngineError> {
+        dropping::drop_pages(&self.shared, addr as usize, len, advice)
     }
 
     /// Maps a fresh private anonymous region of `len` bytes (rounded up to pages) and registers it.

@@ -29,6 +29,8 @@ pub enum EngineError {
     Config(&'static str),
     #[error("memory could not be mapped")]
     Map(#[source] io::Error),
+    #[error("the kernel refused the call")]
+    Refused(#[source] io::Error),
     #[error("the engine thread could not be started")]
     Thread(#[source] io::Error),
     #[error("the pageone daemon could not be joined")]

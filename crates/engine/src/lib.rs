@@ -89,6 +89,7 @@ mod classify;
 mod colocate;
 mod commit;
 mod config;
+mod dropping;
 mod engine;
 mod error;
 mod faults;
@@ -111,6 +112,7 @@ mod zero_holes;
 
 pub use apart::{is_kept_apart, keep_apart, spawn as spawn_apart, EngineThread, KeptApart};
 pub use config::{Builder, Config, WatchMode};
+pub use dropping::DropAdvice;
 pub use engine::{Engine, Region};
 pub use error::{DaemonError, EngineError};
 pub use layout::{changing_mappings, MappingChange};
@@ -118,6 +120,5 @@ pub use layout::{changing_mappings, MappingChange};
 pub use pageone_proto as proto;
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;
-pub use registry::DropAdvice;
 pub use stats::{DaemonLink, Stats};
 pub use store::{is_merged_mapping, is_store_mapping};

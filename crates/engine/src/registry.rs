@@ -60,7 +60,7 @@ pub(crate) fn merge(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result<()
 }
 
 /// `a + len` for a page-aligned, non-empty range.
-fn checked_range(a: usize, len: usize) -> Result<usize, EngineError> {
+pub(crate) fn checked_range(a: usize, len: usize) -> Result<usize, EngineError> {
     if a % PAGE != 0 || len % PAGE != 0 || len == 0 {
         return Err(EngineError::Unaligned { addr: a, len });
     }
@@ -244,16 +244,16 @@ pub(crate) fn unregister(sh: &Shared, a: usize, len: usize) -> Result<(), Engine
 
 /// A piece of registered memory that is a mapping of the store (merged pages, and pages written
 /// after their merge), with its protection.
-struct StorePiece {
-    start: usize,
-    end: usize,
-    prot: libc::c_int,
+pub(crate) struct StorePiece {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) prot: libc::c_int,
 }
 
 /// The pieces of `range` that are mappings of a store (this engine's, one it replaced, or the one
 /// of the process it was forked from), from the process's mappings there (asked of the kernel for
 /// the range alone).
-fn store_pieces(sh: &Shared, st: &State, range: Range<usize>) -> Vec<StorePiece> {
+pub(crate) fn store_pieces(sh: &Shared, st: &State, range: Range<usize>) -> Vec<StorePiece> {
     sh.maps
         .in_range(range.start, range.end)
         .unwrap_or_default()
@@ -267,150 +267,9 @@ fn store_pieces(sh: &Shared, st: &State, range: Range<usize>) -> Vec<StorePiece>
         .collect()
 }
 
-/// The program dropped the pages of `[a, a+len)` (`MADV_DONTNEED`; see `Engine::discard`): those
-/// in mappings of the store would read their copy again, not zeros, so they become anonymous
-/// memory holding nothing (reading zeros). The other pages are not touched: the kernel dropped
-/// them. Everything here costs what the range holds: its regions, its mappings, its pages.
-pub(crate) fn discard(sh: &Shared, a: usize, len: usize) -> Result<(), EngineError> {
-    let end = checked_range(a, len)?;
-    let _change = changing_mappings();
-    let pieces = merged_pieces(sh, a..end);
-    let unreported = Unreported::new(sh, pieces);
-    empty_pieces(sh, unreported)
-}
-
-/// Drops the pages of `[a, a+len)` as `madvise(advice)` does (`MADV_DONTNEED` or `MADV_FREE`; see
-/// `Engine::drop_pages`), with merged pages made empty anonymous memory. The store mappings in
-/// the range leave the store mappings' context first, so that the kernel's drop reports nothing
-/// there: a report holds the caller until the fault thread has read it, a round trip between
-/// threads that cost more than the rest. `MADV_FREE` of nothing but merged pages drops them (what
-/// it allows). `Ok(false)`: the kernel refused the call (a locked mapping; `MADV_FREE` of a range
-/// holding both kinds of mapping), having applied it to the mappings before the one it refused;
-/// the store mappings are as they were, and the caller applies it mapping by mapping.
-pub(crate) fn drop_pages(
-    sh: &Shared,
-    a: usize,
-    len: usize,
-    advice: DropAdvice,
-) -> Result<bool, EngineError> {
-    let end = checked_range(a, len)?;
-    let _change = changing_mappings();
-    let pieces = merged_pieces(sh, a..end);
-    let all_merged = !pieces.is_empty() && covers(&pieces, a..end);
-    let unreported = Unreported::new(sh, pieces);
-    let advice = match advice {
-        DropAdvice::Free if !all_merged => libc::MADV_FREE,
-        _ => libc::MADV_DONTNEED,
-    };
-    // SAFETY: the program asked for its pages to be dropped; `MADV_FREE` may drop them.
-    if unsafe { sys::madvise(a as *mut u8, len, advice) }.is_err() {
-        return Ok(false);
-    }
-    empty_pieces(sh, unreported).map(|()| true)
-}
-
-/// How [`drop_pages`] drops pages (`Engine::drop_pages`): `madvise`'s advice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DropAdvice {
-    /// `MADV_DONTNEED`: the pages read zeros afterwards.
-    DontNeed,
-    /// `MADV_FREE`: the pages read zeros or what they held, until written.
-    Free,
-}
-
-/// The store mappings of `range` if the engine's pages there say some are merged (else none,
-/// without asking the kernel).
-fn merged_pieces(sh: &Shared, range: Range<usize>) -> Vec<StorePiece> {
-    let mut st = lock(&sh.state);
-    apply_changes(sh, &mut st);
-    let in_store = overlapping(&st, range.clone()).any(|(r, pages)| {
-        r.pages[pages].iter().any(|p| {
-            matches!(
-                p.kind,
-                PageKind::Merged | PageKind::Broken | PageKind::Foreign
-            )
-        })
-    });
-    if in_store {
-        store_pieces(sh, &st, range)
-    } else {
-        Vec::new()
-    }
-}
-
-/// Whether `pieces` (in address order) cover all of `range`.
-fn covers(pieces: &[StorePiece], range: Range<usize>) -> bool {
-    let mut at = range.start;
-    for p in pieces {
-        if p.start > at {
-            return false;
-        }
-        at = at.max(p.end);
-    }
-    at >= range.end
-}
-
-/// Store mappings taken out of the store mappings' context, so that dropping or replacing them
-/// reports nothing there (see [`drop_pages`]); dropped unused, they are registered there again.
-struct Unreported<'a> {
-    sh: &'a Shared,
-    pieces: Vec<(StorePiece, bool)>,
-}
-
-impl<'a> Unreported<'a> {
-    fn new(sh: &'a Shared, pieces: Vec<StorePiece>) -> Self {
-        let pieces = pieces
-            .into_iter()
-            .map(|p| {
-                let out = sh
-                    .store_uffd
-                    .as_ref()
-                    .is_some_and(|u| u.unregister(p.start, p.end - p.start).is_ok());
-                (p, out)
-            })
-            .collect();
-        Self { sh, pieces }
-    }
-}
-
-impl Drop for Unreported<'_> {
-    fn drop(&mut self) {
-        let Some(u) = &self.sh.store_uffd else { return };
-        for (p, out) in self.pieces.drain(..) {
-            if out {
-                // Still the store mapping: watched again, so that it can be merged again.
-                let _ = u.register(p.start, p.end - p.start, STORE_MODE);
-            }
-        }
-    }
-}
-
-/// Makes the store mappings of `unreported` empty anonymous memory, registered like the regions
-/// around them, and records that their pages hold nothing.
-fn empty_pieces(sh: &Shared, mut unreported: Unreported<'_>) -> Result<(), EngineError> {
-    if unreported.pieces.is_empty() {
-        return Ok(());
-    }
-    let mut st = lock(&sh.state);
-    apply_changes(sh, &mut st);
-    let result = (|| {
-        while let Some((piece, out)) = unreported.pieces.pop() {
-            if let Err(e) = empty_store_piece(sh, &piece) {
-                unreported.pieces.push((piece, out));
-                return Err(e);
-            }
-            dropped_pages(&mut st, piece.start..piece.end);
-            watch_emptied(sh, &st, piece.start..piece.end)?;
-        }
-        Ok(())
-    })();
-    st.store.punch_pending();
-    result
-}
-
 /// The regions that meet `range`, each with the indices of its pages inside it (regions do not
 /// overlap: those below `range` are not visited).
-fn overlapping(
+pub(crate) fn overlapping(
     st: &State,
     range: Range<usize>,
 ) -> impl Iterator<Item = (&RegionState, Range<usize>)> {
@@ -425,35 +284,12 @@ fn overlapping(
         })
 }
 
-/// Replaces the store mapping of `piece` by an anonymous mapping of the same protection holding
-/// nothing (to be watched like the region around it: [`watch_emptied`]).
-///
-/// The piece left the store mappings' context first ([`Unreported`]), so replacing it reports
-/// nothing there: the kernel would hold this thread until the fault thread read the report, a
-/// round trip that cost more than all the rest. A write to the old mapping meanwhile is dropped
-/// with it, as if made before the program's `MADV_DONTNEED` (it is concurrent with the call); one
-/// after the replacement lands in the new mapping.
-fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError> {
-    let (s, len) = (piece.start, piece.end - piece.start);
-    // Announced all the same, for a context still registered there: its report is the engine's
-    // own.
-    let change = Change::Unmap {
-        start: s,
-        end: s + len,
-    };
-    lock(&sh.changes).expect(change);
-    // SAFETY: the range is a mapping of the store the program asked to drop; it is replaced, as a
-    // whole, by an empty private anonymous mapping.
-    let mapped = unsafe { sys::mmap_anonymous_fixed(s as *mut u8, len, piece.prot) };
-    // A report was read before the call returned (the kernel waits for that), and the fault
-    // thread records what it reads before it lets go of the log: an announcement still there
-    // now had no report, and must not swallow a later one.
-    lock(&sh.changes).unexpect(change);
-    mapped.map(drop).map_err(EngineError::Map)
-}
-
 /// Registers `range`, fresh anonymous memory, like the region around it.
-fn watch_emptied(sh: &Shared, st: &State, range: Range<usize>) -> Result<(), EngineError> {
+pub(crate) fn watch_emptied(
+    sh: &Shared,
+    st: &State,
+    range: Range<usize>,
+) -> Result<(), EngineError> {
     sh.uffd
         .register(range.start, range.len(), sh.reg_mode)
         .map_err(EngineError::Uffd)?;
@@ -464,7 +300,7 @@ fn watch_emptied(sh: &Shared, st: &State, range: Range<usize>) -> Result<(), Eng
 }
 
 /// Records that the pages of `range` hold nothing now: anonymous, their copies released.
-fn dropped_pages(st: &mut State, range: Range<usize>) {
+pub(crate) fn dropped_pages(st: &mut State, range: Range<usize>) {
     let State { regions, store, .. } = st;
     let meeting = regions
         .range_mut(..range.end)

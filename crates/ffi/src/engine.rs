@@ -1,15 +1,18 @@
 //! The engine handle: [`pageone_engine`], started from a configuration, and the exports that
 //! run it (register, unregister, stats, kick).
 
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 
-use ::pageone_engine::{Config, Engine, EngineError};
+use ::pageone_engine::{Config, DropAdvice, Engine, EngineError};
 
 use crate::boundary::new_into;
 use crate::config::pageone_config;
 use crate::stats::pageone_stats;
 use crate::status::pageone_status::{self, *};
 use crate::status::status_of;
+
+/// `MADV_DONTNEED_LOCKED` (Linux 5.18), absent from older C headers.
+const MADV_DONTNEED_LOCKED: c_int = 24;
 
 /// A running deduplication engine (`pageone_engine_new`, `pageone_engine_free`).
 pub struct pageone_engine {
@@ -129,6 +132,43 @@ pub unsafe extern "C" fn pageone_engine_unregister(
         // SAFETY: NULL or a live engine by the contract; engines are only shared.
         let engine = unsafe { try_ref_from_ptr!(engine) };
         status_of(engine.engine.unregister(addr.cast(), len))
+    }
+}
+
+/// `madvise(addr, len, advice)` for `MADV_DONTNEED`, `MADV_DONTNEED_LOCKED` or `MADV_FREE`, as
+/// the kernel answers it (`PAGEONE_REFUSED` with the kernel's `errno` where it refuses), with
+/// merged pages made empty: they read zeros, as the kernel promises (`MADV_FREE` of merged pages
+/// drops them, which it allows). Merged pages are mappings of pageone's store: a plain `madvise`
+/// would leave them reading their merged copy, so call this instead of `madvise` on registered
+/// memory. `PAGEONE_INVALID_ARGUMENT` for any other advice.
+///
+/// # Safety
+///
+/// `engine` must be NULL or a live engine. The range must belong to the caller, whose data there
+/// is dropped.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_engine_drop_pages(
+    engine: *const pageone_engine,
+    addr: *mut c_void,
+    len: usize,
+    advice: c_int,
+) -> pageone_status {
+    ffi_panic_boundary! {
+        ensure_not_null!(addr);
+        // SAFETY: NULL or a live engine by the contract; engines are only shared.
+        let engine = unsafe { try_ref_from_ptr!(engine) };
+        let how = match advice {
+            libc::MADV_DONTNEED => DropAdvice::DontNeed,
+            libc::MADV_FREE => DropAdvice::Free,
+            MADV_DONTNEED_LOCKED => DropAdvice::DontNeedLocked,
+            _ => return PAGEONE_INVALID_ARGUMENT,
+        };
+        let r = engine.engine.drop_pages(addr.cast(), len, how);
+        if let Err(EngineError::Refused(e)) = &r {
+            // SAFETY: errno is this thread's.
+            unsafe { *libc::__errno_location() = e.raw_os_error().unwrap_or(libc::EINVAL) };
+        }
+        status_of(r)
     }
 }
 

@@ -47,6 +47,8 @@ pub enum pageone_status {
     PAGEONE_THREAD = 110,
     /// The pageone daemon could not be joined.
     PAGEONE_DAEMON = 111,
+    /// The kernel refused the call; `errno` holds its error.
+    PAGEONE_REFUSED = 112,
 }
 
 use pageone_status::*;
@@ -69,12 +71,13 @@ impl From<&EngineError> for pageone_status {
             EngineError::Map(_) => PAGEONE_MAP,
             EngineError::Thread(_) => PAGEONE_THREAD,
             EngineError::Daemon(_) => PAGEONE_DAEMON,
+            EngineError::Refused(_) => PAGEONE_REFUSED,
         }
     }
 }
 
 /// Every status, for [`pageone_status_message`] (private: cbindgen would export it).
-const ALL_STATUSES: [pageone_status; 17] = [
+const ALL_STATUSES: [pageone_status; 18] = [
     PAGEONE_OK,
     PAGEONE_NULL_ARGUMENT,
     PAGEONE_INVALID_ARGUMENT,
@@ -92,6 +95,7 @@ const ALL_STATUSES: [pageone_status; 17] = [
     PAGEONE_MAP,
     PAGEONE_THREAD,
     PAGEONE_DAEMON,
+    PAGEONE_REFUSED,
 ];
 
 impl pageone_status {
@@ -117,6 +121,7 @@ impl pageone_status {
             PAGEONE_MAP => c"memory could not be mapped",
             PAGEONE_THREAD => c"an engine thread could not be started",
             PAGEONE_DAEMON => c"the pageone daemon could not be joined",
+            PAGEONE_REFUSED => c"the kernel refused the call (errno says why)",
         }
     }
 }

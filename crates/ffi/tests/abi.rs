@@ -304,3 +304,65 @@ fn an_engine_that_only_recycles_merges_nothing() {
         pageone_pool_free(pool);
     }
 }
+
+/// Merged pages dropped through the ABI read zeros (a plain `madvise` would leave them reading
+/// their copy); the rest stays intact. A drop the kernel refuses (a locked page) is
+/// `PAGEONE_REFUSED` with the kernel's `errno`; an advice that drops nothing is refused.
+#[test]
+fn merged_pages_dropped_through_the_abi_read_zeros() {
+    let e = engine();
+    let n = 16;
+    let len = 2 * n * PAGE;
+    let p = mmap(len, libc::MAP_PRIVATE).cast::<u8>();
+    // SAFETY: `e` is live until freed; the mapping is ours, unregistered before it is unmapped,
+    // and read only through raw pointers (the engine maps pages over it).
+    unsafe {
+        for i in 0..2 * n {
+            ptr::write_bytes(p.add(i * PAGE), (i % n) as u8 + 1, PAGE);
+        }
+        assert_eq!(pageone_engine_register(e, p.cast(), len), PAGEONE_OK);
+        let mut s = pageone_stats::default();
+        for _ in 0..200 {
+            assert_eq!(pageone_engine_wait_periods(e, 1, 5000), PAGEONE_OK);
+            assert_eq!(pageone_engine_stats(e, &mut s), PAGEONE_OK);
+            if s.pages_sharing >= n as u64 {
+                break;
+            }
+        }
+        assert_eq!(s.pages_sharing, n as u64, "nothing merged to drop");
+        let page = |i: usize| p.add(i * PAGE);
+        for (i, advice) in [(2, libc::MADV_DONTNEED), (n + 5, libc::MADV_FREE)] {
+            assert_eq!(
+                pageone_engine_drop_pages(e, page(i).cast(), PAGE, advice),
+                PAGEONE_OK
+            );
+            assert!(
+                (0..PAGE).all(|b| *page(i).add(b) == 0),
+                "page {i} is not zero"
+            );
+        }
+        for i in (0..2 * n).filter(|&i| i != 2 && i != n + 5) {
+            let want = (i % n) as u8 + 1;
+            assert!((0..PAGE).all(|b| *page(i).add(b) == want), "page {i}");
+        }
+        assert_eq!(
+            pageone_engine_drop_pages(e, page(0).cast(), PAGE, libc::MADV_WILLNEED),
+            PAGEONE_INVALID_ARGUMENT
+        );
+        assert_eq!(libc::mlock(page(7).cast(), PAGE), 0);
+        *libc::__errno_location() = 0;
+        assert_eq!(
+            pageone_engine_drop_pages(e, page(7).cast(), PAGE, libc::MADV_DONTNEED),
+            PAGEONE_REFUSED
+        );
+        assert_eq!(*libc::__errno_location(), libc::EINVAL);
+        assert!(
+            (0..PAGE).all(|b| *page(7).add(b) == 8),
+            "a refused drop changed the page"
+        );
+        assert_eq!(libc::munlock(page(7).cast(), PAGE), 0);
+        assert_eq!(pageone_engine_unregister(e, p.cast(), len), PAGEONE_OK);
+        pageone_engine_free(e);
+        libc::munmap(p.cast(), len);
+    }
+}

@@ -68,7 +68,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Mutex;
 
 use libc::{c_int, c_ulong, c_void, size_t};
-use pageone_engine::{changing_mappings, is_store_mapping, DropAdvice, Engine};
+use pageone_engine::{changing_mappings, is_store_mapping, DropAdvice, Engine, EngineError};
 use pageone_sync::lock;
 use pageone_sys as sys;
 
@@ -640,72 +640,27 @@ fn drop_pages(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
         return raw_madvise(addr, len, advice);
     };
     let _change = changing_mappings();
+    engine_drop(eng, a, e, advice)
+}
+
+/// `[a, e)` dropped by the engine (`Engine::drop_pages`): the kernel's result and `errno`, with
+/// merged pages made empty anonymous memory.
+fn engine_drop(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
     let how = match advice {
         libc::MADV_FREE => DropAdvice::Free,
         libc::MADV_DONTNEED => DropAdvice::DontNeed,
-        _ => {
-            // MADV_DONTNEED_LOCKED: as the kernel answers it, then the merged pages emptied.
-            if raw_madvise(addr, len, advice) != 0 {
-                return drop_piecewise(eng, a, e, advice);
-            }
-            emptied(eng, a, e);
-            return 0;
-        }
+        _ => DropAdvice::DontNeedLocked,
     };
     match guarded(|| eng.drop_pages(a as *mut u8, e - a, how)) {
-        Some(Ok(true)) => return 0,
-        Some(Ok(false)) => {}
+        Some(Ok(())) => 0,
+        Some(Err(EngineError::Refused(err))) => set_errno(&err),
         Some(Err(err)) => {
+            // The kernel dropped the pages; merged ones may read their copy.
             log(&format!("dropped merged pages could not be emptied: {err}"));
-            return 0;
+            0
         }
-        None => {
-            if raw_madvise(addr, len, advice) == 0 {
-                return 0;
-            }
-        }
+        None => raw_madvise(a as *mut c_void, e - a, advice),
     }
-    // Refused somewhere: the kernel applies it mapping by mapping and stops at the first it
-    // refuses (a locked one; for MADV_FREE also a file mapping, which merged pages are), having
-    // dropped the pages before it. The same here, mapping by mapping, with MADV_FREE of merged
-    // pages answered by dropping them (what MADV_FREE allows).
-    drop_piecewise(eng, a, e, advice)
-}
-
-/// The engine empties the merged pages of `[a, e)`, which the kernel just dropped.
-fn emptied(eng: &Engine, a: usize, e: usize) {
-    if let Some(Err(err)) = guarded(|| eng.discard(a as *mut u8, e - a)) {
-        log(&format!("dropped merged pages could not be emptied: {err}"));
-    }
-}
-
-/// `drop_pages` one mapping at a time (see there): the result and `errno` of the first refusal,
-/// or `ENOMEM` if part of the range is not mapped, as the kernel answers.
-fn drop_piecewise(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
-    let Ok(maps) = sys::self_mappings_in(a, e) else {
-        return -1;
-    };
-    let (mut cur, mut hole) = (a, false);
-    for m in maps.iter().filter(|m| m.end > a && m.start < e) {
-        hole |= m.start > cur;
-        let (s, t) = (m.start.max(a), m.end.min(e));
-        let this = if advice == libc::MADV_FREE && is_store_mapping(m) {
-            libc::MADV_DONTNEED
-        } else {
-            advice
-        };
-        if raw_madvise(s as *mut c_void, t - s, this) != 0 {
-            return -1;
-        }
-        emptied(eng, s, t);
-        cur = t;
-    }
-    if hole || cur < e {
-        // SAFETY: errno is this thread's.
-        unsafe { *libc::__errno_location() = libc::ENOMEM };
-        return -1;
-    }
-    0
 }
 
 /// `drop_pages` in a forked child: pages merged by another process (the parent) are mappings of
@@ -743,10 +698,12 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
     }
     match (eng, refused) {
         (Some(eng), false) => {
-            emptied(eng, a, e);
+            if let Some(Err(err)) = guarded(|| eng.discard(a as *mut u8, e - a)) {
+                log(&format!("dropped merged pages could not be emptied: {err}"));
+            }
             0
         }
-        (Some(eng), true) => drop_piecewise(eng, a, e, advice),
+        (Some(eng), true) => engine_drop(eng, a, e, advice),
         (None, true) => raw_madvise(a as *mut c_void, e - a, advice),
         (None, false) => 0,
     }
