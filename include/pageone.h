@@ -368,6 +368,16 @@ enum pageone_status pageone_config_set_merging(struct pageone_config *cfg, bool 
 enum pageone_status pageone_config_set_restore_huge_pages(struct pageone_config *cfg, bool on);
 
 /**
+ * Sets whether a region whose merges cost a mapping per page, beyond the mapping limit, is
+ * handed to the kernel's KSM where it runs (the default; `ksm_when_limited` in the Rust API).
+ *
+ * # Safety
+ *
+ * `cfg` must be NULL or a live configuration not used by another thread during the call.
+ */
+enum pageone_status pageone_config_set_ksm_when_limited(struct pageone_config *cfg, bool on);
+
+/**
  * Sets how written pages are detected: a `pageone_watch_mode`. Other values give
  * `PAGEONE_INVALID_ARGUMENT`.
  *

@@ -95,15 +95,16 @@ struct Run {
 
 impl Run {
     fn start(setup: &Setup, merger: Merger, data: Data) -> Result<Self, Error> {
-        let ksm = match merger {
-            Merger::Ksm => Some(
+        let ksm = if merger.ksm() {
+            Some(
                 ksm::KsmSession::new(0, 100_000)
                     .map_err(|e| Error::Run(format!("could not set KSM's knobs: {e}")))?,
-            ),
-            Merger::Pageone => None,
+            )
+        } else {
+            None
         };
-        let daemon = match (&setup.pageone_exe, merger, setup.processes) {
-            (Some(exe), Merger::Pageone, true) => {
+        let daemon = match (&setup.pageone_exe, merger.pageone(), setup.processes) {
+            (Some(exe), true, true) => {
                 let socket =
                     std::env::temp_dir().join(format!("pageone-bench-{}.sock", std::process::id()));
                 let d = BenchDaemon::start(exe, &socket)?;
@@ -111,7 +112,7 @@ impl Run {
                     UnixStream::connect(&socket).map_err(io_err("could not reach the daemon"))?;
                 Some((d, sock))
             }
-            (None, Merger::Pageone, true) => {
+            (None, true, true) => {
                 return Err(Error::Run(
                     "one process per region needs the `pageone` executable for its daemon".into(),
                 ))
@@ -141,17 +142,21 @@ impl Run {
 
     /// Pages saved, by the side's counters, and the writes made so far.
     fn saved(&mut self) -> Result<(u64, u64), Error> {
-        if self.merger == Merger::Ksm {
-            let writes = self.stats()?.2;
-            return Ok((ksm::read("pages_sharing").unwrap_or(0), writes));
-        }
+        let by_ksm = if self.merger.ksm() {
+            ksm::read("pages_sharing").unwrap_or(0)
+        } else {
+            0
+        };
         let (shared, sharing, writes) = self.stats()?;
+        if !self.merger.pageone() {
+            return Ok((by_ksm, writes));
+        }
         Ok(match &self.daemon {
             Some((d, sock)) => (
-                (shared + sharing).saturating_sub(d.copies(sock, SCOPE)?),
+                (shared + sharing).saturating_sub(d.copies(sock, SCOPE)?) + by_ksm,
                 writes,
             ),
-            None => (sharing, writes),
+            None => (sharing + by_ksm, writes),
         })
     }
 
@@ -172,27 +177,29 @@ impl Run {
     /// CPU nanoseconds of the side so far: `ksmd`; or the engines' threads (every thread of the
     /// workload processes but the main one and the writers) and the daemon.
     fn cpu_ns(&self) -> u64 {
-        match self.merger {
-            Merger::Ksm => self
+        let ksmd = match self.merger.ksm() {
+            true => self
                 .ksmd
                 .and_then(|p| procfs::thread_cpu_ns(p, p))
                 .unwrap_or(0),
-            Merger::Pageone => {
-                let engines: u64 = self
-                    .clients
-                    .iter()
-                    .map(|c| {
-                        let pid = c.pid();
-                        procfs::threads_cpu_ns(pid, |tid, name| tid != pid && name != WRITER_THREAD)
-                    })
-                    .sum();
-                engines
-                    + self
-                        .daemon
-                        .as_ref()
-                        .map_or(0, |(d, _)| procfs::process_cpu_ns(d.pid()))
-            }
+            false => 0,
+        };
+        if !self.merger.pageone() {
+            return ksmd;
         }
+        let engines: u64 = self
+            .clients
+            .iter()
+            .map(|c| {
+                let pid = c.pid();
+                procfs::threads_cpu_ns(pid, |tid, name| tid != pid && name != WRITER_THREAD)
+            })
+            .sum();
+        ksmd + engines
+            + self
+                .daemon
+                .as_ref()
+                .map_or(0, |(d, _)| procfs::process_cpu_ns(d.pid()))
     }
 
     fn pids(&self) -> impl Iterator<Item = u32> + '_ {

@@ -38,6 +38,9 @@ pub const WRITER_THREAD: &str = "bench-writer";
 pub enum Merger {
     Ksm,
     Pageone,
+    /// pageone with the kernel's KSM running too, for the pages pageone's mapping budget cannot
+    /// afford (`Config::ksm_when_limited`).
+    Hybrid,
 }
 
 impl Merger {
@@ -45,7 +48,18 @@ impl Merger {
         match self {
             Merger::Ksm => "ksm",
             Merger::Pageone => "pageone",
+            Merger::Hybrid => "hybrid",
         }
+    }
+
+    /// Whether pageone's engines run on this side.
+    pub fn pageone(self) -> bool {
+        self != Merger::Ksm
+    }
+
+    /// Whether the kernel's KSM runs on this side.
+    pub fn ksm(self) -> bool {
+        self != Merger::Pageone
     }
 }
 
@@ -291,14 +305,16 @@ fn unregister(r: &Regions, engine: Option<&Engine>) -> Result<(), Error> {
 
 /// Runs one workload process (see the module's documentation).
 pub fn serve(s: &Spec) -> Result<(), Error> {
-    let engine = match s.merger {
-        Merger::Pageone => Some(
+    let engine = if s.merger.pageone() {
+        Some(
             Engine::builder()
                 .workers(s.workers)
                 .merge_period(Duration::from_millis(s.period_ms))
+                .ksm_when_limited(s.merger == Merger::Hybrid)
                 .build()?,
-        ),
-        Merger::Ksm => None,
+        )
+    } else {
+        None
     };
     let regions = Regions::new(s)?;
     let mut writers: Option<Writers> = None;

@@ -31,6 +31,9 @@ Environment:
                               then a load, not a page fault; merging costs more CPU)
   PAGEONE_RESTORE_HUGE_PAGES=0  huge pages split by the watch stay split (by default,
                               quiet unique memory is collapsed back into huge pages)
+  PAGEONE_KSM_WHEN_LIMITED=0  regions whose merges cost a mapping per page, beyond the mapping
+                              limit, stay pageone's (by default they go to the kernel's KSM
+                              where it runs)
   PAGEONE_PRELOAD             the shim `pageone run` preloads
   PAGEONE_LOG                 log filter (e.g. info, pageone_engine=debug)";
 

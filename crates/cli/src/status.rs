@@ -119,6 +119,9 @@ fn print_text(v: &Value) {
             if let Some(line) = limit_advice(st) {
                 println!("    {line}");
             }
+            if let Some(line) = ksm_note(st) {
+                println!("    {line}");
+            }
         }
     }
 }
@@ -141,6 +144,15 @@ fn limit_advice(st: &Value) -> Option<String> {
     ))
 }
 
+/// What a client's report says about regions handed to the kernel's KSM, if any.
+fn ksm_note(st: &Value) -> Option<String> {
+    let k = st["regions_to_ksm"].as_u64().filter(|&k| k > 0)?;
+    Some(format!(
+        "{k} regions whose merges cost a mapping per page are merged by the kernel's KSM \
+         (see /sys/kernel/mm/ksm)"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,5 +167,13 @@ mod tests {
         assert!(line.contains("vm.max_map_count=131072"), "{line}");
         let free = serde_json::json!({"vmas_used": 100, "vma_limit": 65_530});
         assert_eq!(limit_advice(&free), None);
+    }
+
+    #[test]
+    fn regions_handed_to_the_kernels_ksm_are_named() {
+        let st = serde_json::json!({"regions_to_ksm": 2});
+        assert!(ksm_note(&st).unwrap().starts_with("2 regions"));
+        assert_eq!(ksm_note(&serde_json::json!({"regions_to_ksm": 0})), None);
+        assert_eq!(ksm_note(&serde_json::json!({})), None);
     }
 }

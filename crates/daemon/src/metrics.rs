@@ -92,6 +92,11 @@ const CLIENT_GAUGES: &[(&str, &str)] = &[
         "pages_waiting_on_limit",
         "Pages that would merge but wait for room under the mapping limit (vm.max_map_count)",
     ),
+    (
+        "regions_to_ksm",
+        "Regions handed to the kernel's KSM, their merges costing a mapping per page beyond the \
+         mapping limit",
+    ),
 ];
 
 /// A client's reported counters (the metric's name gets `_total`).

@@ -55,11 +55,25 @@ struct CommitCtx<'a> {
     /// The committer and the fault thread on one CPU, from the first run held still to the end of
     /// the commit (see the `colocate` module); dropped after `scratch`, whose discard is reported.
     colocated: Option<Colocated>,
+    /// Whether the kernel's KSM runs, asked once per batch when needed.
+    ksm_running: Option<bool>,
 }
 
 impl CommitCtx<'_> {
     /// Before the first run is held still: normal priority and the fault thread beside the
     /// committer, kept until the commit ends.
+    /// Marks `region` for the kernel's KSM if its merges cost a mapping per page or so, more than
+    /// the budget has (`refused`: the budget refused some), and KSM runs (see the `ksm` module).
+    fn judge_for_ksm(&mut self, region: &mut RegionState, refused: bool) {
+        if self.config.ksm_when_limited
+            && !region.wants_ksm
+            && crate::ksm::beyond_budget(region, refused, self.budget.budget)
+            && *self.ksm_running.get_or_insert_with(crate::ksm::running)
+        {
+            region.wants_ksm = true;
+        }
+    }
+
     fn hold_still_from_now(&mut self) {
         if self.priority.is_none() {
             self.priority = Some(NormalPriority::enter());
@@ -136,6 +150,7 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
         scratch: Scratch::new(scratch, &sh.changes),
         priority: None,
         colocated: None,
+        ksm_running: None,
     };
     todo.sort_unstable_by_key(|&i| cands[i].addr());
     let t_end = Instant::now();
@@ -411,20 +426,28 @@ fn afford(
         };
         let continues = k == 0 && left.is_some_and(|l| l.wrapping_add(1) == sid);
         let cost = if continues { 1 } else { 2 };
-        if cx.budget.allows(rs.vmas, cost) {
+        // (A region going to the kernel's KSM spends no more mappings.)
+        if !rs.region.wants_ksm && cx.budget.allows(rs.vmas, cost) {
             *rs.vmas += cost;
             counted += cost;
-        } else {
-            for (q, a) in acts.iter_mut().enumerate().take(k + m).skip(k) {
-                if holes.contains(q) {
-                    // A zero page: released as such, which costs no mapping.
-                    *a = Some(Action::Zero);
-                    continue;
-                }
-                *a = None;
+            rs.region.spending.pages += m as u64;
+            rs.region.spending.vmas += cost as u64;
+            cx.judge_for_ksm(rs.region, false);
+            k += m;
+            continue;
+        }
+        let to_ksm = rs.region.wants_ksm;
+        for (q, a) in acts.iter_mut().enumerate().take(k + m).skip(k) {
+            if holes.contains(q) {
+                // A zero page: released as such, which costs no mapping.
+                *a = Some(Action::Zero);
+                continue;
+            }
+            *a = None;
+            let p = &mut rs.region.pages[run.first_index + q];
+            p.unchanged = 0;
+            if !to_ksm {
                 // It waits for room at no cost per period (see `PageKind::Parked`).
-                let p = &mut rs.region.pages[run.first_index + q];
-                p.unchanged = 0;
                 p.kind = PageKind::Parked;
                 limited += 1;
             }
@@ -436,6 +459,9 @@ fn afford(
         .counters
         .vma_limited
         .fetch_add(limited, Ordering::Relaxed);
+    if limited > 0 {
+        cx.judge_for_ksm(rs.region, true);
+    }
     counted
 }
 

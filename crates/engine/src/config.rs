@@ -72,6 +72,14 @@ pub struct Config {
     /// memory (the kernel holds it until the fault thread reads the report, while it holds the
     /// allocator's lock).
     pub trim_c_heap: bool,
+    /// Hand a region whose merges cost a mapping per page or so, more than the mapping budget
+    /// (`vm.max_map_count`) allows, to the kernel's KSM whole, where the host runs it: its pages
+    /// become private again, the engine stops watching it, and it is marked
+    /// `madvise(MADV_MERGEABLE)` for `ksmd`, which merges single pages without a mapping each.
+    /// Regions whose pages merge in runs stay the engine's. On by default; nothing is handed
+    /// over where KSM does not run. See the `ksm` module and `docs/DESIGN.md`, "Handing memory
+    /// to the kernel's KSM".
+    pub ksm_when_limited: bool,
     /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other
     /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET` (ignored, like every
     /// `PAGEONE_*` variable, in a set-user-ID, set-group-ID or file-capability program).
@@ -96,6 +104,7 @@ impl Default for Config {
             populate_merged: false,
             restore_huge_pages: true,
             trim_c_heap: true,
+            ksm_when_limited: true,
             merging: true,
             daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
         }
@@ -151,6 +160,11 @@ impl Builder {
     /// Off: the C heap is never trimmed by the engine (see [`Config::trim_c_heap`]).
     pub fn trim_c_heap(mut self, on: bool) -> Self {
         self.config.trim_c_heap = on;
+        self
+    }
+    /// Off: no region is ever handed to the kernel's KSM (see [`Config::ksm_when_limited`]).
+    pub fn ksm_when_limited(mut self, on: bool) -> Self {
+        self.config.ksm_when_limited = on;
         self
     }
     /// Off: huge pages split by the watch stay split (see [`Config::restore_huge_pages`]).

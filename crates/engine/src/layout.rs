@@ -175,6 +175,9 @@ fn split_off(r: &mut RegionState, at: usize) -> RegionState {
         armed_at: r.armed_at,
         sums: r.sums.split_off(i.min(r.sums.len())),
         huge_seen: r.huge_seen,
+        to_ksm: r.to_ksm,
+        wants_ksm: r.wants_ksm,
+        spending: r.spending,
     }
 }
 
@@ -292,6 +295,9 @@ mod tests {
                 })
                 .collect(),
             merged_ever: false,
+            to_ksm: false,
+            wants_ksm: false,
+            spending: Default::default(),
             armed_at: None,
             sums: vec![0; n],
             huge_seen: false,

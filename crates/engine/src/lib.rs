@@ -95,6 +95,7 @@ mod error;
 mod faults;
 mod freeze;
 mod huge;
+mod ksm;
 mod layout;
 mod parking;
 mod period;

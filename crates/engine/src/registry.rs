@@ -16,7 +16,7 @@ use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings, cut};
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
-use crate::state::{Page, PageKind, RegionState, Shared, State};
+use crate::state::{Page, PageKind, RegionState, Shared, Spending, State};
 use crate::store::{is_merged_mapping, is_private_store_mapping};
 
 /// Registers `[a, a+len)` for merging (see `Engine::register`).
@@ -109,6 +109,9 @@ fn register_locked(
             armed_at: (sh.mode == WatchMode::UffdWp).then(Instant::now),
             sums,
             huge_seen: false,
+            to_ksm: false,
+            wants_ksm: false,
+            spending: Spending::default(),
         },
     );
     if merging {
@@ -322,6 +325,42 @@ pub(crate) fn dropped_pages(st: &mut State, range: Range<usize>) {
     }
 }
 
+/// Hands the region at `start` to the kernel's KSM (see the `ksm` module), if it still wants
+/// it: its pages become the program's private memory again, as on unregistering, and the region
+/// stays registered in name only, marked mergeable for the kernel. Returns its length.
+pub(crate) fn hand_to_ksm(sh: &Shared, start: usize) -> Option<usize> {
+    let _change = changing_mappings();
+    let mut st = lock(&sh.state);
+    apply_changes(sh, &mut st);
+    if !st
+        .regions
+        .get(&start)
+        .is_some_and(|r| r.wants_ksm && !r.to_ksm)
+    {
+        return None;
+    }
+    forget_read_ahead(&mut st);
+    let r = st.regions.remove(&start)?;
+    let (len, pages) = (r.len(), r.pages.len());
+    unregister_region(sh, &mut st, r);
+    st.regions.insert(
+        start,
+        RegionState {
+            start,
+            pages: vec![Page::default(); pages],
+            merged_ever: false,
+            armed_at: None,
+            sums: Vec::new(),
+            huge_seen: false,
+            to_ksm: true,
+            wants_ksm: false,
+            spending: Spending::default(),
+        },
+    );
+    crate::ksm::mark(start, len);
+    Some(len)
+}
+
 /// Unregisters every region and says goodbye to the daemon, if any (the engine is stopping).
 pub(crate) fn unregister_all(sh: &Shared) {
     let mut st = lock(&sh.state);
@@ -336,6 +375,9 @@ pub(crate) fn unregister_all(sh: &Shared) {
 /// Makes every page of `r` private again and releases its copies.
 fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     let (start, end) = (r.start, r.start + r.len());
+    if r.to_ksm {
+        crate::ksm::take_back(start, r.len());
+    }
     // First sightings in the range are forgotten: the range may be registered again later, with
     // page epochs starting over.
     st.unstable.retain(|_, addr, _| addr < start || addr >= end);

@@ -46,6 +46,10 @@ pub struct Stats {
     pub pages_waiting_on_limit: u64,
     /// Merges skipped because they would have exceeded the VMA budget.
     pub vma_limited_merges: u64,
+    /// Regions handed to the kernel's KSM whole, their merges costing a mapping per page beyond
+    /// the VMA budget (see `Config::ksm_when_limited`); KSM's own counters
+    /// (`/sys/kernel/mm/ksm`) count what it merged there.
+    pub regions_to_ksm: u64,
     /// How writes are detected: [`WatchMode::UffdWp`] or [`WatchMode::Checksum`] (serialised as
     /// "uffd-wp" or "checksum").
     pub watch_mode: WatchMode,
@@ -169,6 +173,7 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         vma_limit: c.vma_limit.load(Ordering::Relaxed),
         vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
         pages_waiting_on_limit: st.parked,
+        regions_to_ksm: st.regions.values().filter(|r| r.to_ksm).count() as u64,
         watch_mode: sh.mode,
         worker_cpu_ns: sh.cpu_ns(),
         registered_bytes: registered as u64,

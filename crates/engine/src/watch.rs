@@ -72,7 +72,8 @@ pub(crate) fn watch(
     } = st;
     let mut collapsible = Vec::new();
     let mut reader = PageReader::new();
-    for r in regions.values_mut() {
+    // (A region handed to the kernel's KSM is no longer the engine's to watch.)
+    for r in regions.values_mut().filter(|r| !r.to_ksm) {
         let step = unchanged_step(r, now, kicked, config);
         scan_categories(sh.mode, pagemap, r, &mut scan)?;
         sh.counters
@@ -638,6 +639,9 @@ mod tests {
             armed_at: None,
             sums: Vec::new(),
             huge_seen: false,
+            to_ksm: false,
+            wants_ksm: false,
+            spending: Default::default(),
         };
         let mut scan = ScanBuffers::default();
         let mut categories = || {

@@ -63,6 +63,7 @@ fn vma_limit_child() {
     let e = Engine::builder()
         .merge_period(Duration::from_secs(3600))
         .vma_margin(64)
+        .ksm_when_limited(false)
         .build()
         .unwrap();
     let n = 4096;
@@ -96,8 +97,10 @@ fn vma_limit_child() {
 /// CPU stays near zero, and they merge once the budget has room again.
 #[test]
 fn at_the_budget_waiting_pages_cost_nothing_until_there_is_room() {
+    // (Not handed to the kernel's KSM, which the next test runs.)
     let e = Engine::builder()
         .merge_period(Duration::from_millis(20))
+        .ksm_when_limited(false)
         .build()
         .unwrap();
     let n = 4096;
@@ -136,4 +139,151 @@ fn at_the_budget_waiting_pages_cost_nothing_until_there_is_room() {
         assert!(check(p, content(i)), "page {i} changed");
     }
     drop(r);
+}
+
+/// The kernel's KSM running, as fast as it goes, for one test: every knob it changed is restored
+/// when dropped, and `run` is left as it was (never 1: 2 if it was running, after unmerging).
+struct KsmRunning(Vec<(&'static str, String)>);
+
+const KSM: &str = "/sys/kernel/mm/ksm";
+
+impl KsmRunning {
+    /// `None` where KSM is not there or its knobs are not writable (not root).
+    fn start() -> Option<Self> {
+        let read = |k: &str| std::fs::read_to_string(format!("{KSM}/{k}")).ok();
+        let saved: Vec<_> = ["run", "pages_to_scan", "sleep_millisecs"]
+            .into_iter()
+            .map(|k| Some((k, read(k)?.trim().to_string())))
+            .collect::<Option<_>>()?;
+        let guard = Self(saved);
+        for (k, v) in [
+            ("run", "2"),
+            ("pages_to_scan", "100000"),
+            ("sleep_millisecs", "0"),
+        ] {
+            std::fs::write(format!("{KSM}/{k}"), v).ok()?;
+        }
+        std::fs::write(format!("{KSM}/run"), "1").ok()?;
+        Some(guard)
+    }
+
+    fn sharing() -> u64 {
+        let v = std::fs::read_to_string(format!("{KSM}/pages_sharing")).unwrap();
+        v.trim().parse().unwrap()
+    }
+}
+
+impl Drop for KsmRunning {
+    fn drop(&mut self) {
+        let _ = std::fs::write(format!("{KSM}/run"), "2");
+        for (k, v) in self.0.iter().filter(|(k, _)| *k != "run") {
+            let _ = std::fs::write(format!("{KSM}/{k}"), v);
+        }
+        let run = self.0.iter().find(|(k, _)| *k == "run").map(|(_, v)| v);
+        let run = if run.is_some_and(|v| v == "1") {
+            "2"
+        } else {
+            run.map_or("0", |v| v)
+        };
+        let _ = std::fs::write(format!("{KSM}/run"), run);
+    }
+}
+
+/// With the kernel's KSM running, a region whose merges cost a mapping per page, more than the
+/// VMA budget has, is handed to KSM whole: pageone's merges there are undone (its copies
+/// released), the engine stops watching it, and KSM merges every duplicate without a mapping
+/// each. Every page keeps its bytes, a write to a page KSM merged is kept, the region stays
+/// registered (nothing registers it again) and unregistering gives its pages back private.
+#[test]
+fn a_region_merging_a_mapping_per_page_beyond_the_budget_is_handed_to_the_kernels_ksm() {
+    let Some(ksm) = KsmRunning::start() else {
+        eprintln!("skipped: the kernel's KSM is not there or not writable (needs root)");
+        return;
+    };
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .ksm_when_limited(true)
+        .build()
+        .unwrap();
+    let n = 4096;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    let limit = sys::max_map_count().unwrap();
+    let margin = limit - sys::map_count().unwrap() - 1000;
+    e.reconfigure(|c| c.vma_margin = margin).unwrap();
+    let content = |i: usize| content(n, i);
+    let before = KsmRunning::sharing();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    // A writer rewrites every 16th page throughout, across the hand-over.
+    let written = |i: usize| i % 16 == 8;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (base, stop) = (r.as_ptr() as usize, stop.clone());
+        std::thread::spawn(move || {
+            let mut round = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                round += 1;
+                for i in (0..2 * n).filter(|&i| written(i)) {
+                    // SAFETY: only this thread touches these pages of the test's region until
+                    // it is joined; the region outlives it.
+                    let page = unsafe {
+                        std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE)
+                    };
+                    fill(page, (round << 32) + i as u64);
+                }
+            }
+            round
+        })
+    };
+    let s = wait_for(&e, |s| s.regions_to_ksm > 0);
+    assert_eq!(s.regions_to_ksm, 1, "{s:?}");
+    assert_eq!(
+        s.pages_shared, 0,
+        "pageone kept copies in a region it handed over: {s:?}"
+    );
+    assert!(e.is_registered(r.as_ptr(), r.len()), "no longer registered");
+    // Every other page has a twin in the other half: KSM merges the n/2 pairs (less those the
+    // writer keeps changing: every 16th page's pair).
+    let pairs = (n / 2 - n / 16) as u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while KsmRunning::sharing() - before < pairs && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        KsmRunning::sharing() - before >= pairs,
+        "KSM merged {} of {pairs} pairs: {:?}",
+        KsmRunning::sharing() - before,
+        e.stats()
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rounds = writer.join().unwrap();
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        let want = if written(i) {
+            (rounds << 32) + i as u64
+        } else {
+            content(i)
+        };
+        assert!(check(p, want), "page {i} changed (writer rounds {rounds})");
+    }
+    // Written, every page keeps what was written (KSM's pages break copy-on-write).
+    let mem = r.as_mut_slice();
+    for i in (0..2 * n).step_by(2) {
+        fill(&mut mem[i * PAGE..(i + 1) * PAGE], 1_000_000 + i as u64);
+    }
+    e.wait_periods(3, Duration::from_secs(10));
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        let want = if i % 2 == 0 {
+            1_000_000 + i as u64
+        } else {
+            content(i)
+        };
+        assert!(check(p, want), "page {i} lost a write");
+    }
+    let s = e.stats();
+    assert_eq!((s.pages_shared, s.merges > 0), (0, true), "{s:?}");
+    drop(r);
+    assert_eq!(e.stats().registered_bytes, 0);
+    drop(ksm);
 }

@@ -215,6 +215,21 @@ pub unsafe extern "C" fn pageone_config_set_restore_huge_pages(
     unsafe { config_setter!(cfg.restore_huge_pages = on) }
 }
 
+/// Sets whether a region whose merges cost a mapping per page, beyond the mapping limit, is
+/// handed to the kernel's KSM where it runs (the default; `ksm_when_limited` in the Rust API).
+///
+/// # Safety
+///
+/// `cfg` must be NULL or a live configuration not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_config_set_ksm_when_limited(
+    cfg: *mut pageone_config,
+    on: bool,
+) -> pageone_status {
+    // SAFETY: NULL or a live configuration used by no other thread, by the contract.
+    unsafe { config_setter!(cfg.ksm_when_limited = on) }
+}
+
 /// Sets how written pages are detected: a `pageone_watch_mode`. Other values give
 /// `PAGEONE_INVALID_ARGUMENT`.
 ///

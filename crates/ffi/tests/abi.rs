@@ -62,6 +62,14 @@ fn null_arguments_are_refused() {
             PAGEONE_NULL_ARGUMENT
         );
         assert_eq!(
+            pageone_config_set_ksm_when_limited(ptr::null_mut(), false),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_drop_pages(e, ptr::null_mut(), 4096, libc::MADV_DONTNEED),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
             pageone_config_set_scope(cfg, ptr::null()),
             PAGEONE_NULL_ARGUMENT
         );
@@ -117,6 +125,7 @@ fn malformed_arguments_are_refused() {
             PAGEONE_INVALID_ARGUMENT
         );
         assert_eq!(pageone_config_set_scope(cfg, c"vms".as_ptr()), PAGEONE_OK);
+        assert_eq!(pageone_config_set_ksm_when_limited(cfg, false), PAGEONE_OK);
         assert_eq!(
             pageone_config_set_daemon(cfg, c"".as_ptr()),
             PAGEONE_INVALID_ARGUMENT

@@ -118,8 +118,8 @@ fn log(msg: &str) {
 }
 
 /// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`,
-/// the worker threads from `PAGEONE_WORKERS`, `PAGEONE_POPULATE_MERGED=1` and
-/// `PAGEONE_RESTORE_HUGE_PAGES=0` (ignored, like every `PAGEONE_*` variable, in set-user-ID and
+/// the worker threads from `PAGEONE_WORKERS`, `PAGEONE_POPULATE_MERGED=1`,
+/// `PAGEONE_RESTORE_HUGE_PAGES=0` and `PAGEONE_KSM_WHEN_LIMITED=0` (ignored, like every `PAGEONE_*` variable, in set-user-ID and
 /// similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
     // The engine's memory is the shim's allocator's: the program's heap is not the engine's to
@@ -140,11 +140,18 @@ fn builder() -> pageone_engine::Builder {
         Some(_) => b.populate_merged(true),
         None => b,
     };
-    match env_text(c"PAGEONE_RESTORE_HUGE_PAGES")
+    let b = match env_text(c"PAGEONE_RESTORE_HUGE_PAGES")
         .as_deref()
         .map(str::trim)
     {
         Some("0") => b.restore_huge_pages(false),
+        _ => b,
+    };
+    match env_text(c"PAGEONE_KSM_WHEN_LIMITED")
+        .as_deref()
+        .map(str::trim)
+    {
+        Some("0") => b.ksm_when_limited(false),
         _ => b,
     }
 }

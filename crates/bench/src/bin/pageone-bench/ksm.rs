@@ -77,6 +77,8 @@ pub struct Options {
     pub processes: bool,
     /// pageone's side only.
     pub pageone_only: bool,
+    /// A third side: pageone with the kernel's KSM for what its mapping budget cannot afford.
+    pub hybrid: bool,
     pub json: Option<PathBuf>,
     pub quick: bool,
     pub more: MoreArgs,
@@ -189,14 +191,17 @@ pub fn run(o: &Options) -> Result<()> {
     for &data in o.more.data_sets() {
         for run in 0..o.runs {
             // Alternate which side goes first, so neither always gets the warmer machine.
-            let order: &[Merger] = if o.pageone_only {
-                &[Merger::Pageone]
+            let mut order = if o.pageone_only {
+                vec![Merger::Pageone]
             } else if run % 2 == 0 {
-                &[Merger::Pageone, Merger::Ksm]
+                vec![Merger::Pageone, Merger::Ksm]
             } else {
-                &[Merger::Ksm, Merger::Pageone]
+                vec![Merger::Ksm, Merger::Pageone]
             };
-            for &side in order {
+            if o.hybrid {
+                order.insert(run % (order.len() + 1), Merger::Hybrid);
+            }
+            for side in order {
                 let s = merging::run(&setup, side, data)?;
                 print_sample(&s, run);
                 samples.push(s);
@@ -253,7 +258,7 @@ fn report(samples: &[Sample], data_sets: &[Data]) -> Vec<serde_json::Value> {
     );
     let mut summary = Vec::new();
     for &data in data_sets {
-        for side in ["pageone", "ksm"] {
+        for side in ["pageone", "hybrid", "ksm"] {
             let v = of(samples, side, data);
             if v.is_empty() {
                 continue;

@@ -100,6 +100,10 @@ struct KsmArgs {
     /// Run only pageone's side (for profiling it; no ratio is reported).
     #[arg(long)]
     pageone_only: bool,
+    /// Also run a third side: pageone with the kernel's KSM running at its fastest too, taking
+    /// the pages pageone's mapping budget cannot afford (`Config::ksm_when_limited`).
+    #[arg(long)]
+    hybrid: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -136,6 +140,7 @@ fn main() -> Result<()> {
                 runs: a.runs.unwrap_or(if a.quick { 1 } else { 3 }),
                 processes: a.processes,
                 pageone_only: a.pageone_only,
+                hybrid: a.hybrid,
                 json: a.json,
                 quick: a.quick,
                 more: a.more,

@@ -1,0 +1,127 @@
+//! The kernel's KSM, for memory whose merges cost pageone a mapping per page. pageone's copies are
+//! pages of a file, and one mapping maps one run of consecutive file pages, so a merged page
+//! that is not next to its copy's neighbours costs a mapping (VMA) of its own, and the process's
+//! `vm.max_map_count` stops it. The kernel's KSM shares a page between anonymous mappings with no
+//! mapping at all. So a region whose merges so far cost about a mapping per page, more than the
+//! budget has for all of it (or whose merges the budget already refuses), is handed to KSM
+//! whole, where the host runs it (`/sys/kernel/mm/ksm/run` = 1): its merged pages become private
+//! again, the engine stops watching it, and it is marked `MADV_MERGEABLE` for `ksmd`. Regions
+//! whose pages merge in runs stay pageone's. See `Config::ksm_when_limited` and
+//! `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
+
+use pageone_sync::lock;
+use pageone_sys as sys;
+
+use crate::access::PAGE;
+use crate::state::{RegionState, Shared};
+
+/// Merged pages a region's spending is projected from at the least (fewer say little of its
+/// layout: a guest's first merges may be single pages before the runs of its kernel's).
+const SAMPLE_PAGES: u64 = 1024;
+/// Merged pages that judge a region the budget already refused (it cannot wait for more).
+const REFUSED_SAMPLE_PAGES: u64 = 64;
+
+/// Whether `region`'s merges so far cost half a mapping per page or more (runs of four pages or
+/// fewer on average: single pages among others), and either merging all of it at that cost
+/// would take more mappings than the whole `budget`, or the budget already refused some of its
+/// merges (`refused`). Regions whose pages merge in runs never qualify, whatever the budget.
+pub(crate) fn beyond_budget(region: &RegionState, refused: bool, budget: usize) -> bool {
+    let s = region.spending;
+    let sample = if refused {
+        REFUSED_SAMPLE_PAGES
+    } else {
+        SAMPLE_PAGES
+    };
+    if region.to_ksm || s.pages < sample || 2 * s.vmas < s.pages {
+        return false;
+    }
+    let pages = region.pages.len() as u64;
+    refused || s.vmas.saturating_mul(pages) / s.pages > budget as u64
+}
+
+/// Whether the kernel's KSM is running (`ksmd` scans what is marked mergeable).
+pub(crate) fn running() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/ksm/run").is_ok_and(|s| s.trim() == "1")
+}
+
+/// Hands the regions that want it to the kernel's KSM, if it runs (see the module). Called
+/// between periods, holding no lock.
+pub(crate) fn hand_over_wanted(sh: &Shared) {
+    let wanted: Vec<usize> = lock(&sh.state)
+        .regions
+        .values()
+        .filter(|r| r.wants_ksm && !r.to_ksm)
+        .map(|r| r.start)
+        .collect();
+    if wanted.is_empty() || !running() {
+        return;
+    }
+    for start in wanted {
+        if let Some(len) = crate::registry::hand_to_ksm(sh, start) {
+            tracing::info!(
+                start = format_args!("{start:#x}"),
+                pages = len / PAGE,
+                "a region whose merges cost a mapping per page is handed to the kernel's KSM"
+            );
+        }
+    }
+}
+
+/// Marks `[start, start+len)` mergeable for the kernel's KSM. Nothing changes for its pages
+/// (the mark is a flag of their mappings).
+pub(crate) fn mark(start: usize, len: usize) {
+    // SAFETY: MADV_MERGEABLE changes no contents.
+    if let Err(e) = unsafe { sys::madvise(start as *mut u8, len, libc::MADV_MERGEABLE) } {
+        tracing::debug!(error = %e, "a region could not be marked mergeable for the kernel's KSM");
+    }
+}
+
+/// Takes `[start, start+len)`, handed to KSM, back as the program's private memory: the kernel
+/// makes the pages KSM merged private again (`MADV_UNMERGEABLE`), as unregistering promises.
+pub(crate) fn take_back(start: usize, len: usize) {
+    // SAFETY: MADV_UNMERGEABLE changes no contents (merged pages become private copies).
+    if let Err(e) = unsafe { sys::madvise(start as *mut u8, len, libc::MADV_UNMERGEABLE) } {
+        tracing::debug!(error = %e, "a range handed to the kernel's KSM could not be taken back");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{Page, Spending};
+
+    fn region(pages: usize, merged: u64, vmas: u64) -> RegionState {
+        RegionState {
+            start: 0,
+            pages: vec![Page::default(); pages],
+            merged_ever: true,
+            armed_at: None,
+            sums: Vec::new(),
+            huge_seen: false,
+            to_ksm: false,
+            wants_ksm: false,
+            spending: Spending {
+                pages: merged,
+                vmas,
+            },
+        }
+    }
+
+    #[test]
+    fn a_region_merging_a_mapping_per_page_beyond_the_budget_goes_to_ksm() {
+        // 131072 pages at two mappings per page: 262144 > 65000.
+        assert!(beyond_budget(&region(131_072, 2000, 4000), false, 65_000));
+        // The same cost where the region fits the budget: it stays.
+        assert!(!beyond_budget(&region(16_384, 2000, 4000), false, 65_000));
+        // Runs of 64 never go, even refused.
+        assert!(!beyond_budget(&region(131_072, 6400, 200), false, 65_000));
+        assert!(!beyond_budget(&region(131_072, 6400, 200), true, 65_000));
+        // Too few merged pages to project from; refused, fewer do.
+        assert!(!beyond_budget(&region(131_072, 100, 200), false, 65_000));
+        assert!(beyond_budget(&region(131_072, 100, 200), true, 65_000));
+        assert!(!beyond_budget(&region(131_072, 10, 20), true, 65_000));
+        let mut handed = region(131_072, 2000, 4000);
+        handed.to_ksm = true;
+        assert!(!beyond_budget(&handed, true, 65_000));
+    }
+}
