@@ -35,6 +35,9 @@ struct Percentiles {
 
 /// pageone first (blue), then KSM (orange), then plain (grey), as the chart's colours go.
 const SIDES: [(&str, &str); 3] = [("pageone", "pageone"), ("ksm", "KSM"), ("plain", "plain")];
+/// The sides of the merging benchmark, in the order (and so the colours) of its bar panels.
+const MERGING_SIDES: [(&str, &str); 3] =
+    [("pageone", "pageone"), ("hybrid", "hybrid"), ("ksm", "KSM")];
 const TOUCHES: [&str; 5] = [
     "first-touch",
     "first-touch-busy",
@@ -193,7 +196,7 @@ pub fn saving_panels(v: &serde_json::Value) -> Result<Vec<Panel>> {
             title: format!("saved over time, {d} data (MiB)"),
             body: Body::Lines {
                 x_desc: x_desc.into(),
-                series: SIDES[..2]
+                series: MERGING_SIDES
                     .iter()
                     .filter_map(|(side, name)| {
                         let s = samples
