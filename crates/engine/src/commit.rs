@@ -22,7 +22,7 @@ use crate::candidates::{Action, Candidate};
 use crate::changes::{Change, Fate};
 use crate::classify::Classified;
 use crate::colocate::Colocated;
-use crate::config::Config;
+use crate::config::{Config, WatchMode};
 use crate::freeze::{
     Freezer, FrozenRun, NormalPriority, ProtectedRun, Rearm, RestoreReport, Scratch, MAX_RUN,
     STORE_MODE,
@@ -65,7 +65,10 @@ impl CommitCtx<'_> {
     /// Marks `region` for the kernel's KSM if its merges cost a mapping per page or so, more than
     /// the budget has (`refused`: the budget refused some), and KSM runs (see the `ksm` module).
     fn judge_for_ksm(&mut self, region: &mut RegionState, refused: bool) {
+        // (Only where a region handed over can stay registered for the kernel's reports of
+        // unmapping and moving without faults: the write-protect watch.)
         if self.config.ksm_when_limited
+            && self.sh.mode == WatchMode::UffdWp
             && !region.wants_ksm
             && crate::ksm::beyond_budget(region, refused, self.budget.budget)
             && *self.ksm_running.get_or_insert_with(crate::ksm::running)

@@ -343,6 +343,12 @@ pub(crate) fn hand_to_ksm(sh: &Shared, start: usize) -> Option<usize> {
     let r = st.regions.remove(&start)?;
     let (len, pages) = (r.len(), r.pages.len());
     unregister_region(sh, &mut st, r);
+    // Registered again, for write-protection that is never armed: nothing faults, and the kernel
+    // still reports the range unmapped, moved or dropped, so the engine forgets or moves it as
+    // the program changes it.
+    if let Err(e) = sh.uffd.register(start, len, sh.reg_mode) {
+        tracing::warn!(error = %e, "a region handed to the kernel's KSM is no longer watched for unmapping");
+    }
     st.regions.insert(
         start,
         RegionState {
