@@ -53,7 +53,18 @@ pub(crate) fn hand_over_wanted(sh: &Shared) {
         .filter(|r| r.wants_ksm && !r.to_ksm)
         .map(|r| r.start)
         .collect();
-    if wanted.is_empty() || !running() {
+    if wanted.is_empty() {
+        return;
+    }
+    if !running() {
+        // KSM stopped since the commit judged them: they are pageone's to merge again (and are
+        // judged again while KSM does not run: never handed over).
+        let mut st = lock(&sh.state);
+        for start in wanted {
+            if let Some(r) = st.regions.get_mut(&start) {
+                r.wants_ksm = false;
+            }
+        }
         return;
     }
     for start in wanted {
