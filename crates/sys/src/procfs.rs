@@ -346,7 +346,18 @@ mod tests {
         let (a, e) = (p as usize, p as usize + 8 * PAGE);
         let asked = Maps::open().unwrap().in_range(a + PAGE, e - PAGE).unwrap();
         let listed = self_mappings_filtered(a + PAGE, e - PAGE).unwrap();
-        assert_eq!(asked, listed);
+        // Compared inside the test's own mapping: between the two reads another test's thread
+        // may map memory next to it, which the kernel joins to its first or last mapping.
+        let inside = |v: &[Mapping]| -> Vec<Mapping> {
+            v.iter()
+                .map(|m| Mapping {
+                    start: m.start.max(a),
+                    end: m.end.min(e),
+                    ..m.clone()
+                })
+                .collect()
+        };
+        assert_eq!(inside(&asked), inside(&listed));
         assert_eq!(asked.len(), 5, "{asked:?}");
         assert!(asked[1].inode != 0 && asked[1].path.contains("procfs-test"));
         assert_eq!((asked[1].start, asked[1].end), (a + 2 * PAGE, a + 3 * PAGE));
