@@ -60,8 +60,6 @@ struct CommitCtx<'a> {
 }
 
 impl CommitCtx<'_> {
-    /// Before the first run is held still: normal priority and the fault thread beside the
-    /// committer, kept until the commit ends.
     /// Marks `region` for the kernel's KSM if its merges cost a mapping per page or so, more than
     /// the budget has (`refused`: the budget refused some), and KSM runs (see the `ksm` module).
     fn judge_for_ksm(&mut self, region: &mut RegionState, refused: bool) {
@@ -77,6 +75,8 @@ impl CommitCtx<'_> {
         }
     }
 
+    /// Before the first run is held still: normal priority and the fault thread beside the
+    /// committer, kept until the commit ends.
     fn hold_still_from_now(&mut self) {
         if self.priority.is_none() {
             self.priority = Some(NormalPriority::enter());

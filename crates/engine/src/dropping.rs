@@ -7,7 +7,7 @@ use std::io;
 use std::ops::Range;
 
 use pageone_sync::lock;
-use pageone_sys as sys;
+use pageone_sys::{self as sys, uapi::MADV_DONTNEED_LOCKED};
 
 use crate::changes::Change;
 use crate::error::EngineError;
@@ -32,11 +32,20 @@ pub enum DropAdvice {
 }
 
 impl DropAdvice {
+    /// The advice `madvise` takes for it, if it is one of these.
+    pub fn from_madvise(advice: libc::c_int) -> Option<Self> {
+        match advice {
+            libc::MADV_DONTNEED => Some(DropAdvice::DontNeed),
+            MADV_DONTNEED_LOCKED => Some(DropAdvice::DontNeedLocked),
+            libc::MADV_FREE => Some(DropAdvice::Free),
+            _ => None,
+        }
+    }
+
     fn raw(self) -> libc::c_int {
         match self {
             DropAdvice::DontNeed => libc::MADV_DONTNEED,
-            // Linux 5.18; absent from older C headers.
-            DropAdvice::DontNeedLocked => 24,
+            DropAdvice::DontNeedLocked => MADV_DONTNEED_LOCKED,
             DropAdvice::Free => libc::MADV_FREE,
         }
     }
@@ -275,5 +284,13 @@ mod tests {
         assert_eq!(DropAdvice::Free.raw(), libc::MADV_FREE);
         assert_eq!(DropAdvice::DontNeed.for_merged(), libc::MADV_DONTNEED);
         assert_eq!(DropAdvice::DontNeedLocked.for_merged(), 24);
+        for a in [
+            DropAdvice::DontNeed,
+            DropAdvice::DontNeedLocked,
+            DropAdvice::Free,
+        ] {
+            assert_eq!(DropAdvice::from_madvise(a.raw()), Some(a));
+        }
+        assert_eq!(DropAdvice::from_madvise(libc::MADV_WILLNEED), None);
     }
 }

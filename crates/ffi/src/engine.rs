@@ -11,9 +11,6 @@ use crate::stats::pageone_stats;
 use crate::status::pageone_status::{self, *};
 use crate::status::status_of;
 
-/// `MADV_DONTNEED_LOCKED` (Linux 5.18), absent from older C headers.
-const MADV_DONTNEED_LOCKED: c_int = 24;
-
 /// A running deduplication engine (`pageone_engine_new`, `pageone_engine_free`).
 pub struct pageone_engine {
     pub(crate) engine: Engine,
@@ -157,11 +154,8 @@ pub unsafe extern "C" fn pageone_engine_drop_pages(
         ensure_not_null!(addr);
         // SAFETY: NULL or a live engine by the contract; engines are only shared.
         let engine = unsafe { try_ref_from_ptr!(engine) };
-        let how = match advice {
-            libc::MADV_DONTNEED => DropAdvice::DontNeed,
-            libc::MADV_FREE => DropAdvice::Free,
-            MADV_DONTNEED_LOCKED => DropAdvice::DontNeedLocked,
-            _ => return PAGEONE_INVALID_ARGUMENT,
+        let Some(how) = DropAdvice::from_madvise(advice) else {
+            return PAGEONE_INVALID_ARGUMENT;
         };
         let r = engine.engine.drop_pages(addr.cast(), len, how);
         if let Err(EngineError::Refused(e)) = &r {

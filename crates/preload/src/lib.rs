@@ -76,7 +76,6 @@ use pending::{Pending, Span};
 
 const PR_SET_MEMORY_MERGE: c_int = 67;
 const PR_GET_MEMORY_MERGE: c_int = 68;
-const MADV_DONTNEED_LOCKED: c_int = 24;
 /// Without the engine's memory apart, `PR_SET_MEMORY_MERGE` registers mappings larger than this
 /// only (see the crate doc).
 const MERGE_ALL_MIN: usize = 64 << 20;
@@ -361,7 +360,7 @@ fn covered<T>(call: impl FnOnce() -> T) -> T {
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     match advice {
         libc::MADV_MERGEABLE | libc::MADV_UNMERGEABLE => merge_advice(addr, len, advice),
-        libc::MADV_DONTNEED | libc::MADV_FREE | MADV_DONTNEED_LOCKED => {
+        libc::MADV_DONTNEED | libc::MADV_FREE | sys::uapi::MADV_DONTNEED_LOCKED => {
             drop_pages(addr, len, advice)
         }
         libc::MADV_HUGEPAGE => {
@@ -653,10 +652,8 @@ fn drop_pages(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
 /// `[a, e)` dropped by the engine (`Engine::drop_pages`): the kernel's result and `errno`, with
 /// merged pages made empty anonymous memory.
 fn engine_drop(eng: &Engine, a: usize, e: usize, advice: c_int) -> c_int {
-    let how = match advice {
-        libc::MADV_FREE => DropAdvice::Free,
-        libc::MADV_DONTNEED => DropAdvice::DontNeed,
-        _ => DropAdvice::DontNeedLocked,
+    let Some(how) = DropAdvice::from_madvise(advice) else {
+        return raw_madvise(a as *mut c_void, e - a, advice);
     };
     match guarded(|| eng.drop_pages(a as *mut u8, e - a, how)) {
         Some(Ok(())) => 0,

@@ -9,6 +9,10 @@ const fn ioc(dir: u64, ty: u64, nr: u64, size: usize) -> u64 {
 const IOC_READ: u64 = 2;
 const IOC_RW: u64 = 3;
 
+/// `madvise` advice: `MADV_DONTNEED` that drops locked pages too (Linux 5.18; absent from the
+/// `libc` crate).
+pub const MADV_DONTNEED_LOCKED: libc::c_int = 24;
+
 pub const UFFD_API: u64 = 0xAA;
 pub const UFFD_USER_MODE_ONLY: libc::c_int = 1;
 
