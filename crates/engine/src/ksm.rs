@@ -103,18 +103,12 @@ mod tests {
 
     fn region(pages: usize, merged: u64, vmas: u64) -> RegionState {
         RegionState {
-            start: 0,
-            pages: vec![Page::default(); pages],
             merged_ever: true,
-            armed_at: None,
-            sums: Vec::new(),
-            huge_seen: false,
-            to_ksm: false,
-            wants_ksm: false,
             spending: Spending {
                 pages: merged,
                 vmas,
             },
+            ..RegionState::new(0, vec![Page::default(); pages])
         }
     }
 

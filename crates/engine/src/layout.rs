@@ -286,21 +286,15 @@ mod tests {
     use crate::state::Page;
 
     fn region(start: usize, n: usize) -> RegionState {
+        let pages = (0..n)
+            .map(|i| Page {
+                epoch: i as u8,
+                ..Page::default()
+            })
+            .collect();
         RegionState {
-            start,
-            pages: (0..n)
-                .map(|i| Page {
-                    epoch: i as u8,
-                    ..Page::default()
-                })
-                .collect(),
-            merged_ever: false,
-            to_ksm: false,
-            wants_ksm: false,
-            spending: Default::default(),
-            armed_at: None,
             sums: vec![0; n],
-            huge_seen: false,
+            ..RegionState::new(start, pages)
         }
     }
 

@@ -16,7 +16,7 @@ use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings, cut};
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
-use crate::state::{Page, PageKind, RegionState, Shared, Spending, State};
+use crate::state::{Page, PageKind, RegionState, Shared, State};
 use crate::store::{is_merged_mapping, is_private_store_mapping};
 
 /// Registers `[a, a+len)` for merging (see `Engine::register`).
@@ -103,15 +103,10 @@ fn register_locked(
     st.regions.insert(
         a,
         RegionState {
-            start: a,
-            pages,
             merged_ever: !unmergeable.is_empty(),
             armed_at: (sh.mode == WatchMode::UffdWp).then(Instant::now),
             sums,
-            huge_seen: false,
-            to_ksm: false,
-            wants_ksm: false,
-            spending: Spending::default(),
+            ..RegionState::new(a, pages)
         },
     );
     if merging {
@@ -352,15 +347,8 @@ pub(crate) fn hand_to_ksm(sh: &Shared, start: usize) -> Option<usize> {
     st.regions.insert(
         start,
         RegionState {
-            start,
-            pages: vec![Page::default(); pages],
-            merged_ever: false,
-            armed_at: None,
-            sums: Vec::new(),
-            huge_seen: false,
             to_ksm: true,
-            wants_ksm: false,
-            spending: Spending::default(),
+            ..RegionState::new(start, vec![Page::default(); pages])
         },
     );
     crate::ksm::mark(start, len);

@@ -114,6 +114,22 @@ pub(crate) struct Spending {
 }
 
 impl RegionState {
+    /// A region of `pages` at `start` with nothing else known yet: nothing merged ever, not
+    /// armed, no checksums, no huge pages seen, not the kernel's KSM's.
+    pub(crate) fn new(start: usize, pages: Vec<Page>) -> Self {
+        Self {
+            start,
+            pages,
+            merged_ever: false,
+            armed_at: None,
+            sums: Vec::new(),
+            huge_seen: false,
+            to_ksm: false,
+            wants_ksm: false,
+            spending: Spending::default(),
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.pages.len() * PAGE
     }

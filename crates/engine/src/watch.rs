@@ -633,15 +633,8 @@ mod tests {
             sys::madvise(page(base, 3), PAGE, libc::MADV_DONTNEED).unwrap();
         }
         let r = RegionState {
-            start: base,
-            pages: vec![Page::default(); N],
             merged_ever: true,
-            armed_at: None,
-            sums: Vec::new(),
-            huge_seen: false,
-            to_ksm: false,
-            wants_ksm: false,
-            spending: Default::default(),
+            ..RegionState::new(base, vec![Page::default(); N])
         };
         let mut scan = ScanBuffers::default();
         let mut categories = || {
