@@ -9,6 +9,7 @@ use std::ops::Range;
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::MADV_DONTNEED_LOCKED};
 
+use crate::access::PAGE;
 use crate::changes::Change;
 use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
@@ -16,7 +17,7 @@ use crate::layout::{apply_changes, changing_mappings};
 use crate::registry::{
     checked_range, dropped_pages, overlapping, store_pieces, watch_emptied, StorePiece,
 };
-use crate::state::{PageKind, Shared};
+use crate::state::{PageKind, Shared, State};
 use crate::store::is_store_mapping;
 
 /// How [`drop_pages`] drops pages (`Engine::drop_pages`): `madvise`'s advice.
@@ -213,11 +214,17 @@ fn empty_pieces(sh: &Shared, mut unreported: Unreported<'_>) -> Result<(), Engin
     let mut st = lock(&sh.state);
     apply_changes(sh, &mut st);
     let mut result = Ok(());
+    // Pieces left mappings of the store, registered there again when `unreported` is dropped.
+    let mut kept = Vec::new();
     while let Some((piece, out)) = unreported.pieces.pop() {
         if let Err(e) = empty_store_piece(sh, &piece) {
-            unreported.pieces.push((piece, out));
-            result = Err(e);
-            break;
+            let zeroed = zero_in_place(&mut st, &piece);
+            kept.push((piece, out));
+            if zeroed.is_err() {
+                result = Err(e);
+                break;
+            }
+            continue;
         }
         dropped_pages(&mut st, piece.start..piece.end);
         if let Err(e) = watch_emptied(sh, &st, piece.start..piece.end) {
@@ -225,8 +232,38 @@ fn empty_pieces(sh: &Shared, mut unreported: Unreported<'_>) -> Result<(), Engin
             break;
         }
     }
+    unreported.pieces.extend(kept);
     st.store.punch_pending();
     result
+}
+
+/// Where the store mapping of `piece` could not be replaced (no mapping to spare at
+/// `vm.max_map_count`: replacing part of a mapping splits it), its pages are made to read zeros
+/// where they are: zeros written over them make private copies inside the store's mapping, as a
+/// write after a merge does. Their copies are released; the pages are watched like any written
+/// after a merge.
+fn zero_in_place(st: &mut State, piece: &StorePiece) -> Result<(), EngineError> {
+    // SAFETY: the program asked for these pages to be dropped: their contents are not kept.
+    unsafe { sys::zero_own_memory(piece.start, piece.end - piece.start) }
+        .map_err(EngineError::Map)?;
+    let State { regions, store, .. } = st;
+    let meeting = regions
+        .range_mut(..piece.end)
+        .rev()
+        .map(|(_, r)| r)
+        .take_while(|r| r.start + r.len() > piece.start);
+    for r in meeting {
+        let (lo, hi) = (r.start.max(piece.start), (r.start + r.len()).min(piece.end));
+        for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
+            if p.kind == PageKind::Merged {
+                store.drop_ref(p.sid);
+            }
+            p.kind = PageKind::Broken;
+            p.unchanged = 0;
+            p.epoch = p.epoch.wrapping_add(1);
+        }
+    }
+    Ok(())
 }
 
 /// Replaces the store mapping of `piece` by an anonymous mapping of the same protection holding

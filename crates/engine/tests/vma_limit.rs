@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pageone_engine::Engine;
+use pageone_engine::{DropAdvice, Engine};
 use pageone_sys as sys;
 
 mod common;
@@ -92,6 +92,130 @@ fn vma_limit_child() {
     drop(r);
 }
 
+/// A merged page dropped (`MADV_DONTNEED`, `MADV_FREE`) when the process has no mapping to spare
+/// reads zeros all the same: its store mapping cannot be split to put empty memory there, so
+/// zeros are written in place. The parent runs the body in a child process, which fills its
+/// own mappings up to `vm.max_map_count` (the other tests here run in this process).
+#[test]
+fn a_merged_page_dropped_at_the_mapping_limit_reads_zeros() {
+    if std::env::var_os("PAGEONE_VMA_FULL_CHILD").is_some() {
+        return dropped_at_the_limit_child();
+    }
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "a_merged_page_dropped_at_the_mapping_limit_reads_zeros",
+            "--exact",
+            "--nocapture",
+        ])
+        .env("PAGEONE_VMA_FULL_CHILD", "1")
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "the scenario at the mapping limit failed: {status}"
+    );
+}
+
+/// Single pages mapped, of alternating protections (so that the kernel cannot join them), until
+/// the process has no mapping left to spare; unmapped when dropped.
+struct FilledMappings(Vec<*mut u8>);
+
+impl FilledMappings {
+    fn to_the_limit() -> Self {
+        let mut maps = Vec::with_capacity(sys::max_map_count().unwrap());
+        loop {
+            let prot = if maps.len() % 2 == 0 {
+                libc::PROT_READ
+            } else {
+                libc::PROT_NONE
+            };
+            // SAFETY: a fresh anonymous mapping where the kernel chooses.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    PAGE,
+                    prot,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Self(maps);
+            }
+            maps.push(p.cast());
+        }
+    }
+}
+
+impl Drop for FilledMappings {
+    fn drop(&mut self) {
+        for &p in &self.0 {
+            // SAFETY: mapped by `to_the_limit`, used by nothing.
+            unsafe { libc::munmap(p.cast(), PAGE) };
+        }
+    }
+}
+
+fn dropped_at_the_limit_child() {
+    // Periods run only when kicked (wait_for): none runs while the mappings are full.
+    let e = Engine::builder()
+        .merge_period(Duration::from_secs(3600))
+        .ksm_when_limited(false)
+        .build()
+        .unwrap();
+    let n = 64;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    // Two halves of the same contents: the second half's pages map their copies in one mapping.
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    let page = |i: usize| r.as_ptr().wrapping_add(i * PAGE);
+    let (a, b) = (n + n / 2, n + n / 2 + 2);
+    {
+        let full = FilledMappings::to_the_limit();
+        assert!(!full.0.is_empty());
+        e.drop_pages(page(a), PAGE, DropAdvice::DontNeed).unwrap();
+        e.drop_pages(page(b), PAGE, DropAdvice::Free).unwrap();
+    }
+    let mem = r.as_slice();
+    assert!(
+        check(&mem[a * PAGE..(a + 1) * PAGE], 0),
+        "MADV_DONTNEED: not zeros"
+    );
+    let freed = &mem[b * PAGE..(b + 1) * PAGE];
+    let was = (b % n) as u64 + 1;
+    assert!(
+        check(freed, 0) || check(freed, was),
+        "MADV_FREE: neither zeros nor its bytes"
+    );
+    for i in (0..2 * n).filter(|&i| i != a && i != b) {
+        assert!(
+            check(&mem[i * PAGE..(i + 1) * PAGE], (i % n) as u64 + 1),
+            "page {i}"
+        );
+    }
+    // With room again, a dropped page written like its twin merges again.
+    let s = e.stats();
+    fill(
+        &mut r.as_mut_slice()[a * PAGE..(a + 1) * PAGE],
+        (a % n) as u64 + 1,
+    );
+    let s2 = wait_for(&e, |t| t.merges > s.merges);
+    assert!(s2.merges > s.merges, "{s2:?}");
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        let want = if i == b && check(p, 0) {
+            0
+        } else {
+            (i % n) as u64 + 1
+        };
+        assert!(check(p, want), "page {i} after merging again");
+    }
+    drop(r);
+}
+
 /// At its VMA budget (set low with the margin knob, not the sysctl) the engine stops spending:
 /// pages it cannot afford to merge wait without being classified or frozen again, the engine's
 /// CPU stays near zero, and they merge once the budget has room again.
@@ -137,6 +261,63 @@ fn at_the_budget_waiting_pages_cost_nothing_until_there_is_room() {
     assert_eq!(s.pages_waiting_on_limit, 0, "{s:?}");
     for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
         assert!(check(p, content(i)), "page {i} changed");
+    }
+    drop(r);
+}
+
+/// A merged page written since (a private copy inside a mapping of the store) whose merge again the
+/// budget refuses stays known as living in the store's mapping: dropped, it reads zeros, not the
+/// copy it was merged onto.
+#[test]
+fn a_written_merged_page_the_budget_refuses_reads_zeros_once_dropped() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .ksm_when_limited(false)
+        .build()
+        .unwrap();
+    let n = 32;
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    // Two halves of the same contents.
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    // No room for any merge from now on.
+    let limit = sys::max_map_count().unwrap();
+    e.reconfigure(|c| c.vma_margin = limit).unwrap();
+    // Two merged pages written with one new content: equal private copies, each a candidate to
+    // merge onto a copy of the other once unchanged, which the budget refuses.
+    let (a, b, new) = (3, n + 7, 999);
+    let limited = e.stats().vma_limited_merges;
+    let mem = r.as_mut_slice();
+    fill(&mut mem[a * PAGE..(a + 1) * PAGE], new);
+    fill(&mut mem[b * PAGE..(b + 1) * PAGE], new);
+    let s = wait_for(&e, |s| s.cow_breaks >= 2 && s.vma_limited_merges > limited);
+    assert!(
+        s.vma_limited_merges > limited,
+        "no merge was refused: {s:?}"
+    );
+    // Refused more than once (waiting longer each time), they are still what they were.
+    e.wait_periods(8, Duration::from_secs(10));
+    let page = |i: usize| r.as_ptr().wrapping_add(i * PAGE);
+    e.drop_pages(page(a), PAGE, DropAdvice::DontNeed).unwrap();
+    e.drop_pages(page(b), PAGE, DropAdvice::Free).unwrap();
+    let mem = r.as_slice();
+    assert!(
+        check(&mem[a * PAGE..(a + 1) * PAGE], 0),
+        "MADV_DONTNEED: not zeros"
+    );
+    let freed = &mem[b * PAGE..(b + 1) * PAGE];
+    assert!(
+        check(freed, 0) || check(freed, new),
+        "MADV_FREE: neither zeros nor the bytes written"
+    );
+    for i in (0..2 * n).filter(|&i| i != a && i != b) {
+        assert!(
+            check(&mem[i * PAGE..(i + 1) * PAGE], (i % n) as u64 + 1),
+            "page {i}"
+        );
     }
     drop(r);
 }

@@ -694,8 +694,10 @@ fn child_drop_pages(a: usize, e: usize, advice: c_int) -> c_int {
             continue;
         }
         // SAFETY: pages the program asked to drop, replaced by an empty private mapping with the
-        // same protection.
-        if unsafe { sys::mmap_anonymous_fixed(s as *mut u8, t - s, m.prot()) }.is_err() {
+        // same protection, or (no mapping to spare to split the store's) zeros written over them.
+        let emptied = unsafe { sys::mmap_anonymous_fixed(s as *mut u8, t - s, m.prot()) }
+            .or_else(|_| unsafe { sys::zero_own_memory(s, t - s) });
+        if emptied.is_err() {
             // (errno is the kernel's.)
             return -1;
         }

@@ -279,6 +279,31 @@ pub fn set_heap_mmap_threshold(bytes: usize) {
     }
 }
 
+/// Writes zeros over `[addr, addr+len)` of this process's own memory through the kernel
+/// (`/proc/self/mem`), which writes read-only private mappings too (a private copy of each page,
+/// as a debugger's write makes): no reference to memory another thread may use is formed, and a
+/// piece unmapped meanwhile is an error, not a fault. Kernels built to refuse such writes
+/// (`proc_mem.force_override=never`) refuse them to read-only mappings.
+///
+/// # Safety
+/// The caller owns the contents of the range: whatever it held is lost.
+pub unsafe fn zero_own_memory(addr: usize, len: usize) -> io::Result<()> {
+    static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
+    let mem = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/self/mem")?;
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(ZEROS.len());
+        let at = (addr + done) as u64;
+        match std::os::unix::fs::FileExt::write_at(&mem, &ZEROS[..n], at)? {
+            0 => return Err(io::ErrorKind::WriteZero.into()),
+            k => done += k,
+        }
+    }
+    Ok(())
+}
+
 /// Copies the pieces `srcs` (address, length) of this process's own memory, one after another,
 /// into `dst` with `process_vm_readv`: the kernel reads them, so memory another thread writes
 /// meanwhile is never read by this thread, and a piece unmapped meanwhile is an error, not a
