@@ -28,6 +28,8 @@ use std::ops::Range;
 
 use pageone_sys::uapi::UffdEvent;
 
+use crate::spill::SpillBuffer;
+
 /// One change the kernel reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Change {
@@ -85,18 +87,54 @@ pub(crate) enum Fate {
 /// Changes the log holds room for, so that the fault thread records them without allocating:
 /// an allocation can wait for a thread that waits for the fault thread (a `fork` holding the
 /// allocator's locks while another thread's `free` gives registered memory back and waits for
-/// its report to be read). The room is made again by the thread that takes the changes, before
-/// it takes the log's lock; only past this many changes in one period does recording allocate.
+/// its report to be read; an engine thread trimming the C heap). The room is made again by the
+/// thread that takes the changes, before it takes the log's lock. Past it, changes go to a spill
+/// buffer of [`SPILL`] more (memory of the log's own, see the `spill` module); only past both, in
+/// one period, does recording allocate.
 pub(crate) const ROOM: usize = 4096;
+/// Changes a spill buffer holds (8 MiB of address space, memory only where written). The log has
+/// two: one records while the other's changes are applied.
+pub(crate) const SPILL: usize = 1 << 18;
 /// Announcements of the engine's own changes the log holds room for: a committed run announces
 /// a mapping per part of it at most (of `freeze::MAX_RUN` pages: checked there), besides a few
 /// others.
 pub(crate) const OWN_ROOM: usize = 1024;
 
+/// Changes taken from the log to be applied (see [`ChangeLog::take`]), oldest first.
+pub(crate) struct Taken {
+    pending: Vec<Change>,
+    /// To be given back to the log once applied ([`ChangeLog::give_back`]).
+    pub(crate) spill: Option<SpillBuffer<Change>>,
+    overflow: Vec<Change>,
+}
+
+impl Taken {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = Change> + '_ {
+        let spilled = self.spill.as_ref().map_or(&[][..], |b| b.as_slice());
+        self.pending
+            .iter()
+            .chain(spilled)
+            .chain(self.overflow.iter())
+            .copied()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.iter().count()
+    }
+}
+
 /// Changes recorded and not applied to the regions yet.
 #[derive(Default, Debug)]
 pub(crate) struct ChangeLog {
+    /// The oldest changes, in the room the last taker made.
     pending: Vec<Change>,
+    /// The next ones, past that room.
+    spill: Option<SpillBuffer<Change>>,
+    /// The other spill buffer, while it is not being applied.
+    spare: Option<SpillBuffer<Change>>,
+    /// The newest ones, past both (allocating).
+    overflow: Vec<Change>,
     /// The engine's own changes announced and not reported yet.
     own: Vec<Change>,
 }
@@ -106,6 +144,9 @@ impl ChangeLog {
     pub(crate) fn with_room() -> Self {
         Self {
             pending: Vec::with_capacity(ROOM),
+            spill: SpillBuffer::new(SPILL),
+            spare: SpillBuffer::new(SPILL),
+            overflow: Vec::new(),
             own: Vec::with_capacity(OWN_ROOM),
         }
     }
@@ -116,13 +157,25 @@ impl ChangeLog {
     }
 
     /// Records a change the kernel reported, unless it is one the engine announced (then that
-    /// announcement is used up).
+    /// announcement is used up). Allocates nothing until the room and a spill buffer are full.
     pub(crate) fn record(&mut self, c: Change) {
         if let Some(i) = self.own.iter().position(|&o| o == c) {
             self.own.swap_remove(i);
             return;
         }
-        self.pending.push(c);
+        // (Changes stay in order: room, spill, overflow; each fills only once the one before is
+        // full, and a take empties them all.)
+        if self.pending.len() < self.pending.capacity() || self.pending.is_empty() {
+            self.pending.push(c);
+            return;
+        }
+        let spilled = match &mut self.spill {
+            Some(b) if self.overflow.is_empty() => b.push(c),
+            _ => Err(c),
+        };
+        if let Err(c) = spilled {
+            self.overflow.push(c);
+        }
     }
 
     /// Announces a change the engine is about to make itself (see the module documentation).
@@ -140,20 +193,51 @@ impl ChangeLog {
     }
 
     /// Takes the changes recorded so far, oldest first, to apply them; `room` (empty, allocated
-    /// before the log's lock was taken) records the next ones.
-    pub(crate) fn take(&mut self, room: Vec<Change>) -> Vec<Change> {
-        std::mem::replace(&mut self.pending, room)
+    /// before the log's lock was taken) records the next ones. Allocates nothing: the spill
+    /// buffer goes with the changes, the spare one records, and [`give_back`](Self::give_back)
+    /// makes the first the spare again once applied.
+    pub(crate) fn take(&mut self, room: Vec<Change>) -> Taken {
+        let spill = match &self.spill {
+            Some(b) if !b.is_empty() => std::mem::replace(&mut self.spill, self.spare.take()),
+            _ => None,
+        };
+        Taken {
+            pending: std::mem::replace(&mut self.pending, room),
+            spill,
+            overflow: std::mem::take(&mut self.overflow),
+        }
+    }
+
+    /// The spill buffer of applied changes (see [`take`](Self::take)), emptied, to record again.
+    pub(crate) fn give_back(&mut self, mut spill: SpillBuffer<Change>) {
+        spill.clear();
+        if self.spill.is_none() {
+            self.spill = Some(spill);
+        } else {
+            self.spare = Some(spill);
+        }
+    }
+
+    /// Every change recorded, oldest first.
+    fn all(&self) -> impl DoubleEndedIterator<Item = &Change> {
+        let spilled = self.spill.as_ref().map_or(&[][..], |b| b.as_slice());
+        self.pending
+            .iter()
+            .chain(spilled)
+            .chain(self.overflow.iter())
     }
 
     /// How many changes are recorded: a mark for [`fate_since`](Self::fate_since).
     pub(crate) fn mark(&self) -> usize {
         self.pending.len()
+            + self.spill.as_ref().map_or(0, |b| b.as_slice().len())
+            + self.overflow.len()
     }
 
     /// Whether a recorded change touched any page of `range` (or moved pages into it).
     pub(crate) fn touches(&self, range: Range<usize>) -> bool {
         let meets = |r: Range<usize>| r.start < range.end && range.start < r.end;
-        self.pending.iter().any(|c| match *c {
+        self.all().any(|c| match *c {
             Change::Remap { to, len, .. } => meets(c.range()) || meets(to..to + len),
             _ => meets(c.range()),
         })
@@ -164,7 +248,7 @@ impl ChangeLog {
     pub(crate) fn fate_since(&self, addr: usize, mark: usize) -> Fate {
         let mut at = addr;
         let mut zeroed = false;
-        for c in self.pending.iter().skip(mark) {
+        for c in self.all().skip(mark) {
             if !c.range().contains(&at) {
                 continue;
             }
@@ -184,7 +268,7 @@ impl ChangeLog {
     /// Where the page now at `addr` was before the changes recorded after `mark` moved it.
     pub(crate) fn origin_since(&self, addr: usize, mark: usize) -> usize {
         let mut at = addr;
-        for c in self.pending.iter().skip(mark).rev() {
+        for c in self.all().rev().take(self.mark().saturating_sub(mark)) {
             if let Change::Remap { from, to, len } = *c {
                 if (to..to + len).contains(&at) {
                     at = at - to + from;
@@ -238,6 +322,42 @@ mod tests {
         // at its old address is not touched by it.
         assert_eq!(log.take(Vec::new()).len(), 4);
         assert_eq!(log.mark(), 0);
+    }
+
+    #[test]
+    fn changes_past_the_room_spill_in_order_and_are_all_taken() {
+        let mut log = ChangeLog::with_room();
+        let n = ROOM + 100;
+        let change = |i: usize| Change::Remove {
+            start: i * P,
+            end: (i + 1) * P,
+        };
+        for i in 0..n {
+            log.record(change(i));
+        }
+        assert_eq!(log.mark(), n);
+        // A page dropped past the room is found, and moves after it are followed.
+        assert_eq!(
+            log.fate_since((ROOM + 50) * P, 0),
+            Fate::Zeroed((ROOM + 50) * P)
+        );
+        log.record(Change::Remap {
+            from: (ROOM + 99) * P,
+            to: 1 << 40,
+            len: P,
+        });
+        assert_eq!(log.origin_since(1 << 40, ROOM), (ROOM + 99) * P);
+        let taken = log.take(Vec::with_capacity(ROOM));
+        assert_eq!(taken.len(), n + 1);
+        assert!(taken.iter().take(n).eq((0..n).map(change)));
+        assert!(log.is_empty() && log.mark() == 0);
+        // Recorded while the first spill buffer is out: the spare one takes the next changes.
+        for i in 0..n {
+            log.record(change(i));
+        }
+        log.give_back(taken.spill.expect("spilled"));
+        let again = log.take(Vec::with_capacity(ROOM));
+        assert!(again.iter().eq((0..n).map(change)));
     }
 
     #[test]

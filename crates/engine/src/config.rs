@@ -68,9 +68,9 @@ pub struct Config {
     /// (`malloc_trim`), on by default: the engine allocates through the program's `malloc`,
     /// and glibc keeps freed memory otherwise. Off where the engine's memory comes from an
     /// allocator of its own (the `LD_PRELOAD` shim's): then trimming would only touch the
-    /// program's heap, which may be registered, and an engine thread must never drop registered
-    /// memory (the kernel holds it until the fault thread reads the report, while it holds the
-    /// allocator's lock).
+    /// program's heap, which may be registered. (Dropping registered memory, the trim waits
+    /// for the fault thread to read the kernel's report while it holds the allocator's lock:
+    /// safe because that thread never allocates.)
     pub trim_c_heap: bool,
     /// Hand a region whose merges cost a mapping per page or so, more than the mapping budget
     /// (`vm.max_map_count`) allows, to the kernel's KSM whole, where the host runs it: its pages

@@ -209,7 +209,7 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
     if changes.iter().any(|c| !matches!(c, Change::Remove { .. })) {
         forget_read_ahead(st);
     }
-    for c in changes {
+    for c in changes.iter() {
         match c {
             Change::Unmap { start, end } => {
                 for piece in cut(st, start..end) {
@@ -219,6 +219,9 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
             Change::Remap { from, to, len } => moved(st, from, to, len),
             Change::Remove { start, end } => dropped(st, start..end),
         }
+    }
+    if let Some(spill) = changes.spill {
+        lock(&sh.changes).give_back(spill);
     }
     st.store.punch_pending();
 }

@@ -105,6 +105,7 @@ mod registry;
 mod rejoin;
 mod remote;
 mod sightings;
+mod spill;
 mod state;
 mod stats;
 mod store;
