@@ -2,9 +2,10 @@
 //! pages of a file, and one mapping maps one run of consecutive file pages, so a merged page
 //! that is not next to its copy's neighbours costs a mapping (VMA) of its own, and the process's
 //! `vm.max_map_count` stops it. The kernel's KSM shares a page between anonymous mappings with no
-//! mapping at all. So a region whose merges so far cost about a mapping per page, more than the
-//! budget has for all of it (or whose merges the budget already refuses), is handed to KSM
-//! whole, where the host runs it (`/sys/kernel/mm/ksm/run` = 1): its merged pages become private
+//! mapping at all, faster and with less CPU. So a region whose merges so far cost about a mapping
+//! per page (or half of one, more than the budget has for all of it, or whose merges the budget
+//! already refuses) is handed to KSM whole, where the host runs it (`/sys/kernel/mm/ksm/run` =
+//! 1): its merged pages become private
 //! again, the engine stops watching it, and it is marked `MADV_MERGEABLE` for `ksmd`. Regions
 //! whose pages merge in runs stay pageone's. See `Config::ksm_when_limited` and
 //! `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
@@ -21,11 +22,14 @@ const SAMPLE_PAGES: u64 = 1024;
 /// Merged pages that judge a region the budget already refused (it cannot wait for more).
 const REFUSED_SAMPLE_PAGES: u64 = 64;
 
-/// Whether `region`'s merges so far cost half a mapping per page or more (runs of four pages or
-/// fewer on average: single pages among others), and either merging all of it at that cost
-/// would take more mappings than the whole `budget`, or the budget already refused some of its
-/// merges (`refused`). Regions whose pages merge in runs never qualify, whatever the budget.
-pub(crate) fn beyond_budget(region: &RegionState, refused: bool, budget: usize) -> bool {
+/// Whether `region` is better merged by the kernel's KSM: its merges so far cost half a mapping
+/// per page or more (runs of four pages or fewer on average: single pages among others), and
+/// either merging all of it at that cost would take more mappings than the whole `budget`, or the
+/// budget already refused some of its merges (`refused`), or they cost a mapping per page or more
+/// (runs of two pages or fewer on average), which is slower and costs more CPU than KSM's merging
+/// whatever the budget (measured: `docs/benchmarks.md`, "Scattered duplicates"). Regions whose
+/// pages merge in runs never qualify.
+pub(crate) fn better_with_ksm(region: &RegionState, refused: bool, budget: usize) -> bool {
     let s = region.spending;
     let sample = if refused {
         REFUSED_SAMPLE_PAGES
@@ -36,7 +40,7 @@ pub(crate) fn beyond_budget(region: &RegionState, refused: bool, budget: usize) 
         return false;
     }
     let pages = region.pages.len() as u64;
-    refused || s.vmas.saturating_mul(pages) / s.pages > budget as u64
+    refused || s.vmas >= s.pages || s.vmas.saturating_mul(pages) / s.pages > budget as u64
 }
 
 /// Whether the kernel's KSM is running (`ksmd` scans what is marked mergeable).
@@ -114,19 +118,32 @@ mod tests {
 
     #[test]
     fn a_region_merging_a_mapping_per_page_beyond_the_budget_goes_to_ksm() {
-        // 131072 pages at two mappings per page: 262144 > 65000.
-        assert!(beyond_budget(&region(131_072, 2000, 4000), false, 65_000));
+        // 131072 pages at half a mapping per page: 65536 > 65000.
+        assert!(better_with_ksm(&region(131_072, 2000, 1000), false, 65_000));
         // The same cost where the region fits the budget: it stays.
-        assert!(!beyond_budget(&region(16_384, 2000, 4000), false, 65_000));
+        assert!(!better_with_ksm(&region(16_384, 2000, 1000), false, 65_000));
         // Runs of 64 never go, even refused.
-        assert!(!beyond_budget(&region(131_072, 6400, 200), false, 65_000));
-        assert!(!beyond_budget(&region(131_072, 6400, 200), true, 65_000));
+        assert!(!better_with_ksm(&region(131_072, 6400, 200), false, 65_000));
+        assert!(!better_with_ksm(&region(131_072, 6400, 200), true, 65_000));
         // Too few merged pages to project from; refused, fewer do.
-        assert!(!beyond_budget(&region(131_072, 100, 200), false, 65_000));
-        assert!(beyond_budget(&region(131_072, 100, 200), true, 65_000));
-        assert!(!beyond_budget(&region(131_072, 10, 20), true, 65_000));
+        assert!(!better_with_ksm(&region(131_072, 100, 200), false, 65_000));
+        assert!(better_with_ksm(&region(131_072, 100, 200), true, 65_000));
+        assert!(!better_with_ksm(&region(131_072, 10, 20), true, 65_000));
         let mut handed = region(131_072, 2000, 4000);
         handed.to_ksm = true;
-        assert!(!beyond_budget(&handed, true, 65_000));
+        assert!(!better_with_ksm(&handed, true, 65_000));
+    }
+
+    #[test]
+    fn a_region_merging_single_pages_goes_to_ksm_whatever_the_budget() {
+        // Two mappings per page, one per page: gone even with room for all of it.
+        assert!(better_with_ksm(&region(16_384, 2000, 4000), false, 1 << 20));
+        assert!(better_with_ksm(&region(16_384, 2000, 2000), false, 1 << 20));
+        // Runs of three on average stay where the budget has room.
+        assert!(!better_with_ksm(
+            &region(16_384, 3000, 2000),
+            false,
+            1 << 20
+        ));
     }
 }

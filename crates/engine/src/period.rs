@@ -553,6 +553,9 @@ fn classify_batches(
         worked: false,
     };
     for batch in batches {
+        let Some(batch) = without_regions_for_ksm(sh, batch) else {
+            continue;
+        };
         let t0 = Instant::now();
         let classified = classify(sh, view, cx.config, batch, cx.pool, relook.take());
         handed.worked |= !classified.cands.is_empty();
@@ -582,6 +585,25 @@ fn classify_batches(
         }
     }
     handed
+}
+
+/// `batch` less the candidates of regions an earlier batch's commit marked for the kernel's KSM
+/// (see the `ksm` module): they are handed over at the end of this period, and classifying the
+/// rest of such a region, the whole of it in the first period, would only delay that.
+/// `None` if that leaves nothing of a batch that had candidates (an empty batch still collects
+/// the copies other processes made).
+fn without_regions_for_ksm(sh: &Shared, mut batch: Vec<Candidate>) -> Option<Vec<Candidate>> {
+    if batch.is_empty() {
+        return Some(batch);
+    }
+    let st = lock(&sh.state);
+    let for_ksm = |c: &Candidate| st.regions.get(&c.region).is_some_and(|r| r.wants_ksm);
+    if !batch.iter().any(for_ksm) {
+        return Some(batch);
+    }
+    batch.retain(|c| !for_ksm(c));
+    drop(st);
+    (!batch.is_empty()).then_some(batch)
 }
 
 /// Ends every ticket of this period, released or not, so no slot stays claimed.

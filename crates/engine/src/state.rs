@@ -98,15 +98,15 @@ pub(crate) struct RegionState {
     /// Handed to the kernel's KSM whole (see the `ksm` module): registered in name only (so that
     /// nothing registers it again), no longer watched or merged by the engine.
     pub(crate) to_ksm: bool,
-    /// Its merges cost a mapping per page or so, more than the budget has: to be handed to the
-    /// kernel's KSM once it runs.
+    /// Its merges cost a mapping per page or so (see `ksm::better_with_ksm`): to be handed to
+    /// the kernel's KSM at the end of the period.
     pub(crate) wants_ksm: bool,
     /// What its merges cost in mappings so far.
     pub(crate) spending: Spending,
 }
 
 /// Pages merged in a region and the mappings (VMAs) counted for them (see
-/// `ksm::beyond_budget`).
+/// `ksm::better_with_ksm`).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Spending {
     pub(crate) pages: u64,

@@ -33,6 +33,9 @@ pub struct MoreArgs {
     /// Writer threads per process, each writing random pages among every 16th page.
     #[arg(long, default_value_t = 0)]
     pub writers: usize,
+    /// With `--hybrid`: leave out pageone's side alone (the hybrid against KSM).
+    #[arg(long, requires = "hybrid")]
+    pub without_pageone: bool,
     /// Each writer's pause between two writes, in microseconds.
     #[arg(long, default_value_t = 100)]
     pub write_pause_us: u64,
@@ -200,6 +203,9 @@ pub fn run(o: &Options) -> Result<()> {
             };
             if o.hybrid {
                 order.insert(run % (order.len() + 1), Merger::Hybrid);
+            }
+            if o.more.without_pageone {
+                order.retain(|&m| m != Merger::Pageone);
             }
             for side in order {
                 let s = merging::run(&setup, side, data)?;
