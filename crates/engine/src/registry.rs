@@ -398,8 +398,12 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
         let addr = start + i * PAGE;
         if p.kind == PageKind::Merged {
             if failed.iter().any(|&(s, e)| addr >= s && addr < e) {
-                // Still a store mapping: at least make the page private.
+                // Still a store mapping (no mapping to spare for the copy, at the limit): at
+                // least make the page private, and keep its copy, which the mapping still maps:
+                // reused for another page's contents, it would be what the page reads after a
+                // `MADV_DONTNEED` the engine no longer sees.
                 break_cow(addr);
+                continue;
             }
             st.store.drop_ref(p.sid);
         } else if p.kind == PageKind::Zero {

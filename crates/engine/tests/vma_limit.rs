@@ -7,7 +7,7 @@ use pageone_engine::{DropAdvice, Engine};
 use pageone_sys as sys;
 
 mod common;
-use common::{check, fill, wait_for, PAGE};
+use common::{check, fill, filled, wait_for, PAGE};
 
 /// Restores `vm.max_map_count` when dropped, even if the test fails.
 struct MapCountGuard(usize);
@@ -214,6 +214,77 @@ fn dropped_at_the_limit_child() {
         assert!(check(p, want), "page {i} after merging again");
     }
     drop(r);
+}
+
+/// Memory unregistered when the process has no mapping to spare keeps its merged pages' copies:
+/// their store mappings cannot be replaced by anonymous memory there (that takes a mapping), so
+/// the pages are made private where they are, and the store must not give their copies to other
+/// contents: dropped later by the program (which the engine no longer sees), a page reads its
+/// own old bytes, never another page's.
+#[test]
+fn memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes() {
+    if std::env::var_os("PAGEONE_VMA_UNREGISTER_CHILD").is_some() {
+        return unregistered_at_the_limit_child();
+    }
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes",
+            "--exact",
+            "--nocapture",
+        ])
+        .env("PAGEONE_VMA_UNREGISTER_CHILD", "1")
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "the scenario at the mapping limit failed: {status}"
+    );
+}
+
+fn unregistered_at_the_limit_child() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_secs(3600))
+        .ksm_when_limited(false)
+        .build()
+        .unwrap();
+    let n = 64;
+    let old = filled(2 * n, |i| (i % n) as u64 + 1);
+    let (p, len) = (old.as_mut_ptr(), old.len());
+    e.register(p, len).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    {
+        let _full = FilledMappings::to_the_limit();
+        e.unregister(p, len).unwrap();
+    }
+    for (i, page) in old.chunks(PAGE).enumerate() {
+        assert!(
+            check(page, (i % n) as u64 + 1),
+            "page {i} after unregistering"
+        );
+    }
+    // The pages are still store mappings there: their copies are kept, whatever the periods do.
+    let maps = sys::self_mappings_in(p as usize, p as usize + len).unwrap();
+    assert!(
+        maps.iter().all(pageone_engine::is_store_mapping),
+        "the scenario did not happen"
+    );
+    e.wait_periods(4, Duration::from_secs(10));
+    let s = e.stats();
+    assert_eq!(
+        s.pages_shared, n as u64,
+        "copies still mapped were released: {s:?}"
+    );
+    // Dropped by the program (which the engine no longer sees), a page reads its own bytes.
+    // SAFETY: the test's own memory, no longer registered.
+    let dropped = unsafe { libc::madvise(p.cast(), len, libc::MADV_DONTNEED) };
+    assert_eq!(dropped, 0);
+    for (i, page) in old.chunks(PAGE).enumerate() {
+        assert!(
+            check(page, (i % n) as u64 + 1),
+            "page {i} dropped reads another's bytes"
+        );
+    }
 }
 
 /// At its VMA budget (set low with the margin knob, not the sysctl) the engine stops spending:
