@@ -208,7 +208,8 @@ impl ChangeLog {
         }
     }
 
-    /// The spill buffer of applied changes (see [`take`](Self::take)), emptied, to record again.
+    /// The spill buffer of applied changes (see [`take`](Self::take)), to record again: emptied
+    /// here if the caller did not (best before taking the log's lock).
     pub(crate) fn give_back(&mut self, mut spill: SpillBuffer<Change>) {
         spill.clear();
         if self.spill.is_none() {

@@ -220,7 +220,9 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
             Change::Remove { start, end } => dropped(st, start..end),
         }
     }
-    if let Some(spill) = changes.spill {
+    if let Some(mut spill) = changes.spill {
+        // Emptied (its memory given back) before the log's lock, which the fault thread needs.
+        spill.clear();
         lock(&sh.changes).give_back(spill);
     }
     st.store.punch_pending();
