@@ -60,15 +60,16 @@ struct CommitCtx<'a> {
 }
 
 impl CommitCtx<'_> {
-    /// Marks `region` for the kernel's KSM if its merges cost a mapping per page or so (more than
-    /// the budget has; `refused`: the budget refused some), and KSM runs (see the `ksm` module).
+    /// Marks `region` for the kernel's KSM if its merges cost half a mapping per page or more
+    /// (`refused`: the budget refused some, which judges sooner), and KSM runs (see the `ksm`
+    /// module).
     fn judge_for_ksm(&mut self, region: &mut RegionState, refused: bool) {
         // (Only where a region handed over can stay registered for the kernel's reports of
         // unmapping and moving without faults: the write-protect watch.)
         if self.config.ksm_when_limited
             && self.sh.mode == WatchMode::UffdWp
             && !region.wants_ksm
-            && crate::ksm::better_with_ksm(region, refused, self.budget.budget)
+            && crate::ksm::better_with_ksm(region, refused)
             && *self.ksm_running.get_or_insert_with(crate::ksm::running)
         {
             region.wants_ksm = true;

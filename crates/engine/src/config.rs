@@ -72,9 +72,9 @@ pub struct Config {
     /// for the fault thread to read the kernel's report while it holds the allocator's lock:
     /// safe because that thread never allocates.)
     pub trim_c_heap: bool,
-    /// Hand a region whose merges cost a mapping per page or so (whatever the mapping budget,
-    /// `vm.max_map_count`, allows: KSM merges such memory faster, with less CPU) to the kernel's
-    /// KSM whole, where the host runs it: its pages
+    /// Hand a region whose merges cost half a mapping per page or more (whatever the mapping
+    /// budget, `vm.max_map_count`, allows: KSM merges such memory faster, with less CPU) to the
+    /// kernel's KSM whole, where the host runs it: its pages
     /// become private again, the engine stops watching it, and it is marked
     /// `madvise(MADV_MERGEABLE)` for `ksmd`, which merges single pages without a mapping each.
     /// Regions whose pages merge in runs stay the engine's. On by default; nothing is handed

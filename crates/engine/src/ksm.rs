@@ -2,13 +2,11 @@
 //! pages of a file, and one mapping maps one run of consecutive file pages, so a merged page
 //! that is not next to its copy's neighbours costs a mapping (VMA) of its own, and the process's
 //! `vm.max_map_count` stops it. The kernel's KSM shares a page between anonymous mappings with no
-//! mapping at all, faster and with less CPU. So a region whose merges so far cost about a mapping
-//! per page (or half of one, more than the budget has for all of it, or whose merges the budget
-//! already refuses) is handed to KSM whole, where the host runs it (`/sys/kernel/mm/ksm/run` =
-//! 1): its merged pages become private
-//! again, the engine stops watching it, and it is marked `MADV_MERGEABLE` for `ksmd`. Regions
-//! whose pages merge in runs stay pageone's. See `Config::ksm_when_limited` and
-//! `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
+//! mapping at all, faster and with less CPU. So a region whose merges so far cost half a mapping
+//! per page or more is handed to KSM whole, where the host runs it (`/sys/kernel/mm/ksm/run` =
+//! 1): its merged pages become private again, the engine stops watching it, and it is marked
+//! `MADV_MERGEABLE` for `ksmd`. Regions whose pages merge in runs stay pageone's. See
+//! `Config::ksm_when_limited` and `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
 
 use pageone_sync::lock;
 use pageone_sys as sys;
@@ -16,31 +14,28 @@ use pageone_sys as sys;
 use crate::access::PAGE;
 use crate::state::{RegionState, Shared};
 
-/// Merged pages a region's spending is projected from at the least (fewer say little of its
-/// layout: a guest's first merges may be single pages before the runs of its kernel's).
+/// Merged pages a region is judged from at the least (fewer say little of its layout: a guest's
+/// first merges may be single pages before the runs of its kernel's).
 const SAMPLE_PAGES: u64 = 1024;
 /// Merged pages that judge a region the budget already refused (it cannot wait for more).
 const REFUSED_SAMPLE_PAGES: u64 = 64;
 
 /// Whether `region` is better merged by the kernel's KSM: its merges so far cost half a mapping
-/// per page or more (runs of four pages or fewer on average: single pages among others), and
-/// either merging all of it at that cost would take more mappings than the whole `budget`, or the
-/// budget already refused some of its merges (`refused`), or they cost a mapping per page or more
-/// (runs of two pages or fewer on average), which is slower and costs more CPU than KSM's merging
-/// whatever the budget (measured: `docs/benchmarks.md`, "Scattered duplicates"). Regions whose
-/// pages merge in runs never qualify.
-pub(crate) fn better_with_ksm(region: &RegionState, refused: bool, budget: usize) -> bool {
+/// per page or more (runs of four pages or fewer on average: single pages among others), judged
+/// after [`SAMPLE_PAGES`] merged pages, or after [`REFUSED_SAMPLE_PAGES`] if the budget already
+/// refused some of its merges (`refused`). Whatever the budget: where mappings are to spare
+/// (`vm.max_map_count` raised), KSM still merged such memory in less time and with less CPU
+/// (`docs/benchmarks.md`, "Scattered duplicates"), and a region kept while its partners go to
+/// KSM would keep a copy of its own of what they share. Regions whose pages merge in runs never
+/// qualify.
+pub(crate) fn better_with_ksm(region: &RegionState, refused: bool) -> bool {
     let s = region.spending;
     let sample = if refused {
         REFUSED_SAMPLE_PAGES
     } else {
         SAMPLE_PAGES
     };
-    if region.to_ksm || s.pages < sample || 2 * s.vmas < s.pages {
-        return false;
-    }
-    let pages = region.pages.len() as u64;
-    refused || s.vmas >= s.pages || s.vmas.saturating_mul(pages) / s.pages > budget as u64
+    !region.to_ksm && s.pages >= sample && 2 * s.vmas >= s.pages
 }
 
 /// Whether the kernel's KSM is running (`ksmd` scans what is marked mergeable).
@@ -117,33 +112,21 @@ mod tests {
     }
 
     #[test]
-    fn a_region_merging_a_mapping_per_page_beyond_the_budget_goes_to_ksm() {
-        // 131072 pages at half a mapping per page: 65536 > 65000.
-        assert!(better_with_ksm(&region(131_072, 2000, 1000), false, 65_000));
-        // The same cost where the region fits the budget: it stays.
-        assert!(!better_with_ksm(&region(16_384, 2000, 1000), false, 65_000));
-        // Runs of 64 never go, even refused.
-        assert!(!better_with_ksm(&region(131_072, 6400, 200), false, 65_000));
-        assert!(!better_with_ksm(&region(131_072, 6400, 200), true, 65_000));
-        // Too few merged pages to project from; refused, fewer do.
-        assert!(!better_with_ksm(&region(131_072, 100, 200), false, 65_000));
-        assert!(better_with_ksm(&region(131_072, 100, 200), true, 65_000));
-        assert!(!better_with_ksm(&region(131_072, 10, 20), true, 65_000));
+    fn a_region_merging_single_pages_goes_to_ksm() {
+        // Two mappings per page, one, a half: gone, however large the region.
+        assert!(better_with_ksm(&region(131_072, 2000, 4000), false));
+        assert!(better_with_ksm(&region(16_384, 2000, 2000), false));
+        assert!(better_with_ksm(&region(16_384, 2000, 1000), false));
+        // Runs of three or more on average, and runs of 64, stay, even refused.
+        assert!(!better_with_ksm(&region(16_384, 3000, 999), false));
+        assert!(!better_with_ksm(&region(131_072, 6400, 200), false));
+        assert!(!better_with_ksm(&region(131_072, 6400, 200), true));
+        // Too few merged pages to judge from; refused, fewer do.
+        assert!(!better_with_ksm(&region(131_072, 100, 200), false));
+        assert!(better_with_ksm(&region(131_072, 100, 200), true));
+        assert!(!better_with_ksm(&region(131_072, 10, 20), true));
         let mut handed = region(131_072, 2000, 4000);
         handed.to_ksm = true;
-        assert!(!better_with_ksm(&handed, true, 65_000));
-    }
-
-    #[test]
-    fn a_region_merging_single_pages_goes_to_ksm_whatever_the_budget() {
-        // Two mappings per page, one per page: gone even with room for all of it.
-        assert!(better_with_ksm(&region(16_384, 2000, 4000), false, 1 << 20));
-        assert!(better_with_ksm(&region(16_384, 2000, 2000), false, 1 << 20));
-        // Runs of three on average stay where the budget has room.
-        assert!(!better_with_ksm(
-            &region(16_384, 3000, 2000),
-            false,
-            1 << 20
-        ));
+        assert!(!better_with_ksm(&handed, true));
     }
 }

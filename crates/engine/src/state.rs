@@ -98,8 +98,8 @@ pub(crate) struct RegionState {
     /// Handed to the kernel's KSM whole (see the `ksm` module): registered in name only (so that
     /// nothing registers it again), no longer watched or merged by the engine.
     pub(crate) to_ksm: bool,
-    /// Its merges cost a mapping per page or so (see `ksm::better_with_ksm`): to be handed to
-    /// the kernel's KSM at the end of the period.
+    /// Its merges cost half a mapping per page or more (see `ksm::better_with_ksm`): to be
+    /// handed to the kernel's KSM at the end of the period.
     pub(crate) wants_ksm: bool,
     /// What its merges cost in mappings so far.
     pub(crate) spending: Spending,
