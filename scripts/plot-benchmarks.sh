@@ -21,4 +21,4 @@ plot ppr-allocators "One alloc/free trace (12 phases, peak 256 MiB): PPR heap vs
 plot density "192 MiB guests in 1024 MiB, booted together, 45 s of churn (f877104, 2026-11-25, 1 run)"
 plot density-staggered "192 MiB guests in 1024 MiB, started 10 s apart, 60 s of churn (5d39c7f, 2026-11-25, 1 run)"
 plot scattered-default "Scattered duplicates at the default vm.max_map_count: pageone, pageone handing regions to the kernel's KSM (hybrid), KSM; 4 x 512 MiB, medians of 3 runs (e345bc8, 2026-11-26)"
-plot scattered "Scattered duplicates with vm.max_map_count raised: pageone, hybrid, KSM; 4 x 512 MiB, medians of 3 runs (e345bc8, 2026-11-26)"
+plot scattered "Scattered duplicates with vm.max_map_count raised: pageone, hybrid, KSM; 4 x 512 MiB, medians of 3 runs (67ac3a4, 2026-11-26)"
