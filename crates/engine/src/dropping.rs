@@ -9,7 +9,6 @@ use std::ops::Range;
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::MADV_DONTNEED_LOCKED};
 
-use crate::access::PAGE;
 use crate::changes::Change;
 use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
@@ -17,7 +16,7 @@ use crate::layout::{apply_changes, changing_mappings};
 use crate::registry::{
     checked_range, dropped_pages, overlapping, store_pieces, watch_emptied, StorePiece,
 };
-use crate::state::{PageKind, Shared, State};
+use crate::state::{pages_in_mut, PageKind, Shared, State};
 use crate::store::is_store_mapping;
 
 /// How [`drop_pages`] drops pages (`Engine::drop_pages`): `madvise`'s advice.
@@ -247,21 +246,13 @@ fn zero_in_place(st: &mut State, piece: &StorePiece) -> Result<(), EngineError> 
     unsafe { sys::zero_own_memory(piece.start, piece.end - piece.start) }
         .map_err(EngineError::Map)?;
     let State { regions, store, .. } = st;
-    let meeting = regions
-        .range_mut(..piece.end)
-        .rev()
-        .map(|(_, r)| r)
-        .take_while(|r| r.start + r.len() > piece.start);
-    for r in meeting {
-        let (lo, hi) = (r.start.max(piece.start), (r.start + r.len()).min(piece.end));
-        for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
-            if p.kind == PageKind::Merged {
-                store.drop_ref(p.sid);
-            }
-            p.kind = PageKind::Broken;
-            p.unchanged = 0;
-            p.epoch = p.epoch.wrapping_add(1);
+    for p in pages_in_mut(regions, piece.start..piece.end) {
+        if p.kind == PageKind::Merged {
+            store.drop_ref(p.sid);
         }
+        p.kind = PageKind::Broken;
+        p.unchanged = 0;
+        p.epoch = p.epoch.wrapping_add(1);
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use pageone_sys as sys;
 use crate::access::PAGE;
 use crate::changes::Change;
 use crate::read_ahead::forget_read_ahead;
-use crate::state::{PageKind, RegionState, Shared, State};
+use crate::state::{pages_in_mut, PageKind, RegionState, Shared, State};
 
 /// Held shared by whatever changes the program's mappings of registered memory (the shim around
 /// `munmap`, `mremap`, `mmap(MAP_FIXED)`, `mprotect`, `mlock` and `madvise`; `fork`), and
@@ -257,30 +257,24 @@ fn dropped(st: &mut State, range: Range<usize>) {
         stale_sightings,
         ..
     } = st;
-    for r in regions.values_mut() {
-        let (lo, hi) = (r.start.max(range.start), (r.start + r.len()).min(range.end));
-        if lo >= hi {
-            continue;
-        }
-        for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
-            match p.kind {
-                PageKind::Anon | PageKind::Unique | PageKind::Parked => {
-                    if p.kind == PageKind::Unique {
-                        *stale_sightings += 1;
-                    }
-                    p.kind = PageKind::Anon;
-                    p.unchanged = 0;
-                    p.epoch = p.epoch.wrapping_add(1);
+    for p in pages_in_mut(regions, range) {
+        match p.kind {
+            PageKind::Anon | PageKind::Unique | PageKind::Parked => {
+                if p.kind == PageKind::Unique {
+                    *stale_sightings += 1;
                 }
-                // Written after its merge, the page dropped its private copy: it maps the copy
-                // again, counted again if the store still holds it.
-                PageKind::Broken if store.is_allocated(p.sid) => {
-                    store.add_ref(p.sid);
-                    p.kind = PageKind::Merged;
-                    p.unchanged = 0;
-                }
-                _ => {}
+                p.kind = PageKind::Anon;
+                p.unchanged = 0;
+                p.epoch = p.epoch.wrapping_add(1);
             }
+            // Written after its merge, the page dropped its private copy: it maps the copy
+            // again, counted again if the store still holds it.
+            PageKind::Broken if store.is_allocated(p.sid) => {
+                store.add_ref(p.sid);
+                p.kind = PageKind::Merged;
+                p.unchanged = 0;
+            }
+            _ => {}
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings, cut};
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
-use crate::state::{Page, PageKind, RegionState, Shared, State};
+use crate::state::{pages_in_mut, Page, PageKind, RegionState, Shared, State};
 use crate::store::{is_merged_mapping, is_private_store_mapping};
 
 /// Registers `[a, a+len)` for merging (see `Engine::register`).
@@ -300,22 +300,14 @@ pub(crate) fn watch_emptied(
 /// Records that the pages of `range` hold nothing now: anonymous, their copies released.
 pub(crate) fn dropped_pages(st: &mut State, range: Range<usize>) {
     let State { regions, store, .. } = st;
-    let meeting = regions
-        .range_mut(..range.end)
-        .rev()
-        .map(|(_, r)| r)
-        .take_while(|r| r.start + r.len() > range.start);
-    for r in meeting {
-        let (lo, hi) = (r.start.max(range.start), (r.start + r.len()).min(range.end));
-        for p in &mut r.pages[(lo - r.start) / PAGE..(hi - r.start) / PAGE] {
-            if p.kind == PageKind::Merged {
-                store.drop_ref(p.sid);
-            }
-            if p.kind.in_store_mapping() || p.kind == PageKind::Merged {
-                p.kind = PageKind::Anon;
-                p.unchanged = 0;
-                p.epoch = p.epoch.wrapping_add(1);
-            }
+    for p in pages_in_mut(regions, range) {
+        if p.kind == PageKind::Merged {
+            store.drop_ref(p.sid);
+        }
+        if p.kind.in_store_mapping() || p.kind == PageKind::Merged {
+            p.kind = PageKind::Anon;
+            p.unchanged = 0;
+            p.epoch = p.epoch.wrapping_add(1);
         }
     }
 }

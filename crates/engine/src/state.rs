@@ -145,6 +145,24 @@ pub(crate) fn page_at(
     Some((start, index, r.pages.get(index)?))
 }
 
+/// The registered pages of `range`, in every region that meets it, to be changed.
+pub(crate) fn pages_in_mut(
+    regions: &mut BTreeMap<usize, RegionState>,
+    range: std::ops::Range<usize>,
+) -> impl Iterator<Item = &mut Page> + '_ {
+    let (start, end) = (range.start, range.end);
+    regions
+        .range_mut(..end)
+        .rev()
+        .map(|(_, r)| r)
+        .take_while(move |r| r.start + r.len() > start)
+        .flat_map(move |r| {
+            let (lo, hi) = (r.start.max(start), (r.start + r.len()).min(end));
+            let first = r.start;
+            r.pages[(lo - first) / PAGE..(hi - first) / PAGE].iter_mut()
+        })
+}
+
 /// State owned by whoever holds the lock: the engine thread during a period, an API call otherwise.
 pub(crate) struct State {
     pub(crate) regions: BTreeMap<usize, RegionState>,
