@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pageone_engine::{DropAdvice, Engine};
+use pageone_engine::{DropAdvice, Engine, Region};
 use pageone_sys as sys;
 
 mod common;
@@ -27,6 +27,28 @@ fn content(n: usize, i: usize) -> u64 {
     }
 }
 
+/// Runs the test `name` of this binary alone in a child process, with `var` set (which the test
+/// reads to run its body there), and returns how the child ended.
+fn in_a_child(name: &str, var: &str) -> std::process::ExitStatus {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture"])
+        .env(var, "1")
+        .status()
+        .unwrap()
+}
+
+/// A region of `2n` pages whose halves hold the same contents (page `i` holds content
+/// `i % n + 1`), once they merged: the second half's pages map their copies in one mapping.
+fn merged_halves(e: &Engine, n: usize) -> Region<'_> {
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    let s = wait_for(e, |s| s.pages_sharing >= n as u64);
+    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    r
+}
+
 /// The parent runs the test body in a child process and restores `vm.max_map_count` after it
 /// exits, however it exits.
 #[test]
@@ -40,15 +62,10 @@ fn vma_limit_degrades_merging_not_the_process() {
         return;
     }
     let _restore = MapCountGuard(old);
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "vma_limit_degrades_merging_not_the_process",
-            "--exact",
-            "--nocapture",
-        ])
-        .env("PAGEONE_VMA_CHILD", "1")
-        .status()
-        .unwrap();
+    let status = in_a_child(
+        "vma_limit_degrades_merging_not_the_process",
+        "PAGEONE_VMA_CHILD",
+    );
     drop(_restore);
     assert_eq!(
         sys::max_map_count().unwrap(),
@@ -101,15 +118,10 @@ fn a_merged_page_dropped_at_the_mapping_limit_reads_zeros() {
     if std::env::var_os("PAGEONE_VMA_FULL_CHILD").is_some() {
         return dropped_at_the_limit_child();
     }
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "a_merged_page_dropped_at_the_mapping_limit_reads_zeros",
-            "--exact",
-            "--nocapture",
-        ])
-        .env("PAGEONE_VMA_FULL_CHILD", "1")
-        .status()
-        .unwrap();
+    let status = in_a_child(
+        "a_merged_page_dropped_at_the_mapping_limit_reads_zeros",
+        "PAGEONE_VMA_FULL_CHILD",
+    );
     assert!(
         status.success(),
         "the scenario at the mapping limit failed: {status}"
@@ -165,13 +177,7 @@ fn dropped_at_the_limit_child() {
         .build()
         .unwrap();
     let n = 64;
-    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
-    // Two halves of the same contents: the second half's pages map their copies in one mapping.
-    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
-        fill(p, (i % n) as u64 + 1);
-    }
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    let mut r = merged_halves(&e, n);
     let page = |i: usize| r.as_ptr().wrapping_add(i * PAGE);
     let (a, b) = (n + n / 2, n + n / 2 + 2);
     {
@@ -226,15 +232,10 @@ fn memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes() {
     if std::env::var_os("PAGEONE_VMA_UNREGISTER_CHILD").is_some() {
         return unregistered_at_the_limit_child();
     }
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes",
-            "--exact",
-            "--nocapture",
-        ])
-        .env("PAGEONE_VMA_UNREGISTER_CHILD", "1")
-        .status()
-        .unwrap();
+    let status = in_a_child(
+        "memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes",
+        "PAGEONE_VMA_UNREGISTER_CHILD",
+    );
     assert!(
         status.success(),
         "the scenario at the mapping limit failed: {status}"
@@ -347,13 +348,7 @@ fn a_written_merged_page_the_budget_refuses_reads_zeros_once_dropped() {
         .build()
         .unwrap();
     let n = 32;
-    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
-    // Two halves of the same contents.
-    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
-        fill(p, (i % n) as u64 + 1);
-    }
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    let mut r = merged_halves(&e, n);
     // No room for any merge from now on.
     let limit = sys::max_map_count().unwrap();
     e.reconfigure(|c| c.vma_margin = limit).unwrap();
