@@ -29,21 +29,8 @@ impl<T: Copy> SpillBuffer<T> {
     /// Maps room for `cap` values; `None` if the kernel refuses the mapping.
     pub(crate) fn new(cap: usize) -> Option<Self> {
         let bytes = Self::bytes(cap);
-        // SAFETY: a fresh private anonymous mapping where the kernel chooses; raw, so that no
-        // interposed `mmap` (the shim's) sees it.
-        let p = unsafe {
-            sys::raw_mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return None;
-        }
+        // (A raw system call, `MAP_NORESERVE`: no interposed `mmap`, the shim's, sees it.)
+        let p = sys::mmap_anonymous(bytes).ok()?;
         let start = p as usize;
         Some(Self {
             ptr: NonNull::new(p.cast())?,
@@ -95,7 +82,7 @@ impl<T: Copy> SpillBuffer<T> {
 impl<T: Copy> Drop for SpillBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: the buffer's own mapping, unmapped once (raw: no interposed `munmap` sees it).
-        unsafe { sys::raw_munmap(self.ptr.as_ptr().cast(), Self::bytes(self.cap)) };
+        let _ = unsafe { sys::munmap(self.ptr.as_ptr().cast(), Self::bytes(self.cap)) };
     }
 }
 
