@@ -134,25 +134,9 @@ impl PprHeap {
             .map_err(|e| format!("the heap's engine did not start: {e}"))?;
         let pool = Arc::new(Pool::new(len / PAGE).map_err(|e| e.to_string())?);
         engine.recycle_from(pool.clone());
-        // Reserved, not committed: pages exist only once a chunk is populated.
-        // SAFETY: a fresh anonymous mapping at an address the kernel picks; no existing memory
-        // is affected.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(format!(
-                "could not reserve {len} bytes for the heap: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
+        // Reserved, not committed (`MAP_NORESERVE`): pages exist only once a chunk is populated.
+        let base = pageone_sys::mmap_anonymous(len)
+            .map_err(|e| format!("could not reserve {len} bytes for the heap: {e}"))?;
         Ok(Self {
             engine,
             pool,
