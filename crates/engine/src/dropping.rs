@@ -13,11 +13,10 @@ use crate::changes::Change;
 use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings};
-use crate::registry::{
-    checked_range, dropped_pages, overlapping, store_pieces, watch_emptied, StorePiece,
-};
+use crate::registry::{checked_range, dropped_pages, overlapping, store_pieces, StorePiece};
 use crate::state::{pages_in_mut, PageKind, Shared, State};
 use crate::store::is_store_mapping;
+use crate::stranded;
 
 /// How [`drop_pages`] drops pages (`Engine::drop_pages`): `madvise`'s advice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,14 +141,15 @@ fn drop_piecewise(sh: &Shared, range: Range<usize>, advice: DropAdvice) -> Resul
 fn merged_pieces(sh: &Shared, range: Range<usize>) -> Vec<StorePiece> {
     let mut st = lock(&sh.state);
     apply_changes(sh, &mut st);
-    let in_store = overlapping(&st, range.clone()).any(|(r, pages)| {
-        r.pages[pages].iter().any(|p| {
-            matches!(
-                p.kind,
-                PageKind::Merged | PageKind::Broken | PageKind::Foreign
-            )
-        })
-    });
+    let in_store = stranded::any_in(&st, &range)
+        || overlapping(&st, range.clone()).any(|(r, pages)| {
+            r.pages[pages].iter().any(|p| {
+                matches!(
+                    p.kind,
+                    PageKind::Merged | PageKind::Broken | PageKind::Foreign
+                )
+            })
+        });
     if in_store {
         store_pieces(sh, &st, range)
     } else {
@@ -226,7 +226,8 @@ fn empty_pieces(sh: &Shared, mut unreported: Unreported<'_>) -> Result<(), Engin
             continue;
         }
         dropped_pages(&mut st, piece.start..piece.end);
-        if let Err(e) = watch_emptied(sh, &st, piece.start..piece.end) {
+        stranded::emptied(&mut st, piece.start..piece.end);
+        if let Err(e) = stranded::rewatch(sh, &st, piece.start..piece.end) {
             result = Err(e);
             break;
         }

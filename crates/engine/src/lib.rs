@@ -109,6 +109,7 @@ mod spill;
 mod state;
 mod stats;
 mod store;
+mod stranded;
 mod watch;
 mod zero_holes;
 

@@ -402,6 +402,7 @@ fn run_period(cx: &PeriodCtx<'_>, kicked: bool) -> io::Result<()> {
     // After the merges: a huge page holding a page merged this period is not collapsed.
     crate::huge::collapse(sh, &collapsible, cx.config.merge_period);
     crate::ksm::hand_over_wanted(sh);
+    crate::stranded::repair(sh);
     tidy_up(sh, many, handed.worked, period);
     Ok(())
 }

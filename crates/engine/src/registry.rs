@@ -18,6 +18,7 @@ use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
 use crate::state::{pages_in_mut, Page, PageKind, RegionState, Shared, State};
 use crate::store::{is_merged_mapping, is_private_store_mapping};
+use crate::stranded::Stranded;
 
 /// Registers `[a, a+len)` for merging (see `Engine::register`).
 pub(crate) fn register(sh: &Shared, pool: &Pool, a: usize, len: usize) -> Result<(), EngineError> {
@@ -372,10 +373,13 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     // First, while the store mappings' context still holds them: before Linux 6.17, unregistering
     // through the main context dropped the other context's registration too, and then the pages
     // could not be held still to be copied.
-    let mut failed = Vec::new();
+    let mut stranded = Vec::new();
     for p in store_pieces(sh, st, start..end) {
         if !anonymize(sh, p.start, p.end, p.prot) {
-            failed.push((p.start, p.end));
+            stranded.push(Stranded {
+                range: p.start..p.end,
+                copies: Vec::new(),
+            });
         }
     }
     st.huge.forget(start..end);
@@ -389,12 +393,12 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     for (i, p) in r.pages.iter().enumerate() {
         let addr = start + i * PAGE;
         if p.kind == PageKind::Merged {
-            if failed.iter().any(|&(s, e)| addr >= s && addr < e) {
+            if let Some(s) = stranded.iter_mut().find(|s| s.range.contains(&addr)) {
                 // Still a store mapping (no mapping to spare for the copy, at the limit): at
-                // least make the page private, and keep its copy, which the mapping still maps:
-                // reused for another page's contents, it would be what the page reads after a
-                // `MADV_DONTNEED` the engine no longer sees.
+                // least make the page private, and keep its copy, which the mapping still maps
+                // (see the `stranded` module).
                 break_cow(addr);
+                s.copies.push((addr, p.sid));
                 continue;
             }
             st.store.drop_ref(p.sid);
@@ -402,6 +406,7 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
             st.zero -= 1;
         }
     }
+    st.stranded.extend(stranded);
     st.store.punch_pending();
 }
 
@@ -440,9 +445,11 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
             // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
             // just copied and belongs to the registered region.
             let moved = copied && unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();
-            if !moved {
-                lock(&sh.changes).unexpect(change);
-            }
+            // A report was read before the call returned (the kernel waits for that), and the
+            // fault thread records what it reads before it lets go of the log: an announcement
+            // still there now had no report (the range was not registered, or not moved), and
+            // must not swallow a later one.
+            lock(&sh.changes).unexpect(change);
             if !moved {
                 // SAFETY: `tmp` is ours and nothing refers to it.
                 let _ = unsafe { sys::munmap(tmp, len) };

@@ -21,6 +21,7 @@ use crate::parking::Parking;
 use crate::read_ahead::{AheadBlock, AheadJob};
 use crate::sightings::FirstSightings;
 use crate::store::Store;
+use crate::stranded::Stranded;
 use crate::watch::ScanBuffers;
 
 /// What a registered page is, as the engine last saw it (owned by the engine thread).
@@ -199,6 +200,9 @@ pub(crate) struct State {
     pub(crate) ahead_age: u32,
     /// Huge pages collapsed again (see the `huge` module).
     pub(crate) huge: Collapsed,
+    /// Store mappings left where memory was unregistered at the mapping limit (see the
+    /// `stranded` module).
+    pub(crate) stranded: Vec<Stranded>,
 }
 
 impl State {
@@ -230,6 +234,7 @@ impl State {
             ahead: Vec::new(),
             ahead_age: 0,
             huge: Collapsed::default(),
+            stranded: Vec::new(),
         }
     }
 }

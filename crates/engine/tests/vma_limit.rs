@@ -225,8 +225,9 @@ fn dropped_at_the_limit_child() {
 /// Memory unregistered when the process has no mapping to spare keeps its merged pages' copies:
 /// their store mappings cannot be replaced by anonymous memory there (that takes a mapping), so
 /// the pages are made private where they are, and the store must not give their copies to other
-/// contents: dropped later by the program (which the engine no longer sees), a page reads its
-/// own old bytes, never another page's.
+/// contents. Dropped through the engine (as the shim drops them), pages read zeros; once mappings
+/// are to spare again, the engine makes the memory anonymous and releases the copies, so that a
+/// drop it does not see reads zeros too.
 #[test]
 fn memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes() {
     if std::env::var_os("PAGEONE_VMA_UNREGISTER_CHILD").is_some() {
@@ -251,40 +252,64 @@ fn unregistered_at_the_limit_child() {
     let n = 64;
     let old = filled(2 * n, |i| (i % n) as u64 + 1);
     let (p, len) = (old.as_mut_ptr(), old.len());
+    let stored = || {
+        let maps = sys::self_mappings_in(p as usize, p as usize + len).unwrap();
+        maps.iter()
+            .filter(|m| pageone_engine::is_store_mapping(m))
+            .count()
+    };
     e.register(p, len).unwrap();
     let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
     assert!(s.pages_sharing >= n as u64, "{s:?}");
-    {
-        let _full = FilledMappings::to_the_limit();
-        e.unregister(p, len).unwrap();
-    }
+    let full = FilledMappings::to_the_limit();
+    e.unregister(p, len).unwrap();
     for (i, page) in old.chunks(PAGE).enumerate() {
         assert!(
             check(page, (i % n) as u64 + 1),
             "page {i} after unregistering"
         );
     }
-    // The pages are still store mappings there: their copies are kept, whatever the periods do.
-    let maps = sys::self_mappings_in(p as usize, p as usize + len).unwrap();
-    assert!(
-        maps.iter().all(pageone_engine::is_store_mapping),
-        "the scenario did not happen"
-    );
-    e.wait_periods(4, Duration::from_secs(10));
+    // The pages are still store mappings there: their copies are kept while no mapping is to
+    // spare, whatever the periods do.
+    assert_eq!(stored(), 2, "the scenario did not happen");
+    e.wait_periods(2, Duration::from_secs(10));
     let s = e.stats();
     assert_eq!(
         s.pages_shared, n as u64,
         "copies still mapped were released: {s:?}"
     );
-    // Dropped by the program (which the engine no longer sees), a page reads its own bytes.
+    // Dropped through the engine (the shim's path), a page reads zeros, its neighbours their
+    // bytes.
+    let (a, b) = (3, n + 5);
+    for i in [a, b] {
+        // SAFETY: the test's own memory.
+        let at = unsafe { p.add(i * PAGE) };
+        e.drop_pages(at, PAGE, DropAdvice::DontNeed).unwrap();
+    }
+    let want = |i: usize| {
+        if i == a || i == b {
+            0
+        } else {
+            (i % n) as u64 + 1
+        }
+    };
+    for (i, page) in old.chunks(PAGE).enumerate() {
+        assert!(check(page, want(i)), "page {i} after a drop at the limit");
+    }
+    drop(full);
+    // With mappings to spare, the memory becomes anonymous again and the copies are released.
+    let s = wait_for(&e, |s| s.pages_shared == 0);
+    assert_eq!(s.pages_shared, 0, "copies still held: {s:?}");
+    assert_eq!(stored(), 0, "the memory still maps the store");
+    for (i, page) in old.chunks(PAGE).enumerate() {
+        assert!(check(page, want(i)), "page {i} once anonymous again");
+    }
+    // Dropped by the program alone (which the engine no longer sees), every page reads zeros.
     // SAFETY: the test's own memory, no longer registered.
     let dropped = unsafe { libc::madvise(p.cast(), len, libc::MADV_DONTNEED) };
     assert_eq!(dropped, 0);
     for (i, page) in old.chunks(PAGE).enumerate() {
-        assert!(
-            check(page, (i % n) as u64 + 1),
-            "page {i} dropped reads another's bytes"
-        );
+        assert!(check(page, 0), "page {i} dropped does not read zeros");
     }
 }
 
