@@ -2,7 +2,7 @@
 //! Lookups, copies, releases, forgotten hashes and reports of a client are served here.
 
 use pageone_sync::lock;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -69,7 +69,7 @@ impl Client {
 pub(crate) struct ScopeState {
     pub(crate) contents: Contents,
     holders: Vec<u32>,
-    free: Vec<u32>,
+    free: FreeSlots,
     bump: u32,
     pub(crate) live: u64,
     /// Notes of this scope's clients (a content noted by two clients counts twice).
@@ -127,7 +127,7 @@ impl Scope {
             state: Mutex::new(ScopeState {
                 contents: Contents::new(),
                 holders: Vec::new(),
-                free: Vec::new(),
+                free: FreeSlots::default(),
                 bump: 0,
                 live: 0,
                 noted_entries: 0,
@@ -141,11 +141,33 @@ impl Scope {
     }
 }
 
+/// Slots free for reuse, given out lowest first: a request's copies (a run of the client's pages,
+/// in address order) then get ascending slots, consecutive where a run of slots was freed (a
+/// guest freeing its initramfs frees thousands), so the client maps the run with one mapping.
+/// Handed out last freed first, slots freed in ascending order came out descending, and every
+/// page of a run then took a mapping of its own.
+#[derive(Default)]
+struct FreeSlots(BTreeSet<u32>);
+
+impl FreeSlots {
+    fn take(&mut self) -> Option<u32> {
+        self.0.pop_first()
+    }
+
+    fn put(&mut self, slot: u32) {
+        self.0.insert(slot);
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 impl ScopeState {
     /// A free slot, or a fresh one while the store has room. (Its page is charged to the user by
     /// the caller, in advance.)
     fn alloc(&mut self, capacity: u32) -> Option<u32> {
-        if let Some(s) = self.free.pop() {
+        if let Some(s) = self.free.take() {
             return Some(s);
         }
         if self.bump >= capacity {
@@ -164,14 +186,16 @@ impl ScopeState {
 
     /// Gives back a slot that was never published (its page is punched already).
     fn give_back(&mut self, slot: u32) {
-        self.free.push(slot);
+        self.free.put(slot);
         self.account.return_pages(1);
     }
 
     /// Makes punched slots allocatable again.
     fn reuse(&mut self, punched: Vec<u32>) {
         self.account.return_pages(punched.len() as u64);
-        self.free.extend(punched);
+        for slot in punched {
+            self.free.put(slot);
+        }
     }
 
     pub(crate) fn hold(&mut self, client: u64, slot: u32) {
@@ -602,4 +626,20 @@ pub(crate) fn report(sc: &Scope, id: u64, json: &str) -> Reply {
         c.report = Some(kept);
     }
     Reply::Ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_slots_come_back_lowest_first() {
+        let mut f = FreeSlots::default();
+        for slot in [7, 3, 4, 5, 6, 10] {
+            f.put(slot);
+        }
+        let taken: Vec<u32> = std::iter::from_fn(|| f.take()).collect();
+        assert_eq!(taken, [3, 4, 5, 6, 7, 10]);
+        assert_eq!(f.len(), 0);
+    }
 }
