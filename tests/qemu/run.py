@@ -328,15 +328,20 @@ class Guests:
                 p.wait()
 
 
-def settle(guests, status=None):
+def settle(guests, status=None, t0=None):
     """Polls until the QEMU processes' Pss and MemAvailable stop changing (or SETTLE_SECS);
-    returns (Pss KiB, MemAvailable KiB, seconds). (MemAvailable lags: a VM host may take freed
-    pages back through free page reporting, which holds them off the free lists for a while.)"""
-    t0 = time.time()
-    last, stable = None, 0
-    while time.time() - t0 < SETTLE_SECS:
-        time.sleep(2)
-        now = (sum(pss_kib(p) for p in guests.pids()), mem_available_kib(drop=False))
+    returns (Pss KiB, MemAvailable KiB, seconds, Pss settled at). (MemAvailable lags: a VM host
+    may take freed pages back through free page reporting, which holds them off the free lists
+    for a while.) "Pss settled at": seconds from `t0` (the boot) to the first sample of Pss, taken
+    every half second, after which every sample stays within 1% of the last."""
+    start = time.time()
+    t0 = start if t0 is None else t0
+    last, stable, samples = None, 0, []
+    while time.time() - start < SETTLE_SECS:
+        for _ in range(4):
+            time.sleep(0.5)
+            samples.append((time.time() - t0, sum(pss_kib(p) for p in guests.pids())))
+        now = (samples[-1][1], mem_available_kib(drop=False))
         if status:
             status()
         if last is not None and abs(now[0] - last[0]) < 1024 and abs(now[1] - last[1]) < 4096:
@@ -346,7 +351,13 @@ def settle(guests, status=None):
         else:
             stable = 0
         last = now
-    return sum(pss_kib(p) for p in guests.pids()), mem_available_kib(), time.time() - t0
+    final = sum(pss_kib(p) for p in guests.pids())
+    settled_at = samples[-1][0] if samples else 0.0
+    for t, pss in reversed(samples):
+        if abs(pss - final) > final / 100:
+            break
+        settled_at = t
+    return final, mem_available_kib(), time.time() - start, settled_at
 
 
 def check_sums(name, what, sums, expected):
@@ -358,7 +369,8 @@ def check_sums(name, what, sums, expected):
 def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0, extra=()):
     """Boots the guests, checks their data, lets memory settle; returns (Pss KiB of the QEMU
     processes, host memory used since before the boot in KiB by MemAvailable, CPU-seconds the
-    merging used from the boot to the measurement by `cpu()`)."""
+    merging used from the boot to the measurement by `cpu()`, seconds from the boot until Pss
+    settled: see `settle`)."""
     log(f"{name}: booting {GUESTS} guests of {GUEST_MIB} MiB")
     avail0 = mem_available_kib()
     parts0 = meminfo_kib(BREAKDOWN)
@@ -371,14 +383,15 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     pids = guests.pids()
     if len(pids) != GUESTS:
         raise SystemExit(f"{name}: found QEMU pids {pids}")
-    pss, avail, secs = settle(guests, status)
+    pss, avail, secs, pss_settled = settle(guests, status, t0)
     used = avail0 - avail
     parts = meminfo_kib(BREAKDOWN)
     merging_cpu = cpu() - cpu0
     log(
         f"{name}: QEMU Pss {pss / 1024:.0f} MiB, host memory used {used / 1024:.0f} MiB "
         f"(MemAvailable), settled {secs:.0f} s after the checksums ({time.time() - t0:.0f} s "
-        f"after the boot); merging used {merging_cpu:.1f} CPU-s"
+        f"after the boot; Pss within 1% of that from {pss_settled:.1f} s after the boot); "
+        f"merging used {merging_cpu:.1f} CPU-s"
     )
     log(
         f"{name}: since before the boot (MiB): "
@@ -394,7 +407,7 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     check_sums(name, "after merging", guests.wait_for("CHECK2", 240), expected)
     log(f"{name}: every guest's data is still intact")
     guests.finish()
-    return pss, used, merging_cpu
+    return pss, used, merging_cpu, pss_settled
 
 
 def balloon_side(launcher, initrd, env, expected, scope_saved):
@@ -410,7 +423,7 @@ def balloon_side(launcher, initrd, env, expected, scope_saved):
         drivers = guests.console("DRIVERS")
         if len(drivers) != GUESTS or not all("virtio_balloon" in l for _, l in drivers):
             raise SystemExit(f"{name}: the balloon driver is not in every guest: {drivers}")
-        pss_full, _, secs = settle(guests, scope_saved)
+        pss_full, _, secs, _ = settle(guests, scope_saved)
         saved_full = scope_saved()
         log(f"{name}: settled after {secs:.0f} s: QEMU Pss {pss_full / 1024:.0f} MiB, "
             f"daemon saved {saved_full / 1048576:.0f} MiB; the guests free their files")
@@ -501,7 +514,7 @@ def main():
                 time.sleep(0.05)
             env = dict(os.environ)
             env.pop("LD_PRELOAD", None)
-            base_pss, base_used, _ = run_side("no merging", [], initrd, env, expected)
+            base_pss, base_used, _, _ = run_side("no merging", [], initrd, env, expected)
 
             def pageone_cpu():
                 # The daemon's CPU and the engines' threads in the QEMU processes (from their
@@ -515,7 +528,7 @@ def main():
                     (c.get("stats") or {}).get("worker_cpu_ns", 0) / 1e9 for c in clients
                 )
 
-            p_pss, p_used, p_cpu = run_side(
+            p_pss, p_used, p_cpu, p_settled = run_side(
                 "pageone", [PAGEONE, "run", "--scope", "vms", "--daemon", sock, "--"],
                 initrd, env, expected, status, pageone_cpu, extra=[daemon.pid],
             )
@@ -588,7 +601,7 @@ def main():
                     pass
 
         with KsmKnobs():
-            k_pss, k_used, k_cpu = run_side(
+            k_pss, k_used, k_cpu, k_settled = run_side(
                 "ksm", [], initrd, env, expected, ksm_status, cpu=ksmd_cpu_seconds
             )
         log("ksm counters at the measurement: " + ", ".join(f"{k} {v}" for k, v in ksm_counters.items()))
@@ -603,6 +616,7 @@ def main():
             f"  pageone daemon: {scope['saved_bytes'] / 1048576:.0f} MiB saved\n"
             f"  CPU of merging (boot to measurement): pageone {p_cpu:.1f} s (engines + daemon), "
             f"KSM {k_cpu:.1f} s (ksmd)\n"
+            f"  Pss settled (within 1%) after the boot: pageone {p_settled:.1f} s, KSM {k_settled:.1f} s\n"
             f"  balloon guests freeing {GUESTS} x {JUNK_MIB} MiB under pageone: {back:.0f} MiB back "
             f"to the host, saving {b_saved_full / 1048576:.0f} -> {b_saved_freed / 1048576:.0f} MiB"
         )
