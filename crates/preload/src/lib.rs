@@ -25,7 +25,9 @@
 //!   marks a `PROT_NONE` or read-only mapping mergeable all the same and merges it once the
 //!   program makes it read/write. Of a range the engine refuses as a whole, the shim registers
 //!   the read/write private parts now and remembers the others ([`pending`]) until an `mprotect`
-//!   (or `pkey_mprotect`) makes them read/write, when they are registered. `MADV_UNMERGEABLE`,
+//!   (or `pkey_mprotect`) makes them read/write, when they are registered. Meanwhile they carry
+//!   the kernel's flag too, so where the kernel's KSM runs it merges the pages they hold, as it
+//!   would without the shim; made read/write, they are unmerged there before they are registered. `MADV_UNMERGEABLE`,
 //!   `munmap`, `mmap` over them and `mremap` (which moves them with the memory) forget them
 //!   first, so nothing mapped there later is registered. The answer is the kernel's (0).
 //! * **`userfaultfd` on mergeable memory.** A program that registers mergeable memory with a
@@ -485,6 +487,11 @@ fn merge_by_protection(eng: &Engine, a: usize, e: usize) -> Option<c_int> {
     for &(s, t, now) in &runs {
         if !now {
             pending_locked(|p| remember(p, (s, t)));
+            // The kernel's flag too: where its KSM runs, it merges the pages the memory holds
+            // meanwhile, as it would without the shim (`made_writable` takes them back).
+            if raw_madvise(s as *mut c_void, t - s, libc::MADV_MERGEABLE) != 0 {
+                refused = refused.or(Some(errno()));
+            }
             continue;
         }
         if eng.merge(s as *mut u8, t - s).is_err()
@@ -620,6 +627,9 @@ fn made_writable(addr: *mut c_void, len: size_t, prot: c_int) {
         guarded(|| {
             let Some(eng) = running() else { return };
             for &(s, t) in cut.spans() {
+                // Marked for the kernel's KSM while it was not read/write (see
+                // `merge_by_protection`): the pages it merged become private again first.
+                raw_madvise(s as *mut c_void, t - s, libc::MADV_UNMERGEABLE);
                 if let Err(err) = eng.merge(s as *mut u8, t - s) {
                     log(&format!(
                         "mergeable memory made read/write could not be registered ({err}); \

@@ -3,7 +3,10 @@
  * exits non-zero on the first that fails.
  *
  *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
- *                              protnone | guard | protnone-forgotten | protnone-remap)
+ *                              protnone | guard | protnone-forgotten | protnone-remap |
+ *                              protnone-ksm)
+ *
+ * protnone-ksm alone runs with the kernel's KSM running (the caller starts it).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -332,6 +335,63 @@ static void protnone_remap(void) {
     check(intact(q, 0, 2 * PAGES) && intact(p, 0, PAGES), "every page keeps its bytes");
 }
 
+/* Pages of this process the kernel's KSM has merged. */
+static long ksm_merging(void) {
+    FILE *f = fopen("/proc/self/ksm_merging_pages", "r");
+    long n = -1;
+    if (f) {
+        if (fscanf(f, "%ld", &n) != 1)
+            n = -1;
+        fclose(f);
+    }
+    return n;
+}
+
+/* Waits up to 30 s until the kernel's KSM merged at least `lo` and at most `hi` pages of this
+ * process. */
+static int ksm_between(long lo, long hi) {
+    for (int t = 0; t < 300; t++) {
+        long n = ksm_merging();
+        if (n >= lo && n <= hi)
+            return 1;
+        usleep(100000);
+    }
+    printf("KSM merged %ld pages of this process, wanted %ld to %ld\n", ksm_merging(), lo, hi);
+    return 0;
+}
+
+/* Where the kernel's KSM runs, mergeable memory that holds pages while it is not read/write is
+ * merged by KSM, as it is without the shim (the shim marks it for the kernel too); made
+ * read/write, it is unmerged there and merged by pageone. */
+static void protnone_ksm(void) {
+    unsigned char *r = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    unsigned char *n = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED || n == MAP_FAILED)
+        exit(2);
+    fill(r, PAGES);
+    fill(n, PAGES);
+    check(mprotect(r, PAGES * PAGE, PROT_READ) == 0 && mprotect(n, PAGES * PAGE, PROT_NONE) == 0,
+          "mprotect read-only and PROT_NONE");
+    check(madvise(r, PAGES * PAGE, MADV_MERGEABLE) == 0 &&
+              madvise(n, PAGES * PAGE, MADV_MERGEABLE) == 0,
+          "MADV_MERGEABLE of read-only and PROT_NONE memory holding pages");
+    check(ksm_between(2 * PAGES * 9 / 10, 2 * PAGES), "KSM merges both");
+    check(intact(r, 0, PAGES), "the read-only pages keep their bytes");
+    check(mprotect(r, PAGES * PAGE, PROT_READ | PROT_WRITE) == 0, "mprotect read/write");
+    check(ksm_between(0, PAGES), "KSM no longer merges the memory made read/write");
+    check(merges(r, PAGES, PAGES * 9 / 10), "pageone merges it");
+    check(intact(r, 0, PAGES), "its pages keep their bytes");
+    check(mprotect(n, PAGES * PAGE, PROT_READ | PROT_WRITE) == 0, "mprotect PROT_NONE read/write");
+    check(ksm_between(0, 0), "KSM merges nothing of this process any more");
+    check(intact(n, 0, PAGES), "the PROT_NONE pages kept their bytes");
+    check(merges(n, PAGES, PAGES * 9 / 10), "pageone merges them");
+    for (size_t i = 0; i < PAGES; i++)
+        n[i * PAGE] = 7;
+    check(n[0] == 7 && n[(PAGES - 1) * PAGE] == 7, "they take writes");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -353,6 +413,8 @@ int main(int argc, char **argv) {
         protnone_forgotten();
     else if (!strcmp(argv[1], "protnone-remap"))
         protnone_remap();
+    else if (!strcmp(argv[1], "protnone-ksm"))
+        protnone_ksm();
     else
         return 2;
     printf("OK\n");
