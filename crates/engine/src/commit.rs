@@ -277,6 +277,8 @@ struct Plan {
     store_base: usize,
     /// The copy the page left of the run maps, if merged: a subrun continuing it coalesces.
     left: Option<KeyId>,
+    /// Where the run's first and last subruns meet mappings of the store already (see [`Sides`]).
+    sides: Sides,
     /// VMAs counted for the run's mappings (their worst case).
     vmas: usize,
     /// The pages whose merge is onto a zero hole (see the `zero_holes` module): verified all
@@ -332,7 +334,8 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
         }
     }
     release_lone_holes(&mut acts[..run.n], &holes, left);
-    let vmas = afford(cx, rs, run, &mut acts, left, &holes);
+    let sides = Sides::of(run, &rs.region.pages, left);
+    let vmas = afford(cx, rs, run, &mut acts, &sides, &holes);
     for a in acts.iter().take(run.n) {
         if let Some(Action::Merge(sid)) = *a {
             rs.store.add_ref(sid);
@@ -346,9 +349,61 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
         fd: rs.store.fd(),
         store_base: rs.store.addr(0),
         left,
+        sides,
         vmas,
         holes,
     })
+}
+
+/// What lies beside a run, for the cost of its mappings ([`subrun_cost`]).
+#[derive(Clone, Copy)]
+struct Sides {
+    /// The copy the page left of the run maps, if merged.
+    left: Option<KeyId>,
+    /// The pages left and right of the run are mappings of the store: a mapping ends there.
+    left_in_store: bool,
+    right_in_store: bool,
+    /// The run's pages are mappings of the store themselves (COW-broken): their mappings are
+    /// counted at their worst case.
+    in_store: bool,
+}
+
+impl Sides {
+    fn of(run: &Run, pages: &[Page], left: Option<KeyId>) -> Self {
+        let in_store = |i: Option<usize>| {
+            i.and_then(|i| pages.get(i))
+                .is_some_and(|p| p.kind == PageKind::Merged || p.kind.in_store_mapping())
+        };
+        Sides {
+            left,
+            left_in_store: in_store(run.first_index.checked_sub(1)),
+            right_in_store: in_store(Some(run.first_index + run.n)),
+            in_store: run.in_store,
+        }
+    }
+}
+
+/// The VMAs the mapping of the subrun of `m` pages at `k` of a run of `n` adds, mapped in address
+/// order after the run's subruns before it (`acts`: the run's merges): one for the mapping and one
+/// for each side where it splits the anonymous mapping around it; a side where a mapping of the
+/// store ends already (the page beside it is merged, in this run or before it) splits nothing.
+/// A subrun continuing its left neighbour's copies extends that mapping (one at most). Pages
+/// that live in store mappings themselves count two (one) whatever lies beside them.
+fn subrun_cost(acts: &[Option<Action>], k: usize, m: usize, sid: KeyId, sides: &Sides) -> usize {
+    let continues = k == 0 && sides.left.is_some_and(|l| l.wrapping_add(1) == sid);
+    if continues {
+        return 1;
+    }
+    if sides.in_store {
+        return 2;
+    }
+    let left_ends = if k == 0 {
+        sides.left_in_store
+    } else {
+        matches!(acts[k - 1], Some(Action::Merge(_)))
+    };
+    let right_ends = k + m == acts.len() && sides.right_in_store;
+    2 - usize::from(left_ends) - usize::from(right_ends)
 }
 
 /// Zero pages between two merges whose copies lie around zero holes (see the `zero_holes`
@@ -410,8 +465,8 @@ fn release_lone_holes(acts: &mut [Option<Action>], holes: &HoleSet, left: Option
     }
 }
 
-/// Keeps the run's merges the VMA budget affords, in address order (a subrun continuing its left
-/// neighbour's mapping costs one VMA, any other two); the others are dropped and their pages
+/// Keeps the run's merges the VMA budget affords, in address order (each at its cost: see
+/// [`subrun_cost`]); the others are dropped and their pages
 /// wait for room (zero pages on zero holes among them are released as zero pages instead).
 /// Returns the VMAs counted for the merges kept.
 fn afford(
@@ -419,7 +474,7 @@ fn afford(
     rs: &mut RunState<'_>,
     run: &Run,
     acts: &mut [Option<Action>; MAX_RUN],
-    left: Option<KeyId>,
+    sides: &Sides,
     holes: &HoleSet,
 ) -> usize {
     let (mut counted, mut limited, mut k) = (0, 0u64, 0);
@@ -428,8 +483,7 @@ fn afford(
             k += 1;
             continue;
         };
-        let continues = k == 0 && left.is_some_and(|l| l.wrapping_add(1) == sid);
-        let cost = if continues { 1 } else { 2 };
+        let cost = subrun_cost(&acts[..run.n], k, m, sid, sides);
         // (A region going to the kernel's KSM spends no more mappings.)
         if !rs.region.wants_ksm && cx.budget.allows(rs.vmas, cost) {
             *rs.vmas += cost;
@@ -753,8 +807,7 @@ fn used_vmas(run: &Run, plan: &Plan, verdict: &[Option<Action>; MAX_RUN]) -> usi
             k += 1;
             continue;
         };
-        let continues = k == 0 && plan.left.is_some_and(|l| l.wrapping_add(1) == sid);
-        used += if continues { 1 } else { 2 };
+        used += subrun_cost(&verdict[..run.n], k, m, sid, &plan.sides);
         k += m;
     }
     used
@@ -1169,5 +1222,63 @@ mod tests {
                 Some((4, 1)),
             ]
         );
+    }
+
+    /// The cost of each subrun of `acts`, mapped in address order, beside `sides`.
+    fn costs(acts: &[Option<Action>], sides: &Sides) -> Vec<usize> {
+        let mut out = Vec::new();
+        let mut k = 0;
+        while k < acts.len() {
+            match merge_subrun(acts, k) {
+                Some((sid, m)) => {
+                    out.push(subrun_cost(acts, k, m, sid, sides));
+                    k += m;
+                }
+                None => k += 1,
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_mapping_costs_what_it_adds_to_the_process_mappings() {
+        let m = |sid| Some(Action::Merge(sid));
+        let anon = Sides {
+            left: None,
+            left_in_store: false,
+            right_in_store: false,
+            in_store: false,
+        };
+        // Inside anonymous memory: one mapping and two splits; the next page's mapping splits
+        // only on its right.
+        assert_eq!(costs(&[m(9), m(8), m(7)], &anon), [2, 1, 1]);
+        // Pages not merged between them: each splits both sides.
+        assert_eq!(
+            costs(&[m(9), None, m(7), Some(Action::Zero), m(5)], &anon),
+            [2, 2, 2]
+        );
+        // A run of copies is one mapping.
+        assert_eq!(costs(&[m(3), m(4), m(5)], &anon), [2]);
+        // Between merged pages, nothing is split; continuing the left neighbour's copies
+        // extends its mapping.
+        let between = Sides {
+            left_in_store: true,
+            right_in_store: true,
+            ..anon
+        };
+        assert_eq!(costs(&[m(9)], &between), [0]);
+        assert_eq!(costs(&[m(9), m(8)], &between), [1, 0]);
+        let after = Sides {
+            left: Some(8),
+            left_in_store: true,
+            ..anon
+        };
+        assert_eq!(costs(&[m(9), m(3)], &after), [1, 1]);
+        // COW-broken pages (in store mappings themselves) are counted at their worst case.
+        let broken = Sides {
+            in_store: true,
+            ..between
+        };
+        assert_eq!(costs(&[m(9), m(8)], &broken), [2, 2]);
     }
 }
