@@ -153,7 +153,7 @@ pub(crate) fn rewatch(sh: &Shared, st: &State, range: Range<usize>) -> Result<()
                 .register(part.start, part.len(), sh.reg_mode)
                 .map_err(EngineError::Uffd)
         } else {
-            watch_emptied(sh, st, part)
+            watch_emptied(sh, part)
         };
         result = result.and(watched);
     }
