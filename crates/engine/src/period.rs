@@ -27,7 +27,7 @@ use crate::rejoin::Rejoin;
 use crate::sightings::sweep_first_sightings;
 use crate::state::{page_at, PageKind, Shared, State};
 use crate::stats::stats_of;
-use crate::watch::{release_zero_probes, watch, Watch};
+use crate::watch::{release_zero_probes, watch, PeriodClock, Watch};
 
 /// Every this many periods, waiting first sightings are asked about again (daemon only), one
 /// request's worth (`proto::MAX_ITEMS`) at a time.
@@ -446,7 +446,7 @@ fn observe(
         mut candidates,
         mut zero_probes,
         collapsible,
-    } = watch(cx.sh, &mut st, cx.config, kicked)?;
+    } = watch(cx.sh, &mut st, cx.config, PeriodClock { kicked, period })?;
     // Pages marked free (PPR) are released this period: they skip the unchanged wait.
     let tickets = match recycler {
         Some(pool) => claim_marked(&st, pool),

@@ -37,8 +37,9 @@ pub(crate) fn watch(
     sh: &Shared,
     st: &mut State,
     config: &Config,
-    kicked: bool,
+    clock: PeriodClock,
 ) -> io::Result<Watch> {
+    let PeriodClock { kicked, period } = clock;
     if !config.merging {
         // Recycling only: no page is watched (PPR tickets are claimed from the pool).
         (st.volatile, st.written, st.unshared) = (0, 0, 0);
@@ -83,6 +84,7 @@ pub(crate) fn watch(
             sh,
             config,
             step,
+            period,
             start: r.start,
             store,
             zero,
@@ -226,6 +228,8 @@ struct RegionWatch<'a> {
     config: &'a Config,
     /// Unchanged periods this scan counts (see `unchanged_step`).
     step: u8,
+    /// The period's number (see [`RegionWatch::on_beat`]).
+    period: u64,
     /// The region's first address.
     start: usize,
     store: &'a mut Store,
@@ -416,7 +420,8 @@ impl RegionWatch<'_> {
     /// volatile.
     fn unchanged_in_store_mapping(&mut self, p: &mut Page, addr: usize) {
         p.unchanged = p.unchanged.saturating_add(self.step);
-        if p.unchanged >= self.config.merge_periods.max(p.writes) {
+        let needed = self.config.merge_periods.max(p.writes);
+        if p.unchanged >= needed && self.on_beat(needed) {
             self.tally
                 .out
                 .push(Candidate::new(self.start, addr, Pre::None));
@@ -424,6 +429,32 @@ impl RegionWatch<'_> {
             self.tally.volatile += 1;
         }
     }
+}
+
+impl RegionWatch<'_> {
+    fn on_beat(&self, needed: u8) -> bool {
+        on_beat(self.period, needed, self.config.merge_periods)
+    }
+}
+
+/// Whether a page in a store mapping that waits `needed` periods may be a candidate in period
+/// number `period`. Such pages never wait in the first-sighting map (they are read again
+/// instead), so two with the same contents meet only as candidates of one period. Backed off
+/// past the merge wait (`merge_periods`), a page is a candidate only in periods whose number is
+/// a multiple of its wait rounded up to a power of two: twins backed off alike, or to different
+/// powers, come up together, where waits counted from each one's last try could keep them apart
+/// for ever.
+fn on_beat(period: u64, needed: u8, merge_periods: u8) -> bool {
+    needed <= merge_periods || period % u64::from(needed).next_power_of_two() == 0
+}
+
+/// Which period the watch runs in.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PeriodClock {
+    /// The caller asked for the period: it counts as a whole one.
+    pub(crate) kicked: bool,
+    /// The period's number, counted from the engine's start.
+    pub(crate) period: u64,
 }
 
 /// Present pages, reported with `PAGE_IS_PFNZERO`, and with `PAGE_IS_FILE` where they may be file
@@ -540,6 +571,26 @@ impl ScanBuffers {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn twins_backed_off_differently_still_come_up_in_one_period() {
+        // Within the longer wait (rounded up to a power of two), some period finds both on beat.
+        for a in 1..=16u8 {
+            for b in 1..=16u8 {
+                let span = u64::from(a.max(b)).next_power_of_two();
+                for start in 0..span {
+                    assert!(
+                        (start..start + span).any(|t| on_beat(t, a, 2) && on_beat(t, b, 2)),
+                        "waits {a} and {b} from period {start}"
+                    );
+                }
+            }
+        }
+        // At the merge wait or less, every period is one.
+        assert!((0..8).all(|t| on_beat(t, 2, 2) && on_beat(t, 1, 2)));
+        assert!(!on_beat(5, 16, 2) && on_beat(32, 16, 2) && on_beat(24, 5, 2));
+    }
+
     use super::*;
     use crate::state::Page;
     use std::os::fd::AsRawFd;
