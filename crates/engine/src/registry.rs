@@ -293,7 +293,8 @@ pub(crate) fn watch_emptied(sh: &Shared, range: Range<usize>) -> Result<(), Engi
         .map_err(EngineError::Uffd)
 }
 
-/// Records that the pages of `range` hold nothing now: anonymous, their copies released.
+/// Records that the pages of `range` are anonymous memory now (empty, or holding the bytes copied
+/// there): their copies released, watched from scratch.
 pub(crate) fn dropped_pages(st: &mut State, range: Range<usize>) {
     let State { regions, store, .. } = st;
     for p in pages_in_mut(regions, range) {

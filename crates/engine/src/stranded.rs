@@ -19,7 +19,7 @@ use pageone_sync::lock;
 use crate::access::PAGE;
 use crate::error::EngineError;
 use crate::layout::{apply_changes, changing_mappings};
-use crate::registry::{anonymize, overlapping, store_pieces, watch_emptied};
+use crate::registry::{anonymize, dropped_pages, overlapping, store_pieces, watch_emptied};
 use crate::state::{Shared, State};
 
 /// A piece of memory no longer registered that still maps the store.
@@ -115,6 +115,9 @@ fn repair_piece(sh: &Shared, st: &mut State, piece: Stranded) -> Option<Stranded
             break;
         }
         let range = m.start..m.end;
+        // Registered again by the program meanwhile, its pages there were mappings of the store
+        // (COW-broken, or merged since): anonymous now, holding their bytes.
+        dropped_pages(st, range.clone());
         if let Err(e) = rewatch(sh, st, range.clone()) {
             tracing::warn!(error = %e, "memory made anonymous again could not be watched");
         }

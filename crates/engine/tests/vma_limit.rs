@@ -313,6 +313,55 @@ fn unregistered_at_the_limit_child() {
     }
 }
 
+/// Memory unregistered at the mapping limit and registered again before a period could make it
+/// anonymous: its pages are mappings of the store there (copy-on-write broken, as far as the
+/// region knows). Once mappings are to spare, the period makes them anonymous memory, and the
+/// region merges them again like any other.
+#[test]
+fn memory_registered_again_after_an_unregister_at_the_limit_merges_again() {
+    if std::env::var_os("PAGEONE_VMA_REREGISTER_CHILD").is_some() {
+        return registered_again_child();
+    }
+    let status = in_a_child(
+        "memory_registered_again_after_an_unregister_at_the_limit_merges_again",
+        "PAGEONE_VMA_REREGISTER_CHILD",
+    );
+    assert!(
+        status.success(),
+        "the scenario at the mapping limit failed: {status}"
+    );
+}
+
+fn registered_again_child() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_secs(3600))
+        .ksm_when_limited(false)
+        .build()
+        .unwrap();
+    let n = 64;
+    let old = filled(2 * n, |i| (i % n) as u64 + 1);
+    let (p, len) = (old.as_mut_ptr(), old.len());
+    e.register(p, len).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    {
+        let _full = FilledMappings::to_the_limit();
+        e.unregister(p, len).unwrap();
+    }
+    let maps = sys::self_mappings_in(p as usize, p as usize + len).unwrap();
+    assert!(
+        maps.iter().all(pageone_engine::is_store_mapping),
+        "the scenario did not happen"
+    );
+    // Registered again before any period: no period runs until asked for (an hour's period).
+    e.register(p, len).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "not merged again: {s:?}");
+    for (i, page) in old.chunks(PAGE).enumerate() {
+        assert!(check(page, (i % n) as u64 + 1), "page {i} merged again");
+    }
+}
+
 /// At its VMA budget (set low with the margin knob, not the sysctl) the engine stops spending:
 /// pages it cannot afford to merge wait without being classified or frozen again, the engine's
 /// CPU stays near zero, and they merge once the budget has room again.
