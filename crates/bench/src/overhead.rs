@@ -4,7 +4,8 @@
 //! * plain: `MADV_MERGEABLE` with KSM not running;
 //! * KSM at its fastest (`sleep_millisecs=0`, `pages_to_scan=100000`);
 //! * pageone: the same program under `LD_PRELOAD=libpageone_preload.so` with
-//!   `PAGEONE_MERGE_PERIOD_MS` set and no daemon, as `pageone run` runs a program alone.
+//!   `PAGEONE_MERGE_PERIOD_MS` set, with a store of its own, or with `--daemon` a daemon's (as
+//!   `pageone run` runs a program).
 //!
 //! For [`Op::WriteStall`] this process keeps a busy thread on every CPU (normal priority) while
 //! the writers run. Results pool the repetitions' histograms; the exit is timed here, from the
@@ -41,6 +42,9 @@ pub struct Setup {
     pub bench_exe: PathBuf,
     /// `libpageone_preload.so`, for pageone's side.
     pub preload: Option<PathBuf>,
+    /// A daemon's socket: pageone's side shares its store (scope `overhead`), as under
+    /// `pageone run`; `None`: the process's own store.
+    pub daemon_socket: Option<PathBuf>,
 }
 
 /// One operation on one side, over its repetitions.
@@ -148,6 +152,10 @@ fn one(setup: &Setup, spec: &OpSpec) -> Result<(OpOutput, Option<u64>), Error> {
         })?;
         cmd.env("LD_PRELOAD", lib)
             .env("PAGEONE_MERGE_PERIOD_MS", setup.period_ms.to_string());
+        if let Some(socket) = &setup.daemon_socket {
+            cmd.env("PAGEONE_SOCKET", socket)
+                .env("PAGEONE_SCOPE", "overhead");
+        }
     }
     let mut child = cmd.spawn().map_err(io_err("could not start a child"))?;
     let deadline = setup.merge_timeout + Duration::from_secs_f64(spec.stall.seconds + 120.0);

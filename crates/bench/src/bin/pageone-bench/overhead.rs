@@ -62,6 +62,10 @@ pub struct OverheadArgs {
     /// libpageone_preload.so [default: $PAGEONE_PRELOAD, else next to this executable].
     #[arg(long)]
     preload: Option<PathBuf>,
+    /// Run pageone's side with a `pageone daemon` started for the run holding the store (as
+    /// `pageone run` runs a program), instead of a store of the process's own.
+    #[arg(long)]
+    daemon: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -142,6 +146,7 @@ fn setup(a: &OverheadArgs) -> Result<Setup> {
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
         bench_exe: std::env::current_exe().context("this executable's path")?,
         preload,
+        daemon_socket: None,
     })
 }
 
@@ -185,7 +190,19 @@ fn row(r: &OpResult) {
 }
 
 pub fn run(a: &OverheadArgs) -> Result<()> {
-    let s = setup(a)?;
+    let mut s = setup(a)?;
+    // Kept until the run ends (stopped when dropped).
+    let daemon = if a.daemon && s.sides.contains(&Side::Pageone) {
+        let socket = std::env::temp_dir().join(format!(
+            "pageone-bench-overhead-{}.sock",
+            std::process::id()
+        ));
+        let d = processes::BenchDaemon::start(&processes::find_pageone()?, &socket)?;
+        s.daemon_socket = Some(d.socket().to_owned());
+        Some(d)
+    } else {
+        None
+    };
     println!(
         "what each operation costs the program: {} MiB regions, {} process(es) per operation and \
          side, {} calls of {} page(s); pageone under LD_PRELOAD with {} ms periods; KSM \
@@ -222,7 +239,11 @@ pub fn run(a: &OverheadArgs) -> Result<()> {
                 "call_pages": s.call_pages, "period_ms": s.period_ms,
                 "stall_writers": s.stall.writers, "stall_seconds": s.stall.seconds,
                 "stall_pause_us": s.stall.pause_us, "busy_threads": s.busy_threads,
-                "pageone_via": "LD_PRELOAD of libpageone_preload.so, no daemon",
+                "pageone_via": if daemon.is_some() {
+                    "LD_PRELOAD of libpageone_preload.so, a daemon holding the store"
+                } else {
+                    "LD_PRELOAD of libpageone_preload.so, no daemon"
+                },
             },
             "overhead": results,
         }),
