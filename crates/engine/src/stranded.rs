@@ -47,20 +47,26 @@ pub(crate) fn emptied(st: &mut State, range: Range<usize>) {
     if !any_in(st, &range) {
         return;
     }
-    let State {
-        stranded, store, ..
-    } = st;
-    let mut kept = Vec::with_capacity(stranded.len() + 1);
-    for s in stranded.drain(..) {
-        if !s.meets(&range) {
+    let (kept, released) = cut_out(std::mem::take(&mut st.stranded), &range);
+    st.stranded = kept;
+    for id in released {
+        st.store.drop_ref(id);
+    }
+}
+
+/// `pieces` less `range`: the parts of each piece on either side of it, with their copies, and
+/// the copies of the pages inside it.
+fn cut_out(pieces: Vec<Stranded>, range: &Range<usize>) -> (Vec<Stranded>, Vec<KeyId>) {
+    let mut kept = Vec::with_capacity(pieces.len() + 1);
+    let mut released = Vec::new();
+    for s in pieces {
+        if !s.meets(range) {
             kept.push(s);
             continue;
         }
         let (inside, outside): (Vec<_>, Vec<_>) =
             s.copies.into_iter().partition(|c| range.contains(&c.0));
-        for (_, id) in inside {
-            store.drop_ref(id);
-        }
+        released.extend(inside.into_iter().map(|(_, id)| id));
         for part in [s.range.start..range.start, range.end..s.range.end] {
             if part.start < part.end {
                 let copies = outside
@@ -75,7 +81,7 @@ pub(crate) fn emptied(st: &mut State, range: Range<usize>) {
             }
         }
     }
-    *stranded = kept;
+    (kept, released)
 }
 
 /// Tries to make every stranded piece anonymous memory again (see the module), between periods.
@@ -166,6 +172,71 @@ pub(crate) fn rewatch(sh: &Shared, st: &State, range: Range<usize>) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Disjoint pieces (page numbers: each a start, a length of 1-8 pages after a gap of 0-4),
+    /// every page with a copy or not.
+    fn pieces() -> impl Strategy<Value = Vec<Stranded>> {
+        prop::collection::vec((0..5usize, 1..9usize, any::<u8>()), 0..6).prop_map(|spec| {
+            let mut at = 0;
+            let mut id = 0;
+            spec.into_iter()
+                .map(|(gap, len, mask)| {
+                    let start = (at + gap) * PAGE;
+                    at += gap + len;
+                    let copies = (0..len)
+                        .filter(|k| mask & (1 << (k % 8)) != 0)
+                        .map(|k| {
+                            id += 1;
+                            (start + k * PAGE, id)
+                        })
+                        .collect();
+                    Stranded {
+                        range: start..start + len * PAGE,
+                        copies,
+                    }
+                })
+                .collect()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn cutting_out_a_range_keeps_every_other_page_and_copy(
+            before in pieces(),
+            lo in 0..70usize,
+            len in 0..20usize,
+        ) {
+            let range = lo * PAGE..(lo + len) * PAGE;
+            let (kept, released) = cut_out(
+                before.iter().map(|s| Stranded { range: s.range.clone(), copies: s.copies.clone() }).collect(),
+                &range,
+            );
+            for s in &kept {
+                prop_assert!(!s.meets(&range) && s.range.start < s.range.end);
+                prop_assert!(s.copies.iter().all(|c| s.range.contains(&c.0)));
+            }
+            // Every page: kept exactly when it was stranded and lies outside the range.
+            for page in 0..80 {
+                let addr = page * PAGE;
+                let was = before.iter().any(|s| s.range.contains(&addr));
+                let now = kept.iter().filter(|s| s.range.contains(&addr)).count();
+                prop_assert_eq!(now, usize::from(was && !range.contains(&addr)));
+            }
+            // Every copy: released if its page is inside the range, else kept once.
+            for s in &before {
+                for &(addr, id) in &s.copies {
+                    let kept_n = kept.iter().flat_map(|k| &k.copies).filter(|c| c.1 == id).count();
+                    let released_n = released.iter().filter(|&&r| r == id).count();
+                    if range.contains(&addr) {
+                        prop_assert_eq!((kept_n, released_n), (0, 1));
+                    } else {
+                        prop_assert_eq!((kept_n, released_n), (1, 0));
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn a_piece_meets_the_ranges_it_overlaps() {
