@@ -27,9 +27,10 @@
 //!   the read/write private parts now and remembers the others ([`pending`]) until an `mprotect`
 //!   (or `pkey_mprotect`) makes them read/write, when they are registered. Meanwhile they carry
 //!   the kernel's flag too, so where the kernel's KSM runs it merges the pages they hold, as it
-//!   would without the shim; made read/write, they are unmerged there before they are registered. `MADV_UNMERGEABLE`,
-//!   `munmap`, `mmap` over them and `mremap` (which moves them with the memory) forget them
-//!   first, so nothing mapped there later is registered. The answer is the kernel's (0).
+//!   would without the shim; made read/write, they are unmerged there before they are
+//!   registered. `MADV_UNMERGEABLE`, `munmap`, `mmap` over them and `mremap` (which moves them
+//!   with the memory) forget them first, so nothing mapped there later is registered. The
+//!   answer is the kernel's (0).
 //! * **`userfaultfd` on mergeable memory.** A program that registers mergeable memory with a
 //!   userfaultfd of its own (QEMU's postcopy migration) gets it: the engine unregisters that
 //!   range first (as KSM has no such conflict).
