@@ -235,18 +235,23 @@ fn sleep_out_period(
         // scan (one period at most), a burst of registrations that began late in a period,
         // or after idle periods, was scanned in its middle, so its regions came up as
         // candidates in different periods, the later ones behind the others' merge work.
-        let deadline = match *lock(&sh.not_before) {
+        // Writes do not cut a deferral short either: registering faults in the engine's own
+        // state, and a program filling other memory between two registrations of a burst
+        // would start the scan in its middle just the same.
+        let (deadline, deferred) = match *lock(&sh.not_before) {
             Some((t, cap)) => {
                 *idle = 0;
-                t.min(cap)
+                (t.min(cap), true)
             }
-            None => t0 + pace(period, *idle, spent),
+            None => (t0 + pace(period, *idle, spent), false),
         };
         let now = Instant::now();
         if now >= deadline {
             break;
         }
-        if now >= earliest && written_meanwhile(faults, sys::minor_faults().unwrap_or(0), threshold)
+        if !deferred
+            && now >= earliest
+            && written_meanwhile(faults, sys::minor_faults().unwrap_or(0), threshold)
         {
             *idle = 0;
             break;
