@@ -37,6 +37,37 @@ fn in_a_child(name: &str, var: &str) -> std::process::ExitStatus {
         .unwrap()
 }
 
+/// The parent's side of a test whose body fills the process's mappings to the limit: runs it in
+/// a child (see [`in_a_child`]), where nothing else of this binary runs, and asserts it passed.
+fn passes_in_a_child(name: &str, var: &str) {
+    let status = in_a_child(name, var);
+    assert!(
+        status.success(),
+        "the scenario at the mapping limit failed: {status}"
+    );
+}
+
+/// An engine whose periods run only when asked for (an hour's period: `wait_for` and
+/// `wait_periods` kick them), so that none runs while the test holds the mappings full, and
+/// which never hands memory to the kernel's KSM.
+fn engine_on_demand() -> Engine {
+    Engine::builder()
+        .merge_period(Duration::from_secs(3600))
+        .ksm_when_limited(false)
+        .build()
+        .unwrap()
+}
+
+/// `2n` pages of the test's own memory whose halves hold the same contents (page `i` holds
+/// `i % n + 1`), registered with `e` and merged.
+fn registered_halves(e: &Engine, n: usize) -> &'static mut [u8] {
+    let mem = filled(2 * n, |i| (i % n) as u64 + 1);
+    e.register(mem.as_mut_ptr(), mem.len()).unwrap();
+    let s = wait_for(e, |s| s.pages_sharing >= n as u64);
+    assert!(s.pages_sharing >= n as u64, "{s:?}");
+    mem
+}
+
 /// A region of `2n` pages whose halves hold the same contents (page `i` holds content
 /// `i % n + 1`), once they merged: the second half's pages map their copies in one mapping.
 fn merged_halves(e: &Engine, n: usize) -> Region<'_> {
@@ -118,13 +149,9 @@ fn a_merged_page_dropped_at_the_mapping_limit_reads_zeros() {
     if std::env::var_os("PAGEONE_VMA_FULL_CHILD").is_some() {
         return dropped_at_the_limit_child();
     }
-    let status = in_a_child(
+    passes_in_a_child(
         "a_merged_page_dropped_at_the_mapping_limit_reads_zeros",
         "PAGEONE_VMA_FULL_CHILD",
-    );
-    assert!(
-        status.success(),
-        "the scenario at the mapping limit failed: {status}"
     );
 }
 
@@ -170,12 +197,7 @@ impl Drop for FilledMappings {
 }
 
 fn dropped_at_the_limit_child() {
-    // Periods run only when kicked (wait_for): none runs while the mappings are full.
-    let e = Engine::builder()
-        .merge_period(Duration::from_secs(3600))
-        .ksm_when_limited(false)
-        .build()
-        .unwrap();
+    let e = engine_on_demand();
     let n = 64;
     let mut r = merged_halves(&e, n);
     let page = |i: usize| r.as_ptr().wrapping_add(i * PAGE);
@@ -233,24 +255,16 @@ fn memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes() {
     if std::env::var_os("PAGEONE_VMA_UNREGISTER_CHILD").is_some() {
         return unregistered_at_the_limit_child();
     }
-    let status = in_a_child(
+    passes_in_a_child(
         "memory_unregistered_at_the_mapping_limit_never_reads_another_pages_bytes",
         "PAGEONE_VMA_UNREGISTER_CHILD",
-    );
-    assert!(
-        status.success(),
-        "the scenario at the mapping limit failed: {status}"
     );
 }
 
 fn unregistered_at_the_limit_child() {
-    let e = Engine::builder()
-        .merge_period(Duration::from_secs(3600))
-        .ksm_when_limited(false)
-        .build()
-        .unwrap();
+    let e = engine_on_demand();
     let n = 64;
-    let old = filled(2 * n, |i| (i % n) as u64 + 1);
+    let old = registered_halves(&e, n);
     let (p, len) = (old.as_mut_ptr(), old.len());
     let stored = || {
         let maps = sys::self_mappings_in(p as usize, p as usize + len).unwrap();
@@ -258,9 +272,6 @@ fn unregistered_at_the_limit_child() {
             .filter(|m| pageone_engine::is_store_mapping(m))
             .count()
     };
-    e.register(p, len).unwrap();
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert!(s.pages_sharing >= n as u64, "{s:?}");
     let full = FilledMappings::to_the_limit();
     e.unregister(p, len).unwrap();
     for (i, page) in old.chunks(PAGE).enumerate() {
@@ -322,28 +333,17 @@ fn memory_registered_again_after_an_unregister_at_the_limit_merges_again() {
     if std::env::var_os("PAGEONE_VMA_REREGISTER_CHILD").is_some() {
         return registered_again_child();
     }
-    let status = in_a_child(
+    passes_in_a_child(
         "memory_registered_again_after_an_unregister_at_the_limit_merges_again",
         "PAGEONE_VMA_REREGISTER_CHILD",
-    );
-    assert!(
-        status.success(),
-        "the scenario at the mapping limit failed: {status}"
     );
 }
 
 fn registered_again_child() {
-    let e = Engine::builder()
-        .merge_period(Duration::from_secs(3600))
-        .ksm_when_limited(false)
-        .build()
-        .unwrap();
+    let e = engine_on_demand();
     let n = 64;
-    let old = filled(2 * n, |i| (i % n) as u64 + 1);
+    let old = registered_halves(&e, n);
     let (p, len) = (old.as_mut_ptr(), old.len());
-    e.register(p, len).unwrap();
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert!(s.pages_sharing >= n as u64, "{s:?}");
     {
         let _full = FilledMappings::to_the_limit();
         e.unregister(p, len).unwrap();
