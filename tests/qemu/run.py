@@ -186,6 +186,19 @@ def pss_kib(pid):
     return 0
 
 
+def mappings(pid):
+    """(all mappings, mappings of a pageone store) of a process, from its maps."""
+    total = store = 0
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                total += 1
+                store += "pageone" in line and "/memfd:" in line
+    except OSError:
+        pass
+    return total, store
+
+
 def memory_parts_kib(pid):
     """(anonymous, Rss of memfd mappings, other Rss) of a process, from its smaps."""
     anon = memfd = other = 0
@@ -399,9 +412,10 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     )
     for pid in pids + list(extra):
         anon, memfd, other = memory_parts_kib(pid)
+        total, store = mappings(pid)
         log(
             f"{name}: pid {pid}: anonymous {anon / 1024:.1f} MiB, memfd Rss {memfd / 1024:.1f} MiB, "
-            f"other file Rss {other / 1024:.1f} MiB"
+            f"other file Rss {other / 1024:.1f} MiB; {total} mappings, {store} of them of the store"
         )
     guests.go()
     check_sums(name, "after merging", guests.wait_for("CHECK2", 240), expected)

@@ -257,6 +257,52 @@ fn content_repeated_beyond_the_sharing_limit_merges_everywhere() {
     }
 }
 
+/// Mappings of a scope's store in the process `pid`.
+fn store_mappings(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("pageone-scope"))
+        .count()
+}
+
+/// A run of one content far longer than a copy may serve, in two processes of a scope: each
+/// process's pages take their copies in turn, and the daemon gives a request's copies side by
+/// side, so a mapping serves a stripe of pages instead of one page.
+#[test]
+fn a_run_of_one_content_maps_its_copies_a_stripe_at_a_time_across_processes() {
+    let _g = serial();
+    let path = sock_path("stripes");
+    let _daemon = Daemon::start(&path);
+    let mib = 8;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut clients: Vec<Client> = (0..2)
+        .map(|_| Client::start_repetitive(&path, "stripes", mib, 1))
+        .collect();
+    wait_for("every page of both clients merged", 60, || {
+        clients.iter_mut().all(|c| {
+            let s = c.stats();
+            s["pages_shared"].as_u64().unwrap_or(0) + s["pages_sharing"].as_u64().unwrap_or(0)
+                == pages
+        })
+    });
+    for c in &mut clients {
+        // 2048 pages, 256 per copy: 8 copies or 9 (a copy adopted from the other process
+        // serves its leader alone), two mappings per stripe at most (the group's own copy
+        // apart from the fresh ones); 2048 when each copy served 256 pages in a row.
+        let maps = store_mappings(c.pid);
+        assert!(
+            maps as u64 <= 2 * pages / 8 + 4,
+            "{maps} mappings of the store for {pages} pages: {}",
+            c.stats()
+        );
+        c.verify();
+    }
+    for c in clients {
+        c.finish();
+    }
+}
+
 #[test]
 fn scopes_do_not_share() {
     let _g = serial();

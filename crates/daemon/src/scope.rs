@@ -149,9 +149,32 @@ impl Scope {
 #[derive(Default)]
 struct FreeSlots(BTreeSet<u32>);
 
+/// Free slots looked at for a run of a request's length before fresh slots are taken instead.
+const RUN_SCAN: usize = 65_536;
+
 impl FreeSlots {
     fn take(&mut self) -> Option<u32> {
         self.0.pop_first()
+    }
+
+    /// The lowest run of `n` consecutive free slots among the first [`RUN_SCAN`], taken; its
+    /// first slot.
+    fn take_run(&mut self, n: usize) -> Option<u32> {
+        let (mut first, mut len) = (0u32, 0usize);
+        for &s in self.0.iter().take(RUN_SCAN) {
+            if len > 0 && s == first + len as u32 {
+                len += 1;
+            } else {
+                (first, len) = (s, 1);
+            }
+            if len == n {
+                for k in 0..n as u32 {
+                    self.0.remove(&(first + k));
+                }
+                return Some(first);
+            }
+        }
+        None
     }
 
     fn put(&mut self, slot: u32) {
@@ -170,6 +193,27 @@ impl ScopeState {
         if let Some(s) = self.free.take() {
             return Some(s);
         }
+        self.fresh(capacity)
+    }
+
+    /// `n` slots for one request, side by side where the store allows (the client maps pages
+    /// that take consecutive copies with one mapping: a run of its pages, or a stripe of copies
+    /// of one content): a run of free slots, else fresh ones while the store has room for all,
+    /// else free or fresh slots one at a time, lowest first.
+    fn alloc_many(&mut self, n: usize, capacity: u32) -> Vec<Option<u32>> {
+        if n > 1 {
+            if let Some(first) = self.free.take_run(n) {
+                return (first..first + n as u32).map(Some).collect();
+            }
+            if capacity.saturating_sub(self.bump) as usize >= n {
+                return (0..n).map(|_| self.fresh(capacity)).collect();
+            }
+        }
+        (0..n).map(|_| self.alloc(capacity)).collect()
+    }
+
+    /// A fresh slot at the end of the store, while it has room.
+    fn fresh(&mut self, capacity: u32) -> Option<u32> {
         if self.bump >= capacity {
             return None;
         }
@@ -427,7 +471,7 @@ fn take_slots(sc: &Scope, id: u64, n: usize) -> Result<Vec<Option<u32>>, Reply> 
             limits.pages_per_uid
         )));
     }
-    let slots: Vec<Option<u32>> = (0..n).map(|_| st.alloc(sc.capacity)).collect();
+    let slots = st.alloc_many(n, sc.capacity);
     let missing = slots.iter().filter(|s| s.is_none()).count();
     st.account.return_pages(missing as u64);
     Ok(slots)
@@ -641,5 +685,19 @@ mod tests {
         let taken: Vec<u32> = std::iter::from_fn(|| f.take()).collect();
         assert_eq!(taken, [3, 4, 5, 6, 7, 10]);
         assert_eq!(f.len(), 0);
+    }
+
+    #[test]
+    fn a_run_of_free_slots_is_taken_whole_lowest_first() {
+        let mut f = FreeSlots::default();
+        for slot in [1, 3, 4, 6, 7, 8, 9, 12, 13, 14] {
+            f.put(slot);
+        }
+        assert_eq!(f.take_run(3), Some(6));
+        assert_eq!(f.take_run(2), Some(3));
+        assert_eq!(f.take_run(4), None);
+        assert_eq!(f.take_run(3), Some(12));
+        let left: Vec<u32> = std::iter::from_fn(|| f.take()).collect();
+        assert_eq!(left, [1, 9]);
     }
 }

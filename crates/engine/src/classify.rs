@@ -25,6 +25,7 @@ use crate::remote::{Offers, Remote};
 use crate::sightings::take_waiting;
 use crate::state::{PageKind, Shared, State};
 use crate::store::{Store, StoreKeys};
+use crate::stripes::{self, Room, Stripe};
 use crate::zero_holes::{self, Slot};
 
 /// A batch classified and ready for the committer.
@@ -108,25 +109,18 @@ pub(crate) fn classify(
     // adopted copy is (nearly) full here, are split; each further chunk is led by a page that
     // gets a copy of its own (a fresh one: through the daemon, it must not be deduplicated back
     // onto the full copy).
-    let mut fresh_groups = split_groups(
-        &guard.store,
-        config.max_sharing,
-        &g.groups,
-        &mut g.adopted,
-        &mut g.member_of,
-    );
+    let stripes = split_groups(&mut g, &guard.store, config.max_sharing);
     // Their copies are not indexed: the tree would answer with the full copy of that content.
     let mut chunk_leaders = CandidateSet::default();
-    for &l in &fresh_groups {
+    for &l in stripes.iter().flat_map(|s| &s.fresh) {
         chunk_leaders.insert(l);
     }
-    if g.groups.is_empty() && g.adopted.is_empty() && fresh_groups.is_empty() {
+    if g.groups.is_empty() && g.adopted.is_empty() && stripes.is_empty() {
         return g.classified(Vec::new());
     }
     g.groups.sort_unstable();
-    fresh_groups.sort_unstable();
     let t_group = Instant::now();
-    let mut copies = g.copies(&cx, guard, fresh_groups);
+    let mut copies = g.copies(&cx, guard, stripes);
     write_local_copies(&cx, &mut copies);
     let t_copy = Instant::now();
     let mut new_copies = g.publish(&cx, &copies.todo, &chunk_leaders);
@@ -506,52 +500,41 @@ impl Grouping {
     }
 
     /// The copies of the groups: new ones (consecutive ids for runs of pages where the store
-    /// allows; `fresh_groups` lead chunks that need a copy of their own), then the adopted slots.
-    /// Local copies are only allocated here: they are written without the lock, their ids being
-    /// this batch's alone until published. With a daemon, it makes them, asked without the lock.
-    /// Releases the state lock.
+    /// allows; the `stripes` of split groups side by side), then the adopted slots. Local copies
+    /// are only allocated here: they are written without the lock, their ids being this batch's
+    /// alone until published. With a daemon, it makes them, asked without the lock. Releases the
+    /// state lock.
     fn copies<'s>(
         &mut self,
         cx: &Ctx<'s>,
         mut guard: MutexGuard<'s, State>,
-        mut fresh_groups: Vec<u32>,
+        stripes: Vec<Stripe>,
     ) -> Copies {
-        if cx.view.remote.is_none() {
-            // Every local copy is a new one.
-            self.groups.append(&mut fresh_groups);
-            self.groups.sort_unstable();
-        }
-        let addr_of = |g: &u32| self.cands[*g as usize].addr();
-        let srcs: Vec<usize> = self.groups.iter().map(addr_of).collect();
-        let (made, to_write) = match &cx.view.remote {
-            // The daemon makes them; asked without the state lock.
-            Some(remote) if !srcs.is_empty() || !fresh_groups.is_empty() => {
-                drop(guard);
-                let mut slots = remote.copy(&srcs, false);
-                let fresh_srcs: Vec<usize> = fresh_groups.iter().map(addr_of).collect();
-                slots.extend(remote.copy(&fresh_srcs, true));
-                self.groups.append(&mut fresh_groups);
-                guard = lock(&cx.sh.state);
-                let st = &mut *guard;
-                let made: Vec<Option<(KeyId, bool)>> = slots
-                    .into_iter()
-                    .map(|s| {
-                        let id = s?;
-                        st.store.adopt(id).map(|fresh| (id, fresh))
-                    })
-                    .collect();
-                (made, None)
-            }
-            Some(_) => (Vec::new(), None),
-            None => match self.alloc_local(cx, &mut guard, &srcs) {
-                Some(ids) => (ids.iter().map(|&id| Some((id, true))).collect(), Some(ids)),
-                None => {
-                    tracing::warn!(
-                        "stable store is full; first sightings are not merged this period"
-                    );
-                    (vec![None; srcs.len()], None)
+        let (made, srcs, to_write) = match &cx.view.remote {
+            Some(remote) => {
+                let fresh: Vec<u32> = stripes.into_iter().flat_map(|s| s.fresh).collect();
+                if self.groups.is_empty() && fresh.is_empty() {
+                    (Vec::new(), Vec::new(), None)
+                } else {
+                    drop(guard);
+                    let made = self.copy_remote(remote, fresh);
+                    guard = lock(&cx.sh.state);
+                    let st = &mut *guard;
+                    let made = made
+                        .into_iter()
+                        .map(|s| {
+                            let id = s?;
+                            st.store.adopt(id).map(|fresh| (id, fresh))
+                        })
+                        .collect();
+                    (made, Vec::new(), None)
                 }
-            },
+            }
+            None => {
+                let (made, srcs, ids) = self.alloc_local(cx, &mut guard, stripes);
+                let made = made.into_iter().map(|id| Some((id?, true))).collect();
+                (made, srcs, Some(ids))
+            }
         };
         let st = &mut *guard;
         let mut todo = Vec::with_capacity(self.groups.len() + self.adopted.len());
@@ -581,23 +564,69 @@ impl Grouping {
         }
     }
 
-    /// Allocates the local copies of the pages at `srcs` (ids in the same order), with zero holes
-    /// between them where they fit (see the `zero_holes` module), recorded in `self.holes`.
-    /// `None` if the store is full.
-    fn alloc_local(&mut self, cx: &Ctx<'_>, st: &mut State, srcs: &[usize]) -> Option<Vec<KeyId>> {
+    /// Has the daemon make the groups' copies (deduplicated in the scope), then the stripes'
+    /// `fresh` ones (never deduplicated; the daemon gives a request's slots side by side where
+    /// its store allows). Their leaders join `groups`; the slots, in the order of `groups`.
+    fn copy_remote(&mut self, remote: &Remote, mut fresh: Vec<u32>) -> Vec<Option<KeyId>> {
+        let addr_of = |g: &u32| self.cands[*g as usize].addr();
+        let srcs: Vec<usize> = self.groups.iter().map(addr_of).collect();
+        let fresh_srcs: Vec<usize> = fresh.iter().map(addr_of).collect();
+        let mut slots = remote.copy(&srcs, false);
+        slots.extend(remote.copy(&fresh_srcs, true));
+        self.groups.append(&mut fresh);
+        slots
+    }
+
+    /// Allocates the local copies of the groups: those outside stripes in address order, with
+    /// zero holes between them where they fit (see the `zero_holes` module, recorded in
+    /// `self.holes`), then each stripe's (its head's and its fresh ones) side by side. The
+    /// stripes' leaders join `groups`. Returns the id of each group's copy (`None` where the
+    /// store is full), and the copies to write: sources and ids.
+    fn alloc_local(
+        &mut self,
+        cx: &Ctx<'_>,
+        st: &mut State,
+        stripes: Vec<Stripe>,
+    ) -> (Vec<Option<KeyId>>, Vec<usize>, Vec<KeyId>) {
+        let heads: HashSet<u32> = stripes.iter().filter_map(|s| s.head).collect();
+        self.groups.retain(|g| !heads.contains(g));
+        let addr_of = |g: u32| self.cands[g as usize].addr();
+        let srcs: Vec<usize> = self.groups.iter().map(|&g| addr_of(g)).collect();
         let zero_at = self.zero_pages_for_holes(cx, st);
-        let slots = zero_holes::lay_out(srcs, &zero_at);
-        let ids = st.store.alloc(slots.len())?;
-        let mut copies = Vec::with_capacity(srcs.len());
-        for (slot, &id) in slots.iter().zip(&ids) {
-            match *slot {
-                Slot::Copy(_) => copies.push(id),
-                Slot::Hole(cand) => self.holes.push((cand, id)),
+        let slots = zero_holes::lay_out(&srcs, &zero_at);
+        let mut made = vec![None; srcs.len()];
+        let (mut written, mut ids) = (Vec::new(), Vec::new());
+        match st.store.alloc(slots.len()) {
+            Some(got) => {
+                for (slot, &id) in slots.iter().zip(&got) {
+                    match *slot {
+                        Slot::Copy(j) => made[j] = Some(id),
+                        Slot::Hole(cand) => self.holes.push((cand, id)),
+                    }
+                }
+                let hole_ids: Vec<KeyId> = self.holes.iter().map(|&(_, id)| id).collect();
+                st.store.mark_zero_holes(&hole_ids);
+                written.extend_from_slice(&srcs);
+                ids.extend(made.iter().flatten());
+            }
+            None => {
+                tracing::warn!("stable store is full; first sightings are not merged this period")
             }
         }
-        let hole_ids: Vec<KeyId> = self.holes.iter().map(|&(_, id)| id).collect();
-        st.store.mark_zero_holes(&hole_ids);
-        Some(copies)
+        for stripe in stripes {
+            let leaders: Vec<u32> = stripe.head.into_iter().chain(stripe.fresh).collect();
+            let got = st.store.alloc(leaders.len());
+            for (k, &l) in leaders.iter().enumerate() {
+                let id = got.as_ref().map(|got| got[k]);
+                self.groups.push(l);
+                made.push(id);
+                if let Some(id) = id {
+                    written.push(addr_of(l));
+                    ids.push(id);
+                }
+            }
+        }
+        (made, written, ids)
     }
 
     /// The zero pages of the batch that may be kept in runs of merged pages, by address: all of
@@ -711,72 +740,33 @@ fn write_local_copies(cx: &Ctx<'_>, copies: &mut Copies) {
     }
 }
 
-/// Splits groups so that no copy serves more than `max_sharing` pages of this process. `groups`
-/// are leaders of new copies, `adopted` leaders of copies the daemon holds, `member_of` the
-/// other pages as (candidate, leader). Returns the leaders of the extra chunks (each needs a new
-/// copy of its own); members are re-pointed to them. An adopted copy retired here (full) gives
-/// its whole group to a fresh leader.
-fn split_groups(
-    store: &Store,
-    max_sharing: u32,
-    groups: &[u32],
-    adopted: &mut Vec<(u32, KeyId)>,
-    member_of: &mut [(u32, u32)],
-) -> Vec<u32> {
-    let cap = max_sharing.max(2) as usize;
-    let mut fresh = Vec::new();
-    if member_of.is_empty() {
-        // No group has members (the usual batch across processes: each page adopts another
-        // process's copy): only leaders whose adopted copy is full need a fresh copy.
-        adopted.retain(|&(l, slot)| {
-            let full = store.room(slot, max_sharing) == 0;
-            if full {
-                fresh.push(l);
-            }
-            !full
-        });
-        return fresh;
-    }
-    // Room per leader, counting the leader itself.
-    let mut room: HashMap<u32, usize> = groups.iter().map(|&g| (g, cap)).collect();
-    let mut full_adopted = HashSet::new();
-    for &(l, slot) in adopted.iter() {
-        let r = store.room(slot, max_sharing) as usize;
-        if r == 0 {
-            // The leader itself needs a fresh copy.
-            full_adopted.insert(l);
-            fresh.push(l);
-            room.insert(l, cap);
-        } else {
-            room.insert(l, r);
-        }
-    }
-    adopted.retain(|(l, _)| !full_adopted.contains(l));
-    // Members in candidate order, so chunks keep address runs together.
-    member_of.sort_unstable();
-    let mut used: HashMap<u32, usize> = room.keys().map(|&l| (l, 1)).collect();
-    // The current chunk leader of each original leader.
-    let mut chunk: HashMap<u32, u32> = HashMap::new();
-    for (c, l) in member_of.iter_mut() {
-        let orig = *l;
-        let lead = *chunk.get(&orig).unwrap_or(&orig);
-        let Some(&r) = room.get(&lead) else {
-            continue;
-        };
-        let u = used.entry(lead).or_insert(1);
-        if *u < r {
-            *u += 1;
-            *l = lead;
-        } else {
-            // This page starts a new chunk with a copy of its own.
-            fresh.push(*c);
-            room.insert(*c, cap);
-            used.insert(*c, 1);
-            chunk.insert(orig, *c);
-            *l = *c;
-        }
-    }
-    fresh
+/// Splits groups so that no copy serves more than `max_sharing` pages of this process, into
+/// stripes of copies the pages take in turn (see the `stripes` module). `groups` are leaders of
+/// new copies, `adopted` leaders of copies the daemon holds, `member_of` the other pages as
+/// (candidate, leader), re-pointed to the leaders of the copies they take. An adopted copy
+/// that is full here gives its leader a fresh copy (and is no longer adopted).
+fn split_groups(g: &mut Grouping, store: &Store, max_sharing: u32) -> Vec<Stripe> {
+    let leaders: Vec<(u32, Room)> = g
+        .groups
+        .iter()
+        .map(|&l| (l, Room::New))
+        .chain(
+            g.adopted
+                .iter()
+                .map(|&(l, slot)| (l, Room::Adopted(store.room(slot, max_sharing) as usize))),
+        )
+        .collect();
+    let cands = &g.cands;
+    let stripes = stripes::split(max_sharing as usize, &leaders, &mut g.member_of, |c| {
+        cands[c as usize].addr()
+    });
+    let full: HashSet<u32> = leaders
+        .iter()
+        .filter(|&&(_, room)| matches!(room, Room::Adopted(0)))
+        .map(|&(l, _)| l)
+        .collect();
+    g.adopted.retain(|(l, _)| !full.contains(l));
+    stripes
 }
 
 /// Inserts `ids` into the stable tree from the worker threads; results in the order of `ids`.

@@ -110,6 +110,7 @@ mod state;
 mod stats;
 mod store;
 mod stranded;
+mod stripes;
 mod watch;
 mod zero_holes;
 

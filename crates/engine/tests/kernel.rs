@@ -612,6 +612,41 @@ fn max_sharing_limits_pages_per_copy() {
     unsafe { sys::munmap(raw, len).unwrap() };
 }
 
+/// A run of equal pages larger than one copy may serve (a guest's memory filled with one poison
+/// pattern) takes its copies in turn, side by side in the store: one mapping serves as many
+/// consecutive pages as there are copies, instead of one mapping per page.
+#[test]
+fn a_long_run_of_equal_pages_maps_its_copies_a_stripe_at_a_time() {
+    let _g = serial();
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .max_sharing(256)
+        .build()
+        .unwrap();
+    let n = 2048;
+    let mem = common::filled(n, |_| 0xcc);
+    e.register(mem.as_mut_ptr(), mem.len()).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing + s.pages_shared >= n as u64);
+    let copies = n / 256;
+    assert_eq!(s.pages_shared, copies as u64, "{s:?}");
+    assert_eq!(s.pages_sharing, (n - copies) as u64, "{s:?}");
+    let start = mem.as_ptr() as usize;
+    let maps = sys::self_mappings_in(start, start + mem.len()).unwrap();
+    let stored = maps
+        .iter()
+        .filter(|m| pageone_engine::is_store_mapping(m))
+        .count();
+    // One mapping per stripe of 8 pages; one per page (2048) when each copy served a chunk of
+    // 256 consecutive pages.
+    assert!(
+        stored <= n / copies + 2,
+        "{stored} mappings of the store for {n} pages"
+    );
+    assert!(mem.chunks(PAGE).all(|p| check(p, 0xcc)));
+    e.unregister(mem.as_mut_ptr(), mem.len()).unwrap();
+    assert!(mem.chunks(PAGE).all(|p| check(p, 0xcc)));
+}
+
 #[test]
 fn memory_is_really_saved_by_pss() {
     let _g = serial();
