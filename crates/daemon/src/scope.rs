@@ -141,9 +141,10 @@ impl Scope {
     }
 }
 
-/// Slots free for reuse, given out lowest first: a request's copies (a run of the client's pages,
-/// in address order) then get ascending slots, consecutive where a run of slots was freed (a
-/// guest freeing its initramfs frees thousands), so the client maps the run with one mapping.
+/// Slots free for reuse, given out lowest first (a request of several pages takes a run of them
+/// where there is one, see `ScopeState::alloc_many`): a request's copies (a run of the client's
+/// pages, in address order) then get ascending slots, consecutive where a run of slots was freed
+/// (a guest freeing its initramfs frees thousands), so the client maps the run with one mapping.
 /// Handed out last freed first, slots freed in ascending order came out descending, and every
 /// page of a run then took a mapping of its own.
 #[derive(Default)]

@@ -25,7 +25,7 @@ use crate::remote::{Offers, Remote};
 use crate::sightings::take_waiting;
 use crate::state::{PageKind, Shared, State};
 use crate::store::{Store, StoreKeys};
-use crate::stripes::{self, Room, Stripe};
+use crate::stripes::{self, Room};
 use crate::zero_holes::{self, Slot};
 
 /// A batch classified and ready for the committer.
@@ -109,18 +109,23 @@ pub(crate) fn classify(
     // adopted copy is (nearly) full here, are split; each further chunk is led by a page that
     // gets a copy of its own (a fresh one: through the daemon, it must not be deduplicated back
     // onto the full copy).
-    let stripes = split_groups(&mut g, &guard.store, config.max_sharing);
+    let mut fresh = split_groups(&mut g, &guard.store, config.max_sharing);
     // Their copies are not indexed: the tree would answer with the full copy of that content.
     let mut chunk_leaders = CandidateSet::default();
-    for &l in stripes.iter().flat_map(|s| &s.fresh) {
+    for &l in &fresh {
         chunk_leaders.insert(l);
     }
-    if g.groups.is_empty() && g.adopted.is_empty() && stripes.is_empty() {
+    if g.groups.is_empty() && g.adopted.is_empty() && fresh.is_empty() {
         return g.classified(Vec::new());
     }
-    g.groups.sort_unstable();
+    // New copies lie in the order the pages, in address order, first take them: runs of pages
+    // map runs of copies (a stripe in turn, interleaved contents' copies in turn).
+    let first_use = g.first_use(&fresh);
+    let by_first_use = |l: &u32| (first_use.get(l).copied().unwrap_or(usize::MAX), *l);
+    g.groups.sort_unstable_by_key(by_first_use);
+    fresh.sort_unstable_by_key(by_first_use);
     let t_group = Instant::now();
-    let mut copies = g.copies(&cx, guard, stripes);
+    let mut copies = g.copies(&cx, guard, fresh, &first_use);
     write_local_copies(&cx, &mut copies);
     let t_copy = Instant::now();
     let mut new_copies = g.publish(&cx, &copies.todo, &chunk_leaders);
@@ -499,20 +504,20 @@ impl Grouping {
         }
     }
 
-    /// The copies of the groups: new ones (consecutive ids for runs of pages where the store
-    /// allows; the `stripes` of split groups side by side), then the adopted slots. Local copies
-    /// are only allocated here: they are written without the lock, their ids being this batch's
-    /// alone until published. With a daemon, it makes them, asked without the lock. Releases the
-    /// state lock.
+    /// The copies of the groups (`groups`, then the leaders of `fresh` copies, each in the order
+    /// pages first take them: see `first_use`), then the adopted slots. Local copies are only
+    /// allocated here: they are written without the lock, their ids being this batch's alone
+    /// until published. With a daemon, it makes them, asked without the lock. Releases the state
+    /// lock.
     fn copies<'s>(
         &mut self,
         cx: &Ctx<'s>,
         mut guard: MutexGuard<'s, State>,
-        stripes: Vec<Stripe>,
+        fresh: Vec<u32>,
+        first_use: &HashMap<u32, usize>,
     ) -> Copies {
         let (made, srcs, to_write) = match &cx.view.remote {
             Some(remote) => {
-                let fresh: Vec<u32> = stripes.into_iter().flat_map(|s| s.fresh).collect();
                 if self.groups.is_empty() && fresh.is_empty() {
                     (Vec::new(), Vec::new(), None)
                 } else {
@@ -531,7 +536,7 @@ impl Grouping {
                 }
             }
             None => {
-                let (made, srcs, ids) = self.alloc_local(cx, &mut guard, stripes);
+                let (made, srcs, ids) = self.alloc_local(cx, &mut guard, fresh, first_use);
                 let made = made.into_iter().map(|id| Some((id?, true))).collect();
                 (made, srcs, Some(ids))
             }
@@ -564,9 +569,28 @@ impl Grouping {
         }
     }
 
-    /// Has the daemon make the groups' copies (deduplicated in the scope), then the stripes'
-    /// `fresh` ones (never deduplicated; the daemon gives a request's slots side by side where
-    /// its store allows). Their leaders join `groups`; the slots, in the order of `groups`.
+    /// Where the pages of the batch, in address order, first take each new copy (by the page
+    /// leading it: a group's leader, or a fresh copy's): the lowest address of the pages that
+    /// take it.
+    fn first_use(&self, fresh: &[u32]) -> HashMap<u32, usize> {
+        let addr_of = |c: u32| self.cands[c as usize].addr();
+        let mut first: HashMap<u32, usize> = self
+            .groups
+            .iter()
+            .chain(fresh)
+            .map(|&l| (l, addr_of(l)))
+            .collect();
+        for &(c, l) in &self.member_of {
+            if let Some(a) = first.get_mut(&l) {
+                *a = (*a).min(addr_of(c));
+            }
+        }
+        first
+    }
+
+    /// Has the daemon make the groups' copies (deduplicated in the scope), then the `fresh` ones
+    /// (never deduplicated; the daemon gives a request's slots side by side where its store
+    /// allows). Their leaders join `groups`; the slots, in the order of `groups`.
     fn copy_remote(&mut self, remote: &Remote, mut fresh: Vec<u32>) -> Vec<Option<KeyId>> {
         let addr_of = |g: &u32| self.cands[*g as usize].addr();
         let srcs: Vec<usize> = self.groups.iter().map(addr_of).collect();
@@ -577,56 +601,40 @@ impl Grouping {
         slots
     }
 
-    /// Allocates the local copies of the groups: those outside stripes in address order, with
-    /// zero holes between them where they fit (see the `zero_holes` module, recorded in
-    /// `self.holes`), then each stripe's (its head's and its fresh ones) side by side. The
-    /// stripes' leaders join `groups`. Returns the id of each group's copy (`None` where the
-    /// store is full), and the copies to write: sources and ids.
+    /// Allocates the local copies of the groups and of the `fresh` leaders (which join `groups`),
+    /// all in the order pages first take them (`first_use`), with zero holes between them where
+    /// they fit (see the `zero_holes` module; recorded in `self.holes`). Returns the id of each
+    /// group's copy (`None` where the store is full), and the copies to write: sources and ids.
     fn alloc_local(
         &mut self,
         cx: &Ctx<'_>,
         st: &mut State,
-        stripes: Vec<Stripe>,
+        fresh: Vec<u32>,
+        first_use: &HashMap<u32, usize>,
     ) -> (Vec<Option<KeyId>>, Vec<usize>, Vec<KeyId>) {
-        let heads: HashSet<u32> = stripes.iter().filter_map(|s| s.head).collect();
-        self.groups.retain(|g| !heads.contains(g));
-        let addr_of = |g: u32| self.cands[g as usize].addr();
-        let srcs: Vec<usize> = self.groups.iter().map(|&g| addr_of(g)).collect();
+        self.groups.extend(fresh);
+        let key = |l: &u32| (first_use.get(l).copied().unwrap_or(usize::MAX), *l);
+        self.groups.sort_unstable_by_key(key);
+        // Each copy is written from the page that first takes it (equal to its leader's: they
+        // are of one group), and holes go between copies first taken at neighbouring addresses.
+        let srcs: Vec<usize> = self.groups.iter().map(|l| key(l).0).collect();
         let zero_at = self.zero_pages_for_holes(cx, st);
         let slots = zero_holes::lay_out(&srcs, &zero_at);
+        let Some(got) = st.store.alloc(slots.len()) else {
+            tracing::warn!("stable store is full; first sightings are not merged this period");
+            return (vec![None; srcs.len()], Vec::new(), Vec::new());
+        };
         let mut made = vec![None; srcs.len()];
-        let (mut written, mut ids) = (Vec::new(), Vec::new());
-        match st.store.alloc(slots.len()) {
-            Some(got) => {
-                for (slot, &id) in slots.iter().zip(&got) {
-                    match *slot {
-                        Slot::Copy(j) => made[j] = Some(id),
-                        Slot::Hole(cand) => self.holes.push((cand, id)),
-                    }
-                }
-                let hole_ids: Vec<KeyId> = self.holes.iter().map(|&(_, id)| id).collect();
-                st.store.mark_zero_holes(&hole_ids);
-                written.extend_from_slice(&srcs);
-                ids.extend(made.iter().flatten());
-            }
-            None => {
-                tracing::warn!("stable store is full; first sightings are not merged this period")
+        for (slot, &id) in slots.iter().zip(&got) {
+            match *slot {
+                Slot::Copy(j) => made[j] = Some(id),
+                Slot::Hole(cand) => self.holes.push((cand, id)),
             }
         }
-        for stripe in stripes {
-            let leaders: Vec<u32> = stripe.head.into_iter().chain(stripe.fresh).collect();
-            let got = st.store.alloc(leaders.len());
-            for (k, &l) in leaders.iter().enumerate() {
-                let id = got.as_ref().map(|got| got[k]);
-                self.groups.push(l);
-                made.push(id);
-                if let Some(id) = id {
-                    written.push(addr_of(l));
-                    ids.push(id);
-                }
-            }
-        }
-        (made, written, ids)
+        let hole_ids: Vec<KeyId> = self.holes.iter().map(|&(_, id)| id).collect();
+        st.store.mark_zero_holes(&hole_ids);
+        let ids = made.iter().flatten().copied().collect();
+        (made, srcs, ids)
     }
 
     /// The zero pages of the batch that may be kept in runs of merged pages, by address: all of
@@ -744,8 +752,9 @@ fn write_local_copies(cx: &Ctx<'_>, copies: &mut Copies) {
 /// stripes of copies the pages take in turn (see the `stripes` module). `groups` are leaders of
 /// new copies, `adopted` leaders of copies the daemon holds, `member_of` the other pages as
 /// (candidate, leader), re-pointed to the leaders of the copies they take. An adopted copy
-/// that is full here gives its leader a fresh copy (and is no longer adopted).
-fn split_groups(g: &mut Grouping, store: &Store, max_sharing: u32) -> Vec<Stripe> {
+/// that is full here gives its leader a fresh copy (and is no longer adopted). Returns the
+/// leaders of the fresh copies.
+fn split_groups(g: &mut Grouping, store: &Store, max_sharing: u32) -> Vec<u32> {
     let leaders: Vec<(u32, Room)> = g
         .groups
         .iter()
@@ -766,7 +775,12 @@ fn split_groups(g: &mut Grouping, store: &Store, max_sharing: u32) -> Vec<Stripe
         .map(|&(l, _)| l)
         .collect();
     g.adopted.retain(|(l, _)| !full.contains(l));
+    let new: HashSet<u32> = g.groups.iter().copied().collect();
     stripes
+        .into_iter()
+        .flatten()
+        .filter(|l| !new.contains(l))
+        .collect()
 }
 
 /// Inserts `ids` into the stable tree from the worker threads; results in the order of `ids`.

@@ -8,22 +8,19 @@
 //! copy, which takes a mapping per page (a mapping maps consecutive pages of the file). Taken in
 //! turn, `c` copies side by side serve `c` consecutive pages with one mapping, and the group
 //! needs no more copies than before: each still serves at most `max_sharing` pages.
+//!
+//! Side by side: a batch's new copies are laid out in the order the pages, in address order,
+//! first take them (see `classify`), which puts a run's stripe in order, and interleaved
+//! contents' copies in turn too (pages of contents `a, b, a, b, ...` take `a0, b0, a1, b1, ...`).
 
 use std::collections::HashMap;
 
-/// The copies one split group gets beyond its leader's own (adopted or new): they are to lie
-/// side by side in the store in this order, right after the leader's copy where that is new
-/// (`head`), so that pages taking them in turn map consecutive copies.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Stripe {
-    /// The group's leader, whose new copy is the stripe's first; `None` where the leader's
-    /// copy is not part of it (adopted from the daemon, or the leader takes a fresh one, first
-    /// in `fresh`).
-    pub(crate) head: Option<u32>,
-    /// Candidates that lead the further copies (fresh ones: never deduplicated onto the full
-    /// copy, nor indexed), in their order in the store.
-    pub(crate) fresh: Vec<u32>,
-}
+/// The copies of one split group that its pages take in turn, each named by the page that leads
+/// it, in the order the pages take them: a new group's leader first (its own copy), then pages
+/// that get fresh copies (never deduplicated onto the full copy, nor indexed). A group whose
+/// adopted copy is full here leads the first fresh one itself; one whose adopted copy has room
+/// keeps it for its leader alone, and its stripe is all fresh copies.
+pub(crate) type Stripe = Vec<u32>;
 
 /// What a group's leader may serve of its group.
 #[derive(Clone, Copy, Debug)]
@@ -65,24 +62,12 @@ pub(crate) fn split(
             Room::New if n < cap => continue,
             Room::Adopted(r) if r > 0 && n < r => continue,
             // The leader keeps the adopted copy for itself; its members take the stripe.
-            Room::Adopted(r) if r > 0 => {
-                let (fresh, takes) = in_turn(&pages, None, n.div_ceil(cap));
-                (Stripe { head: None, fresh }, takes)
-            }
-            room => {
+            Room::Adopted(r) if r > 0 => in_turn(&pages, None, n.div_ceil(cap)),
+            // New, or adopted and full (the leader's own copy is then a fresh one): the leader's
+            // copy is the stripe's first.
+            _ => {
                 let all = with_leader(&pages, l, &addr);
-                let (copies, takes) = in_turn(&all, Some(l), (n + 1).div_ceil(cap));
-                let stripe = match room {
-                    // Full: the leader's own copy is a fresh one, the stripe's first.
-                    Room::Adopted(_) => Stripe {
-                        head: None,
-                        fresh: copies,
-                    },
-                    Room::New => Stripe {
-                        head: Some(l),
-                        fresh: copies[1..].to_vec(),
-                    },
-                };
+                let (stripe, takes) = in_turn(&all, Some(l), (n + 1).div_ceil(cap));
                 // `takes` covers the leader too: keep the members' entries only.
                 let takes = all
                     .iter()
@@ -158,13 +143,7 @@ mod tests {
             }
         };
         let s = split(4, &[(1000, Room::New)], &mut m, addr);
-        assert_eq!(
-            s,
-            vec![Stripe {
-                head: Some(1000),
-                fresh: vec![0, 1]
-            }]
-        );
+        assert_eq!(s, vec![vec![1000, 0, 1]]);
         let takes: Vec<u32> = m.iter().map(|&(_, t)| t).collect();
         assert_eq!(takes, vec![0, 1, 1000, 0, 1, 1000, 0, 1, 1000]);
     }
@@ -185,13 +164,7 @@ mod tests {
     fn a_full_adopted_copy_gives_its_leader_a_fresh_one() {
         let mut m = Vec::new();
         let s = split(256, &[(7, Room::Adopted(0))], &mut m, |c| c as usize);
-        assert_eq!(
-            s,
-            vec![Stripe {
-                head: None,
-                fresh: vec![7]
-            }]
-        );
+        assert_eq!(s, vec![vec![7]]);
     }
 
     fn rooms() -> impl Strategy<Value = Room> {
@@ -233,21 +206,25 @@ mod tests {
                 prop_assert_eq!(group_of(t), group_of(c), "page {} took {}", c, t);
                 *served.entry(t).or_default() += 1;
             }
-            let fresh: HashSet<u32> = stripes.iter().flat_map(|s| s.fresh.iter().copied()).collect();
+            // Copies made beyond the leaders' own (new, or adopted with room).
+            let own = |l: u32, room: Room| !matches!(room, Room::Adopted(0)) && l >= 10_000;
+            let fresh: HashSet<u32> = stripes
+                .iter()
+                .flatten()
+                .copied()
+                .filter(|&c| !leaders.iter().any(|&(l, room)| l == c && own(l, room)))
+                .collect();
             for (&(l, room), &(n, _)) in leaders.iter().zip(&sizes) {
                 let room = match room {
                     Room::Adopted(r) => Room::Adopted(r.min(cap)),
                     new => new,
                 };
                 let limit = match room {
-                    Room::Adopted(r) if r > 0 && !fresh.contains(&l) => r,
+                    Room::Adopted(r) if r > 0 => r,
                     _ => cap,
                 };
                 prop_assert!(served[&l] <= limit, "leader {} serves {} > {}", l, served[&l], limit);
-                let made = stripes
-                    .iter()
-                    .find(|s| s.head == Some(l) || s.fresh.iter().any(|&f| group_of(f) == l))
-                    .map_or(0, |s| s.fresh.len());
+                let made = fresh.iter().filter(|&&f| group_of(f) == l).count();
                 let needed = match room {
                     Room::New => (n + 1).div_ceil(cap) - 1,
                     Room::Adopted(0) => (n + 1).div_ceil(cap),
@@ -261,8 +238,7 @@ mod tests {
             }
             // In each stripe, the pages that take its copies, in address order, take them in
             // turn.
-            for s in &stripes {
-                let copies: Vec<u32> = s.head.into_iter().chain(s.fresh.iter().copied()).collect();
+            for copies in &stripes {
                 let pos = |t: u32| copies.iter().position(|&x| x == t);
                 let mut pages: Vec<(usize, u32, usize)> = takes
                     .iter()
