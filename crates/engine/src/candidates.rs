@@ -15,6 +15,11 @@ use crate::zero_holes::MAX_HOLE_GAP;
 /// small enough that the committer's frees feed the next batch's copies and the two stages overlap
 /// finely, large enough that per-batch costs stay small.
 pub(crate) const BATCH: usize = 4096;
+/// Contents with at least this many candidates in a period are batched by address, not whole
+/// (see [`ContentBatches`]).
+pub(crate) const BULK: usize = 64;
+/// How many batches' worth of pages one address window of bulk contents holds.
+pub(crate) const BULK_WINDOW: usize = 8;
 /// The same with a daemon (4 MiB of pages). The processes of a scope merge the same contents at
 /// about the same time, comparing their pages with copies another process just made: in
 /// alternating runs four processes took up to 14% more CPU with 16 MiB batches, while one
@@ -148,7 +153,12 @@ pub(crate) fn push_candidate(
 /// Orders candidates so that the pages of one content fall in one batch (by the hash or stable
 /// copy read ahead): every batch then pairs its own duplicates and its merges start at once,
 /// instead of the first batches only filling the first-sighting map. Each batch is in address
-/// order (runs of pages get runs of copies). Pages not read ahead keep their order.
+/// order (runs of pages get runs of copies). Pages not read ahead keep their order. Contents
+/// with [`BULK`] pages or more come last, by address, in windows of [`BULK_WINDOW`] batches:
+/// contents that take turns in memory (page `i` holding content `i % 16`) then share a batch,
+/// whose copies are laid out in turn as the pages take them (one mapping for a turn of pages),
+/// where batches of one content each gave every page a mapping of its own; each content still
+/// has enough pages in a window to pair there.
 ///
 /// The contents are chained in one pass (no sort: this runs while the committer waits for the
 /// first batch), split by content over the workers and this thread (each chains the contents
@@ -166,6 +176,8 @@ pub(crate) fn batches_by_content(
             head: vec![true; n],
             at: 0,
             batch,
+            bulk: Vec::new(),
+            bulk_at: 0,
         };
     }
     let parts = if n >= 4 * BATCH { pool.size() + 1 } else { 1 };
@@ -228,6 +240,8 @@ pub(crate) fn batches_by_content(
         head,
         at: 0,
         batch,
+        bulk: Vec::new(),
+        bulk_at: 0,
     }
 }
 
@@ -251,6 +265,11 @@ pub(crate) struct ContentBatches {
     at: usize,
     /// Pages a batch reaches before it is cut (between contents).
     batch: usize,
+    /// Candidates of bulk contents (and the zero pages after them), set aside for the windows
+    /// by address; sorted once the other contents are all taken.
+    bulk: Vec<u32>,
+    /// The next bulk candidate to take, once sorted.
+    bulk_at: usize,
 }
 
 impl Iterator for ContentBatches {
@@ -258,27 +277,52 @@ impl Iterator for ContentBatches {
 
     fn next(&mut self) -> Option<Vec<Candidate>> {
         let mut take: Vec<u32> = Vec::with_capacity(self.batch);
-        // Whole contents, in the order of their first candidate, until the batch is full.
+        // Whole contents, in the order of their first candidate, until the batch is full; bulk
+        // ones are set aside.
         while take.len() < self.batch && self.at < self.cands.len() {
             if self.head[self.at] {
+                let mut content = Vec::new();
                 let mut i = self.at as u32;
                 while i != u32::MAX {
-                    take.push(i);
+                    content.push(i);
                     i = self.next[i as usize];
+                }
+                if content.len() >= BULK {
+                    self.pull_zero_followers(&mut content);
+                    self.bulk.append(&mut content);
+                } else {
+                    take.append(&mut content);
                 }
             }
             self.at += 1;
         }
         if take.is_empty() {
+            take = self.bulk_window();
+        } else {
+            self.pull_zero_followers(&mut take);
+        }
+        if take.is_empty() {
             return None;
         }
-        self.pull_zero_followers(&mut take);
         take.sort_unstable_by_key(|&i| self.cands[i as usize].addr());
         Some(take.iter().map(|&i| self.cands[i as usize]).collect())
     }
 }
 
 impl ContentBatches {
+    /// The next window of bulk candidates by address (once every other content is taken).
+    fn bulk_window(&mut self) -> Vec<u32> {
+        if self.bulk_at == 0 {
+            let cands = &self.cands;
+            self.bulk
+                .sort_unstable_by_key(|&i| cands[i as usize].addr());
+        }
+        let end = (self.bulk_at + self.batch * BULK_WINDOW).min(self.bulk.len());
+        let window = self.bulk[self.bulk_at..end].to_vec();
+        self.bulk_at = end;
+        window
+    }
+
     /// Zero pages read ahead just after a page taken (at most `MAX_HOLE_GAP` in a row, at the
     /// following addresses) join its batch: a run of merges with zero pages inside is then
     /// committed as one, the zero pages merging onto the holes between the copies (see the
@@ -363,41 +407,65 @@ mod tests {
         }
 
         /// Every candidate lands in exactly one batch, batches are in address order, pages of
-        /// one content (hash or stable copy) share a batch, and a batch is cut only between
-        /// contents once it holds the batch length (alone or with a daemon).
+        /// one content (hash or stable copy) share a batch unless it has `BULK` pages or more, a
+        /// batch is cut only between contents once it holds the batch length (alone or with a
+        /// daemon), and the bulk contents come last, by address, in full windows.
         #[test]
         fn batches_by_content_keep_every_candidate_and_whole_contents(
-            kinds in proptest::collection::vec(0u8..40, 0..(6 * BATCH)),
+            kinds in proptest::collection::vec(0u16..1200, 0..(6 * BATCH)),
             len in prop_oneof![Just(REMOTE_BATCH), Just(BATCH)],
         ) {
-            // From 4 * BATCH candidates on, the chaining is split over the workers.
+            // From 4 * BATCH candidates on, the chaining is split over the workers. Kinds:
+            // mostly small contents (hashes of 1000 kinds), a few bulk ones (kinds 2..=9).
+            let pre = |k: u16| if k < 200 { pre_of((k % 10) as u8) } else {
+                Pre::Hash([(k as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15), 9])
+            };
             let pool = Pool::new(2, Arc::new(Mutex::new(Vec::new()))).unwrap();
             let cands: Vec<Candidate> = kinds
                 .iter()
                 .enumerate()
-                .map(|(i, &k)| Candidate::new(PAGE, (i + 1) * PAGE, pre_of(k)))
+                .map(|(i, &k)| Candidate::new(PAGE, (i + 1) * PAGE, pre(k)))
                 .collect();
+            let key = |c: &Candidate| match c.pre() {
+                Pre::Hash(h) => Some(format!("h{h:?}")),
+                Pre::Stable(id) => Some(format!("s{id}")),
+                Pre::None | Pre::Zero => None,
+            };
+            // Bulk by the batching's key (two contents sharing one are batched as one).
+            let mut count: HashMap<u64, usize> = HashMap::new();
+            for c in &cands {
+                *count.entry(content_key(c) as u32 as u64).or_default() += 1;
+            }
+            let bulk = |c: &Candidate| {
+                content_key(c) != 0 && count[&(content_key(c) as u32 as u64)] >= BULK
+            };
             let batches: Vec<Vec<Candidate>> = batches_by_content(cands.clone(), &pool, len).collect();
             let mut seen: Vec<usize> = batches.iter().flatten().map(|c| c.index()).collect();
             seen.sort_unstable();
             prop_assert_eq!(seen, (0..cands.len()).collect::<Vec<_>>());
             let mut batch_of: HashMap<String, usize> = HashMap::new();
+            // Batches holding bulk contents: the last ones.
+            let first_bulk = batches.iter().position(|b| b.iter().any(bulk)).unwrap_or(batches.len());
             for (b, batch) in batches.iter().enumerate() {
                 prop_assert!(batch.windows(2).all(|w| w[0].addr() < w[1].addr()));
                 for c in batch {
-                    let key = match c.pre() {
-                        Pre::Hash(h) => format!("h{h:?}"),
-                        Pre::Stable(id) => format!("s{id}"),
-                        Pre::None | Pre::Zero => continue,
-                    };
-                    let first = *batch_of.entry(key).or_insert(b);
+                    let Some(k) = key(c) else { continue };
+                    if bulk(c) {
+                        prop_assert!(b >= first_bulk);
+                        continue;
+                    }
+                    prop_assert!(b < first_bulk, "a small content among the bulk windows");
+                    let first = *batch_of.entry(k).or_insert(b);
                     prop_assert_eq!(first, b, "one content split over two batches");
                 }
             }
-            // Cuts come only after a batch is full: every batch but the last holds `len` pages
-            // or more.
-            for batch in batches.iter().rev().skip(1) {
+            // Cuts come only after a batch is full: every batch of small contents but the last
+            // holds `len` pages or more, every window but the last `len * BULK_WINDOW`.
+            for batch in batches[..first_bulk].iter().rev().skip(1) {
                 prop_assert!(batch.len() >= len);
+            }
+            for batch in batches[first_bulk..].iter().rev().skip(1) {
+                prop_assert!(batch.len() >= len * BULK_WINDOW);
             }
         }
     }

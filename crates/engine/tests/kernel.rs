@@ -619,7 +619,7 @@ fn max_sharing_limits_pages_per_copy() {
 fn a_long_run_of_equal_pages_maps_its_copies_a_stripe_at_a_time() {
     // 8 copies of 256 pages side by side: a mapping per 8 pages (one per page when each copy
     // served a chunk of 256 pages in a row).
-    contents_in_turn_map_their_copies_in_turn(1, 256);
+    contents_in_turn_map_their_copies_in_turn(2048, 1, 256);
 }
 
 /// Contents in turn (page `i` holds content `i % 2`), each beyond what one copy may serve:
@@ -628,20 +628,28 @@ fn a_long_run_of_equal_pages_maps_its_copies_a_stripe_at_a_time() {
 fn contents_in_turn_beyond_the_sharing_limit_map_their_copies_in_turn() {
     // 2 contents of 1024 pages, 4 copies each: a mapping per 8 pages (one per 2 pages when
     // copies were laid out by chunk leader, one per page when by content).
-    contents_in_turn_map_their_copies_in_turn(2, 256);
+    contents_in_turn_map_their_copies_in_turn(2048, 2, 256);
 }
 
-/// 2048 pages whose page `i` holds content `i % distinct`, under a sharing limit of `cap`
-/// pages per copy: merged with as few copies as the limit needs, and one mapping of the store
-/// per copies' worth of consecutive pages (plus one).
-fn contents_in_turn_map_their_copies_in_turn(distinct: usize, cap: usize) {
+/// Many contents in turn, each with more pages than a batch takes whole contents of: they are
+/// batched together by address (bulk contents), so their copies are laid out in turn too.
+#[test]
+fn many_contents_in_turn_map_their_copies_in_turn() {
+    // 16 contents of 1024 pages, 4 copies each: a mapping per 64 pages (one per 4 pages when
+    // each batch held 4 whole contents).
+    contents_in_turn_map_their_copies_in_turn(16384, 16, 256);
+}
+
+/// `n` pages whose page `i` holds content `i % distinct`, under a sharing limit of `cap` pages
+/// per copy: merged with as few copies as the limit needs, and one mapping of the store per
+/// copies' worth of consecutive pages (plus one).
+fn contents_in_turn_map_their_copies_in_turn(n: usize, distinct: usize, cap: usize) {
     let _g = serial();
     let e = Engine::builder()
         .merge_period(Duration::from_millis(20))
         .max_sharing(cap as u32)
         .build()
         .unwrap();
-    let n = 2048;
     let content = |i: usize| 0xcc + (i % distinct) as u64;
     let mem = common::filled(n, content);
     e.register(mem.as_mut_ptr(), mem.len()).unwrap();
