@@ -150,8 +150,9 @@ impl Scope {
 #[derive(Default)]
 struct FreeSlots(BTreeSet<u32>);
 
-/// Free slots looked at for a run of a request's length before fresh slots are taken instead.
-const RUN_SCAN: usize = 65_536;
+/// Free slots looked at for a run of a request's length (a bound on the daemon's work per
+/// request, whatever a client asks).
+const RUN_SCAN: usize = 4096;
 
 impl FreeSlots {
     fn take(&mut self) -> Option<u32> {
@@ -199,14 +200,17 @@ impl ScopeState {
 
     /// `n` slots for one request, side by side where the store allows (the client maps pages
     /// that take consecutive copies with one mapping: a run of its pages, or a stripe of copies
-    /// of one content): a run of free slots, else fresh ones while the store has room for all,
-    /// else free or fresh slots one at a time, lowest first.
+    /// of one content): a run of free slots, else fresh ones at the end while few slots are free
+    /// (at most a quarter: the daemon's bookkeeping grows with the store's end, which must not
+    /// run ahead of the slots in use) and the store has room, else free or fresh slots one at a
+    /// time, lowest first.
     fn alloc_many(&mut self, n: usize, capacity: u32) -> Vec<Option<u32>> {
         if n > 1 {
             if let Some(first) = self.free.take_run(n) {
                 return (first..first + n as u32).map(Some).collect();
             }
-            if capacity.saturating_sub(self.bump) as usize >= n {
+            let few_free = self.free.len() * 4 <= self.bump as usize;
+            if few_free && capacity.saturating_sub(self.bump) as usize >= n {
                 return (0..n).map(|_| self.fresh(capacity)).collect();
             }
         }
