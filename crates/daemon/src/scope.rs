@@ -150,6 +150,17 @@ impl Scope {
 #[derive(Default)]
 struct FreeSlots(BTreeSet<u32>);
 
+/// Where a request's slots come from (see `ScopeState::alloc_many`).
+#[derive(Debug, PartialEq, Eq)]
+enum SlotPlan {
+    /// A run of free slots from this one on, taken.
+    Run(u32),
+    /// Fresh slots at the store's end.
+    Fresh,
+    /// Free or fresh slots one at a time, lowest first.
+    OneByOne,
+}
+
 /// Free slots looked at for a run of a request's length (a bound on the daemon's work per
 /// request, whatever a client asks).
 const RUN_SCAN: usize = 4096;
@@ -157,6 +168,24 @@ const RUN_SCAN: usize = 4096;
 impl FreeSlots {
     fn take(&mut self) -> Option<u32> {
         self.0.pop_first()
+    }
+
+    /// Where `n` slots for one request come from, with the store's end at `bump` of `capacity`:
+    /// a run of free slots (taken), else fresh ones while at most a quarter of the slots are
+    /// free and the store has room, else one at a time.
+    fn plan(&mut self, n: usize, bump: u32, capacity: u32) -> SlotPlan {
+        if n < 2 {
+            return SlotPlan::OneByOne;
+        }
+        if let Some(first) = self.take_run(n) {
+            return SlotPlan::Run(first);
+        }
+        let few_free = self.len() * 4 <= bump as usize;
+        if few_free && capacity.saturating_sub(bump) as usize >= n {
+            SlotPlan::Fresh
+        } else {
+            SlotPlan::OneByOne
+        }
     }
 
     /// The lowest run of `n` consecutive free slots among the first [`RUN_SCAN`], taken; its
@@ -205,16 +234,11 @@ impl ScopeState {
     /// run ahead of the slots in use) and the store has room, else free or fresh slots one at a
     /// time, lowest first.
     fn alloc_many(&mut self, n: usize, capacity: u32) -> Vec<Option<u32>> {
-        if n > 1 {
-            if let Some(first) = self.free.take_run(n) {
-                return (first..first + n as u32).map(Some).collect();
-            }
-            let few_free = self.free.len() * 4 <= self.bump as usize;
-            if few_free && capacity.saturating_sub(self.bump) as usize >= n {
-                return (0..n).map(|_| self.fresh(capacity)).collect();
-            }
+        match self.free.plan(n, self.bump, capacity) {
+            SlotPlan::Run(first) => (first..first + n as u32).map(Some).collect(),
+            SlotPlan::Fresh => (0..n).map(|_| self.fresh(capacity)).collect(),
+            SlotPlan::OneByOne => (0..n).map(|_| self.alloc(capacity)).collect(),
         }
-        (0..n).map(|_| self.alloc(capacity)).collect()
     }
 
     /// A fresh slot at the end of the store, while it has room.
@@ -704,5 +728,27 @@ mod tests {
         assert_eq!(f.take_run(3), Some(12));
         let left: Vec<u32> = std::iter::from_fn(|| f.take()).collect();
         assert_eq!(left, [1, 9]);
+    }
+
+    #[test]
+    fn a_request_takes_a_run_else_fresh_slots_while_few_are_free() {
+        let mut f = FreeSlots::default();
+        // 100 slots at the end, 3 free apart from each other.
+        for slot in [10, 20, 30] {
+            f.put(slot);
+        }
+        assert_eq!(f.plan(1, 100, 1000), SlotPlan::OneByOne);
+        assert_eq!(f.plan(2, 100, 1000), SlotPlan::Fresh);
+        // No room at the end for all of them: one at a time.
+        assert_eq!(f.plan(4, 998, 1000), SlotPlan::OneByOne);
+        // A run freed: taken whole.
+        f.put(21);
+        assert_eq!(f.plan(2, 100, 1000), SlotPlan::Run(20));
+        assert_eq!(f.len(), 2);
+        // More than a quarter of the slots free: they are used before the end grows.
+        for slot in 40..80 {
+            f.put(slot * 2);
+        }
+        assert_eq!(f.plan(2, 160, 1000), SlotPlan::OneByOne);
     }
 }
