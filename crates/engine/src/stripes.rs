@@ -55,12 +55,17 @@ pub(crate) fn split(
             new => new,
         };
         let mut mine = members.remove(&l).unwrap_or_default();
-        mine.sort_unstable_by_key(|&k| (addr(member_of[k].0), member_of[k].0));
         let n = mine.len();
+        let fits = match room {
+            Room::New => n < cap,
+            Room::Adopted(r) => r > 0 && n < r,
+        };
+        if fits {
+            continue;
+        }
+        mine.sort_unstable_by_key(|&k| (addr(member_of[k].0), member_of[k].0));
         let pages: Vec<u32> = mine.iter().map(|&k| member_of[k].0).collect();
         let (stripe, takes) = match room {
-            Room::New if n < cap => continue,
-            Room::Adopted(r) if r > 0 && n < r => continue,
             // The leader keeps the adopted copy for itself; its members take the stripe.
             Room::Adopted(r) if r > 0 => in_turn(&pages, None, n.div_ceil(cap)),
             // New, or adopted and full (the leader's own copy is then a fresh one): the leader's
