@@ -232,20 +232,7 @@ fn four_processes_in_one_scope_keep_one_copy_per_distinct_page() {
 #[test]
 fn content_repeated_beyond_the_sharing_limit_merges_everywhere() {
     let _g = serial();
-    let path = sock_path("repeated");
-    let _daemon = Daemon::start(&path);
-    let mib = 8;
-    let pages = (mib as u64) << 20 >> 12;
-    let mut clients: Vec<Client> = (0..2)
-        .map(|_| Client::start_repetitive(&path, "rep", mib, 2))
-        .collect();
-    wait_for("every page of both clients merged", 60, || {
-        clients.iter_mut().all(|c| {
-            let s = c.stats();
-            s["pages_shared"].as_u64().unwrap_or(0) + s["pages_sharing"].as_u64().unwrap_or(0)
-                == pages
-        })
-    });
+    let (_daemon, mut clients, pages) = repetitive_pair_merged("repeated", 2);
     for c in &mut clients {
         let s = c.stats();
         // 2048 pages of 2 contents, at most 256 per copy: at least 8 copies per client.
@@ -255,6 +242,26 @@ fn content_repeated_beyond_the_sharing_limit_merges_everywhere() {
     for c in clients {
         c.finish();
     }
+}
+
+/// A daemon and two clients in scope `name`, each with 8 MiB whose page `i` holds content
+/// `i % distinct`, once every page of both merged; and the pages of each client.
+fn repetitive_pair_merged(name: &str, distinct: usize) -> (Daemon, Vec<Client>, u64) {
+    let path = sock_path(name);
+    let daemon = Daemon::start(&path);
+    let mib = 8;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut clients: Vec<Client> = (0..2)
+        .map(|_| Client::start_repetitive(&path, name, mib, distinct))
+        .collect();
+    wait_for("every page of both clients merged", 60, || {
+        clients.iter_mut().all(|c| {
+            let s = c.stats();
+            s["pages_shared"].as_u64().unwrap_or(0) + s["pages_sharing"].as_u64().unwrap_or(0)
+                == pages
+        })
+    });
+    (daemon, clients, pages)
 }
 
 /// Mappings of a scope's store in the process `pid`.
@@ -272,20 +279,7 @@ fn store_mappings(pid: u32) -> usize {
 #[test]
 fn a_run_of_one_content_maps_its_copies_a_stripe_at_a_time_across_processes() {
     let _g = serial();
-    let path = sock_path("stripes");
-    let _daemon = Daemon::start(&path);
-    let mib = 8;
-    let pages = (mib as u64) << 20 >> 12;
-    let mut clients: Vec<Client> = (0..2)
-        .map(|_| Client::start_repetitive(&path, "stripes", mib, 1))
-        .collect();
-    wait_for("every page of both clients merged", 60, || {
-        clients.iter_mut().all(|c| {
-            let s = c.stats();
-            s["pages_shared"].as_u64().unwrap_or(0) + s["pages_sharing"].as_u64().unwrap_or(0)
-                == pages
-        })
-    });
+    let (_daemon, mut clients, pages) = repetitive_pair_merged("stripes", 1);
     for c in &mut clients {
         // 2048 pages, 256 per copy: 8 copies or 9 (a copy adopted from the other process
         // serves its leader alone), two mappings per stripe at most (the group's own copy
