@@ -109,7 +109,7 @@ pub(crate) fn classify(
     // adopted copy is (nearly) full here, are split; each further chunk is led by a page that
     // gets a copy of its own (a fresh one: through the daemon, it must not be deduplicated back
     // onto the full copy).
-    let mut fresh = split_groups(&mut g, &guard.store, config.max_sharing);
+    let fresh = split_groups(&mut g, &guard.store, config.max_sharing);
     // Their copies are not indexed: the tree would answer with the full copy of that content.
     let mut chunk_leaders = CandidateSet::default();
     for &l in &fresh {
@@ -121,9 +121,6 @@ pub(crate) fn classify(
     // New copies lie in the order the pages, in address order, first take them: runs of pages
     // map runs of copies (a stripe in turn, interleaved contents' copies in turn).
     let first_use = g.first_use(&fresh);
-    let by_first_use = |l: &u32| (first_use.get(l).copied().unwrap_or(usize::MAX), *l);
-    g.groups.sort_unstable_by_key(by_first_use);
-    fresh.sort_unstable_by_key(by_first_use);
     let t_group = Instant::now();
     let mut copies = g.copies(&cx, guard, fresh, &first_use);
     write_local_copies(&cx, &mut copies);
@@ -269,6 +266,22 @@ struct GroupCopy {
     first: u32,
     id: KeyId,
     is_new: bool,
+}
+
+/// Where the pages of a batch, in address order, first take each new copy, by the page leading
+/// it (see `Grouping::first_use`).
+struct FirstUse(HashMap<u32, usize>);
+
+impl FirstUse {
+    /// The address of the first page that takes the copy `leader` leads.
+    fn at(&self, leader: u32) -> usize {
+        self.0.get(&leader).copied().unwrap_or(usize::MAX)
+    }
+
+    /// Puts `leaders` in the order pages first take their copies.
+    fn sort(&self, leaders: &mut [u32]) {
+        leaders.sort_unstable_by_key(|&l| (self.at(l), l));
+    }
 }
 
 /// The copies of a batch's groups, and the local ones still to be written (`srcs[k]` into
@@ -514,7 +527,7 @@ impl Grouping {
         cx: &Ctx<'s>,
         mut guard: MutexGuard<'s, State>,
         fresh: Vec<u32>,
-        first_use: &HashMap<u32, usize>,
+        first_use: &FirstUse,
     ) -> Copies {
         let (made, srcs, to_write) = match &cx.view.remote {
             Some(remote) => {
@@ -522,7 +535,7 @@ impl Grouping {
                     (Vec::new(), Vec::new(), None)
                 } else {
                     drop(guard);
-                    let made = self.copy_remote(remote, fresh);
+                    let made = self.copy_remote(remote, fresh, first_use);
                     guard = lock(&cx.sh.state);
                     let st = &mut *guard;
                     let made = made
@@ -572,7 +585,7 @@ impl Grouping {
     /// Where the pages of the batch, in address order, first take each new copy (by the page
     /// leading it: a group's leader, or a fresh copy's): the lowest address of the pages that
     /// take it.
-    fn first_use(&self, fresh: &[u32]) -> HashMap<u32, usize> {
+    fn first_use(&self, fresh: &[u32]) -> FirstUse {
         let addr_of = |c: u32| self.cands[c as usize].addr();
         let mut first: HashMap<u32, usize> = self
             .groups
@@ -585,13 +598,21 @@ impl Grouping {
                 *a = (*a).min(addr_of(c));
             }
         }
-        first
+        FirstUse(first)
     }
 
     /// Has the daemon make the groups' copies (deduplicated in the scope), then the `fresh` ones
     /// (never deduplicated; the daemon gives a request's slots side by side where its store
-    /// allows). Their leaders join `groups`; the slots, in the order of `groups`.
-    fn copy_remote(&mut self, remote: &Remote, mut fresh: Vec<u32>) -> Vec<Option<KeyId>> {
+    /// allows), each request in the order pages first take them. Their leaders join `groups`;
+    /// the slots, in the order of `groups`.
+    fn copy_remote(
+        &mut self,
+        remote: &Remote,
+        mut fresh: Vec<u32>,
+        first_use: &FirstUse,
+    ) -> Vec<Option<KeyId>> {
+        first_use.sort(&mut self.groups);
+        first_use.sort(&mut fresh);
         let addr_of = |g: &u32| self.cands[*g as usize].addr();
         let srcs: Vec<usize> = self.groups.iter().map(addr_of).collect();
         let fresh_srcs: Vec<usize> = fresh.iter().map(addr_of).collect();
@@ -610,14 +631,13 @@ impl Grouping {
         cx: &Ctx<'_>,
         st: &mut State,
         fresh: Vec<u32>,
-        first_use: &HashMap<u32, usize>,
+        first_use: &FirstUse,
     ) -> (Vec<Option<KeyId>>, Vec<usize>, Vec<KeyId>) {
         self.groups.extend(fresh);
-        let key = |l: &u32| (first_use.get(l).copied().unwrap_or(usize::MAX), *l);
-        self.groups.sort_unstable_by_key(key);
+        first_use.sort(&mut self.groups);
         // Each copy is written from the page that first takes it (equal to its leader's: they
         // are of one group), and holes go between copies first taken at neighbouring addresses.
-        let srcs: Vec<usize> = self.groups.iter().map(|l| key(l).0).collect();
+        let srcs: Vec<usize> = self.groups.iter().map(|&l| first_use.at(l)).collect();
         let zero_at = self.zero_pages_for_holes(cx, st);
         let slots = zero_holes::lay_out(&srcs, &zero_at);
         let Some(got) = st.store.alloc(slots.len()) else {
@@ -775,6 +795,9 @@ fn split_groups(g: &mut Grouping, store: &Store, max_sharing: u32) -> Vec<u32> {
         .map(|&(l, _)| l)
         .collect();
     g.adopted.retain(|(l, _)| !full.contains(l));
+    if stripes.is_empty() {
+        return Vec::new();
+    }
     let new: HashSet<u32> = g.groups.iter().copied().collect();
     stripes
         .into_iter()
