@@ -157,6 +157,15 @@ def read(path):
         return ""
 
 
+def lines_with(tag, path):
+    """The values of the console's complete lines starting with `tag`: the serial console is
+    slow, so a line still being written is not read."""
+    text = read(path)
+    done = text[: text.rfind("\n") + 1]
+    return [ln.split()[1] for ln in done.splitlines()
+            if ln.startswith(tag + " ") and len(ln.split()) == 2]
+
+
 def wait_for(what, secs, f):
     t0 = time.time()
     while time.time() - t0 < secs:
@@ -237,7 +246,7 @@ def main():
             consoles.append(console)
             pids.append(check_qemu_process(name, socket))
         for c in consoles:
-            wait_for(f"{c}: first checksum", 180, lambda: "CHECKSUM" in read(c))
+            wait_for(f"{c}: first checksum", 180, lambda: lines_with("CHECKSUM", c))
         data_pages = DATA_MIB * 256
         sc = wait_for(
             "both guests' data shared in the daemon's scope",
@@ -250,11 +259,10 @@ def main():
             f"{sc['pages_shared']}, sharing {sc['pages_sharing']}, saved "
             f"{sc['saved_bytes'] / 1048576:.1f} MiB")
         for c in consoles:
-            wait_for(f"{c}: second checksum", WAIT_SECS + 120, lambda: "CHECK2" in read(c))
-            text = read(c)
+            wait_for(f"{c}: second checksum", WAIT_SECS + 120, lambda: lines_with("CHECK2", c))
             for tag in ("CHECKSUM", "CHECK2"):
-                got = [ln.split()[1] for ln in text.splitlines() if ln.startswith(tag)]
-                assert got == [want], f"{c}: {tag} {got} != {want}\n{text}"
+                got = lines_with(tag, c)
+                assert got == [want], f"{c}: {tag} {got} != {want}\n{read(c)}"
         log("every checksum as written, before and after merging")
         wait_for("the guests powered off", 60,
                  lambda: all(virsh("domstate", n, check=False).returncode != 0 for n in names))
