@@ -165,7 +165,12 @@ impl Writer {
 /// With `distinct` (at least 1), page i holds content `i % distinct` (many pages per content).
 /// `REWRITE` gives every page new content, unlike any before (the next generation), and prints
 /// `REWRITTEN`. With `writer`, a thread keeps writing one word of every 8th page all along, and
-/// every check expects its last value there.
+/// every check expects its last value there. `SCRAMBLE` gives every page content of this process
+/// alone (never merged again) and prints `SCRAMBLED`. `DROP` drops every page with
+/// `MADV_DONTNEED` straight from the program (not through the engine) and prints `OK` if each
+/// reads zeros or the first content it held (a page written after its merge reads its copy
+/// again), else `BAD <page>`; the client's contents are unknown afterwards, so it is ended by
+/// a signal.
 pub fn client(o: ClientOptions) -> Result<()> {
     let ClientOptions {
         mib,
@@ -181,8 +186,13 @@ pub fn client(o: ClientOptions) -> Result<()> {
     sys::default_sigpipe()?;
     let len = mib << 20;
     let generation = std::cell::Cell::new(0u64);
+    let own = std::cell::Cell::new(false);
+    let first_content = |i: usize| distinct.map_or(i, |d| i % d.max(1)) as u64;
     let content = |i: usize| {
-        distinct.map_or(i, |d| i % d.max(1)) as u64 + generation.get() * (len / PAGE) as u64
+        if own.get() {
+            return 1 << 48 | u64::from(std::process::id()) << 24 | i as u64;
+        }
+        first_content(i) + generation.get() * (len / PAGE) as u64
     };
     let data = if hard { Data::Hard } else { Data::Easy };
     let engine = Engine::builder()
@@ -226,6 +236,21 @@ pub fn client(o: ClientOptions) -> Result<()> {
         Some(w) => w.paused(check),
         None => check(),
     };
+    let rewrite_all = || {
+        let rewrite = || {
+            let mut want = [0u8; PAGE];
+            for i in 0..len / PAGE {
+                expected(i, &mut want);
+                // SAFETY: page i of the mapping owned by this function (the writer is paused);
+                // the engine keeps writes to it (a merged page is copied on write).
+                unsafe { std::ptr::copy_nonoverlapping(want.as_ptr(), r.add(i * PAGE), PAGE) };
+            }
+        };
+        match &writer {
+            Some(w) => w.paused(rewrite),
+            None => rewrite(),
+        }
+    };
     let mut out = std::io::stdout().lock();
     writeln!(out, "READY {}", std::process::id())?;
     out.flush()?;
@@ -242,23 +267,22 @@ pub fn client(o: ClientOptions) -> Result<()> {
             }
             "REWRITE" => {
                 generation.set(generation.get() + 1);
-                let rewrite = || {
-                    let mut want = [0u8; PAGE];
-                    for i in 0..len / PAGE {
-                        expected(i, &mut want);
-                        // SAFETY: page i of the mapping owned by this function (the writer is
-                        // paused); the engine keeps writes to it (a merged page is copied on
-                        // write).
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(want.as_ptr(), r.add(i * PAGE), PAGE)
-                        };
-                    }
-                };
-                match &writer {
-                    Some(w) => w.paused(rewrite),
-                    None => rewrite(),
-                }
+                rewrite_all();
                 writeln!(out, "REWRITTEN")?
+            }
+            "SCRAMBLE" => {
+                own.set(true);
+                rewrite_all();
+                writeln!(out, "SCRAMBLED")?
+            }
+            "DROP" if writer.is_none() => {
+                match drop_unseen(r, len, |i, want| {
+                    // SAFETY: `want` is a local page.
+                    unsafe { fill_page(want.as_mut_ptr(), data, first_content(i)) }
+                }) {
+                    None => writeln!(out, "OK")?,
+                    Some(i) => writeln!(out, "BAD {i}")?,
+                }
             }
             "KICK" => {
                 engine.wait_periods(1, Duration::from_secs(10));
@@ -278,6 +302,24 @@ pub fn client(o: ClientOptions) -> Result<()> {
         bail!("page {i} does not hold what was written");
     }
     Ok(())
+}
+
+/// Drops the `len` bytes at `r` with `MADV_DONTNEED` where the engine cannot see it first, then
+/// returns the first page that reads neither zeros nor the content `first` fills in (the bytes
+/// its copy held, if it was merged and written since), if any.
+fn drop_unseen(r: *mut u8, len: usize, first: impl Fn(usize, &mut [u8; PAGE])) -> Option<usize> {
+    // SAFETY: the mapping is the client's own; the caller gives its contents up.
+    if unsafe { libc::madvise(r.cast(), len, libc::MADV_DONTNEED) } != 0 {
+        return Some(0);
+    }
+    let (mut want, mut got) = ([0u8; PAGE], [0u8; PAGE]);
+    (0..len / PAGE).find(|&i| {
+        want.fill(0);
+        first(i, &mut want);
+        // SAFETY: page i of the client's mapping; no other thread writes it.
+        unsafe { std::ptr::copy_nonoverlapping(r.add(i * PAGE), got.as_mut_ptr(), PAGE) };
+        got.iter().any(|&b| b != 0) && got != want
+    })
 }
 
 /// Waits until `child` listens at `socket`. Whoever answers there must be that process (its

@@ -264,6 +264,55 @@ fn repetitive_pair_merged(name: &str, distinct: usize) -> (Daemon, Vec<Client>, 
     (daemon, clients, pages)
 }
 
+/// Two processes' merged pages written with contents of their own: their copies are no longer
+/// counted by anyone, but the pages keep their places in the store's mappings. Two more processes
+/// then merge other contents, for which the daemon gives out free slots. The first processes
+/// drop their pages with a `madvise` the engine cannot see first: each page reads zeros or the
+/// bytes its copy held, never the other processes' (the copies stay held while mapped).
+#[test]
+fn a_page_dropped_unseen_never_reads_a_slot_given_to_other_contents() {
+    let _g = serial();
+    let path = sock_path("held");
+    let _daemon = Daemon::start(&path);
+    let mib = 8;
+    let pages = (mib as u64) << 20 >> 12;
+    let mut first: Vec<Client> = (0..2).map(|_| Client::start(&path, "held", mib)).collect();
+    let merged = |c: &mut Client| c.stats()["pages_shared"].as_u64() == Some(pages);
+    wait_for("the first pair merged", 60, || first.iter_mut().all(merged));
+    for c in &mut first {
+        assert_eq!(c.ask("SCRAMBLE"), "SCRAMBLED");
+    }
+    wait_for("the first pair's pages all written", 60, || {
+        first
+            .iter_mut()
+            .all(|c| c.stats()["pages_shared"].as_u64() == Some(0))
+    });
+    for c in &mut first {
+        // Releases go out once a period.
+        assert_eq!(c.ask("KICK"), "KICKED");
+        assert_eq!(c.ask("KICK"), "KICKED");
+    }
+    let mut second: Vec<Client> = (0..2).map(|_| Client::start(&path, "held", mib)).collect();
+    for c in &mut second {
+        assert_eq!(c.ask("REWRITE"), "REWRITTEN");
+    }
+    wait_for("the second pair merged", 60, || {
+        second.iter_mut().all(merged)
+    });
+    for c in &mut first {
+        assert_eq!(c.ask("DROP"), "OK", "client {}", c.pid);
+    }
+    for c in &mut second {
+        c.verify();
+    }
+    for c in first {
+        c.kill9();
+    }
+    for c in second {
+        c.finish();
+    }
+}
+
 /// Mappings of a scope's store in the process `pid`.
 fn store_mappings(pid: u32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))

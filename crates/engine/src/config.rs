@@ -85,6 +85,10 @@ pub struct Config {
     /// processes); `None`: this process alone. Default: `$PAGEONE_SOCKET` (ignored, like every
     /// `PAGEONE_*` variable, in a set-user-ID, set-group-ID or file-capability program).
     pub daemon: Option<std::path::PathBuf>,
+    /// Most copies a store of the engine's own holds (`None`: a page per page of RAM, which costs
+    /// only address space until copies are made). Full, pages wait unmerged. Read when the engine
+    /// starts.
+    pub store_pages: Option<u32>,
 }
 
 impl Default for Config {
@@ -108,6 +112,7 @@ impl Default for Config {
             ksm_when_limited: true,
             merging: true,
             daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
+            store_pages: None,
         }
     }
 }
@@ -123,6 +128,9 @@ impl Config {
         }
         if self.max_sharing < 2 {
             return Err(EngineError::Config("max_sharing must be at least 2"));
+        }
+        if self.store_pages == Some(0) {
+            return Err(EngineError::Config("store_pages must be at least 1"));
         }
         if self.merge_period.is_zero() {
             return Err(EngineError::Config("merge_period must be positive"));
@@ -193,6 +201,11 @@ impl Builder {
     /// Joins the daemon at `socket` (`None`: run alone even if `$PAGEONE_SOCKET` is set).
     pub fn daemon(mut self, socket: Option<std::path::PathBuf>) -> Self {
         self.config.daemon = socket;
+        self
+    }
+    /// Caps a store of the engine's own at `pages` copies (see [`Config::store_pages`]).
+    pub fn store_pages(mut self, pages: u32) -> Self {
+        self.config.store_pages = Some(pages);
         self
     }
     /// Starts the engine.

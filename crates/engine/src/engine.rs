@@ -113,7 +113,9 @@ impl Watch {
 fn open_store(config: &Config) -> Result<(Store, bool), EngineError> {
     // Capacity of the store: every page of RAM (virtual; only used copies cost memory).
     let ram = sys::meminfo_kib("MemTotal").unwrap_or(16 << 20) * 1024;
-    let local_capacity = (ram / PAGE as u64).min(u32::MAX as u64 - 1) as u32;
+    let local_capacity = config
+        .store_pages
+        .unwrap_or((ram / PAGE as u64).min(u32::MAX as u64 - 1) as u32);
     let Some(path) = &config.daemon else {
         return Ok((Store::new(local_capacity)?, false));
     };

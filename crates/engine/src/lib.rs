@@ -94,6 +94,7 @@ mod engine;
 mod error;
 mod faults;
 mod freeze;
+mod held;
 mod huge;
 mod ksm;
 mod layout;

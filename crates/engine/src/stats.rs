@@ -35,6 +35,10 @@ pub struct Stats {
     pub merges: u64,
     /// Merged pages later written (copy-on-write broken).
     pub cow_breaks: u64,
+    /// Copies no page counts any more, held back from reuse until no mapping of the store
+    /// covers them (a page written after its merge keeps its place there; dropped, it reads the
+    /// copy again). Checked about once a second.
+    pub copies_held: u64,
     /// Frozen pages that differed from their copy at compare time and were moved back.
     pub compare_mismatches: u64,
     /// VMAs of this process now, and the limit the engine respects.
@@ -168,6 +172,7 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         general_profit: ((sharing + zero) * PAGE as u64) as i64 - meta as i64,
         merges: c.merges.load(Ordering::Relaxed),
         cow_breaks: c.cow_breaks.load(Ordering::Relaxed),
+        copies_held: st.store.held() as u64,
         compare_mismatches: c.mismatches.load(Ordering::Relaxed),
         vmas_used: vmas,
         vma_limit: c.vma_limit.load(Ordering::Relaxed),

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use pageone_index::{Insert, KeyId, KeySource, SdTree};
 use pageone_sys as sys;
 
+use crate::held::{covered_copies, Held};
 use crate::proto::store::{punch_runs, runs};
 use crate::remote::Remote;
 use crate::EngineError;
@@ -158,6 +159,13 @@ pub(crate) struct Store {
     /// never written (it reads zeros and takes no memory) and never indexed. Pages mapping it are
     /// counted as zero pages, not in `shared`/`sharing_refs`.
     zero_hole: Vec<bool>,
+    /// Whether a page mapped the copy since the process's mappings last showed none covering
+    /// it: freed, it is held until they do (see the `held` module).
+    mapped: Vec<bool>,
+    /// Copies freed while a mapping may still cover them.
+    held: Held,
+    /// Held copies of a store of this engine's own, not yet punched.
+    held_unpunched: Vec<KeyId>,
     /// Copies with refs > 0.
     pub(crate) shared: u64,
     /// Sum of refs.
@@ -233,6 +241,9 @@ impl Store {
             free: Vec::new(),
             pending: Vec::new(),
             zero_hole: Vec::new(),
+            mapped: Vec::new(),
+            held: Held::default(),
+            held_unpunched: Vec::new(),
             shared: 0,
             sharing_refs: 0,
             hole_refs: 0,
@@ -360,10 +371,42 @@ impl Store {
             crossbeam_epoch::pin().flush();
         }
         self.collect_released();
+        self.release_held();
         if let Some(r) = &self.remote {
             r.flush();
         }
         self.punch_pending();
+    }
+
+    /// Gives back the held copies that no mapping covers any more, when due (see the `held`
+    /// module).
+    fn release_held(&mut self) {
+        let now = std::time::Instant::now();
+        if !self.held.due(now) {
+            return;
+        }
+        let maps = match sys::self_mappings() {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!(error = %e, "the mappings could not be read; copies stay held");
+                self.held.put_off(now);
+                return;
+            }
+        };
+        for id in self.held.clear(&covered_copies(&maps, self.inode), now) {
+            let i = id as usize;
+            // Given out again meanwhile (adopted from the daemon): its next free decides.
+            if self.allocated[i] || self.in_tree[i] != 0 {
+                continue;
+            }
+            self.mapped[i] = false;
+            self.release(id);
+        }
+    }
+
+    /// Copies held back from reuse (see the `held` module).
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
     }
 
     /// Tells the daemon, if any, that this process maps none of its copies any more (called once
@@ -382,6 +425,11 @@ impl Store {
     /// Punches the copies freed since the last call, one call per run of consecutive ids, and
     /// makes their ids reusable (lowest first, so reused ids come in runs too).
     pub(crate) fn punch_pending(&mut self) {
+        if !self.held_unpunched.is_empty() {
+            let mut ids = std::mem::take(&mut self.held_unpunched);
+            ids.sort_unstable();
+            punch_runs(self.fd(), &ids);
+        }
         if self.pending.is_empty() {
             return;
         }
@@ -462,6 +510,7 @@ impl Store {
 
     /// One more page maps copy `id`.
     pub(crate) fn add_ref(&mut self, id: KeyId) {
+        self.mapped[id as usize] = true;
         let r = &mut self.refs[id as usize];
         *r += 1;
         if self.zero_hole[id as usize] {
@@ -545,13 +594,26 @@ impl Store {
         }
     }
 
-    /// Frees an id nothing maps or indexes: punched (by `punch_pending`) and reused here, or
-    /// released to the daemon.
+    /// Frees an id nothing counts as mapping it or indexes; held while a mapping may still cover
+    /// it (see the `held` module), else released at once.
     fn give_back(&mut self, id: KeyId) {
         // Relaxed: see note_fork. A copy freed just before a fork is not mapped by anyone.
         if FORKED.load(Ordering::Relaxed) {
             return;
         }
+        if self.mapped[id as usize] {
+            self.held.hold(id);
+            if self.remote.is_none() {
+                self.held_unpunched.push(id);
+            }
+            return;
+        }
+        self.release(id);
+    }
+
+    /// Frees an id no page covers: punched (by `punch_pending`) and reused here, or released to
+    /// the daemon.
+    fn release(&mut self, id: KeyId) {
         match &self.remote {
             Some(r) => r.release(id),
             None => self.pending.push(id),
@@ -567,6 +629,7 @@ impl Store {
             self.allocated.resize(need, false);
             self.allocated_at.resize(need, 0);
             self.zero_hole.resize(need, false);
+            self.mapped.resize(need, false);
             // `entries` grows only with insertions into the tree (none with a daemon).
         }
     }
@@ -615,9 +678,9 @@ impl Store {
 
     /// Bytes of engine metadata attributable to the store (tree nodes and per-copy arrays).
     pub(crate) fn metadata_bytes(&self) -> u64 {
-        // Per id: refs and in_tree (4 bytes each), indexed and allocated (1 each); tree entries
-        // only up to the highest id ever inserted.
-        let per_id = 2 * std::mem::size_of::<u32>() + 2 * std::mem::size_of::<bool>();
+        // Per id: refs and in_tree (4 bytes each), indexed, allocated and mapped (1 each); tree
+        // entries only up to the highest id ever inserted.
+        let per_id = 2 * std::mem::size_of::<u32>() + 3 * std::mem::size_of::<bool>();
         let entries = self.entries.len() * std::mem::size_of::<Option<pageone_index::Entry>>();
         (self.tree.nodes_allocated() * 32 + self.refs.len() * per_id + entries) as u64
     }

@@ -1339,3 +1339,51 @@ fn a_read_of_a_merged_page_maps_its_neighbours() {
         );
     }
 }
+
+/// A merged page written keeps its place in the store's mapping (a private copy there); dropped
+/// by the program where the engine cannot see it first (a raw `madvise`), it reads the store at
+/// its copy's place again. Its copy, freed when no page counts it, must not be given to other
+/// bytes meanwhile: the dropped page reads zeros, never another page's bytes; once the page is
+/// gone, the copy is reused.
+#[test]
+fn a_dropped_page_over_a_freed_copy_never_reads_another_page() {
+    let _g = serial();
+    // Room for two copies: a third merge must reuse a freed one.
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .store_pages(2)
+        .build()
+        .unwrap();
+    let mut a = e.alloc_region(4 * PAGE).unwrap();
+    for (i, p) in a.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, 1 + i as u64 / 2);
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= 2);
+    assert_eq!((s.pages_shared, s.pages_sharing), (2, 2), "{s:?}");
+    // Both pages of the first copy written: it is freed.
+    fill(&mut a.as_mut_slice()[..PAGE], 50);
+    fill(&mut a.as_mut_slice()[PAGE..2 * PAGE], 51);
+    let s = wait_for(&e, |s| s.cow_breaks >= 2);
+    assert_eq!(s.pages_shared, 1, "{s:?}");
+    let mut b = e.alloc_region(2 * PAGE).unwrap();
+    for p in b.as_mut_slice().chunks_mut(PAGE) {
+        fill(p, 3);
+    }
+    // Long enough for the freed copy to be reused, were it not held.
+    e.wait_periods(25, Duration::from_secs(10));
+    // SAFETY: a page of the test's own region; no reference into it is live.
+    unsafe { sys::madvise(a.as_ptr(), PAGE, libc::MADV_DONTNEED) }.unwrap();
+    assert!(
+        check(&a.as_mut_slice()[..PAGE], 0),
+        "a dropped page read other bytes"
+    );
+    assert!(check(&a.as_mut_slice()[PAGE..2 * PAGE], 51));
+    assert!(b.as_mut_slice().chunks(PAGE).all(|p| check(p, 3)));
+    let s = e.stats();
+    assert_eq!((s.copies_held, s.pages_sharing), (1, 1), "{s:?}");
+    // The pages over the copy gone, it is reused.
+    drop(a);
+    let s = wait_for(&e, |s| s.pages_sharing >= 1 && s.copies_held == 0);
+    assert_eq!((s.pages_sharing, s.copies_held), (1, 0), "{s:?}");
+    assert!(b.as_mut_slice().chunks(PAGE).all(|p| check(p, 3)));
+}
