@@ -27,6 +27,8 @@ Environment:
   PAGEONE_CONFIG              the configuration file instead of /etc/pageone/pageone.toml
   PAGEONE_MERGE_PERIOD_MS     the merge period of engines the shim starts
   PAGEONE_WORKERS             their worker threads
+  PAGEONE_STORE_PAGES         the most copies a store of their own holds (default: a page
+                              per page of RAM)
   PAGEONE_POPULATE_MERGED=1   their merged pages are mapped as they merge (a first read is
                               then a load, not a page fault; merging costs more CPU)
   PAGEONE_RESTORE_HUGE_PAGES=0  huge pages split by the watch stay split (by default,

@@ -268,7 +268,8 @@ fn repetitive_pair_merged(name: &str, distinct: usize) -> (Daemon, Vec<Client>, 
 /// counted by anyone, but the pages keep their places in the store's mappings. Two more processes
 /// then merge other contents, for which the daemon gives out free slots. The first processes
 /// drop their pages with a `madvise` the engine cannot see first: each page reads zeros or the
-/// bytes its copy held, never the other processes' (the copies stay held while mapped).
+/// bytes its copy held, never the other processes' (the copies stay held while mapped, emptied
+/// meanwhile: their memory goes back to the host).
 #[test]
 fn a_page_dropped_unseen_never_reads_a_slot_given_to_other_contents() {
     let _g = serial();
@@ -292,6 +293,10 @@ fn a_page_dropped_unseen_never_reads_a_slot_given_to_other_contents() {
         assert_eq!(c.ask("KICK"), "KICKED");
         assert_eq!(c.ask("KICK"), "KICKED");
     }
+    // Held (the written pages lie over them) and vacated by both: the daemon emptied them.
+    wait_for("the first pair's copies emptied", 10, || {
+        scope(&status(&path), "held").is_some_and(|s| s["store_resident_bytes"].as_u64() == Some(0))
+    });
     let mut second: Vec<Client> = (0..2).map(|_| Client::start(&path, "held", mib)).collect();
     for c in &mut second {
         assert_eq!(c.ask("REWRITE"), "REWRITTEN");

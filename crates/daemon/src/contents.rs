@@ -38,6 +38,12 @@ impl SlotSet {
         present
     }
 
+    /// Whether `slot` is in the set.
+    pub(crate) fn contains(&self, slot: u32) -> bool {
+        let (w, b) = (slot as usize / 64, slot % 64);
+        self.bits.get(w).is_some_and(|x| x & (1 << b) != 0)
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.len
     }

@@ -72,6 +72,8 @@ impl Harness {
             {
                 return Err(format!("a client has {} notes, over its cap", c.notes));
             }
+            st.check_holds()
+                .map_err(|e| format!("scope {}: {e}", sc.name))?;
             if st.live > st.pages_in_use() {
                 return Err(format!("scope {}: more live copies than pages", sc.name));
             }

@@ -20,6 +20,9 @@
 //! * `CopyFresh(n)`: the same without the deduplication, for a copy that must be another one:
 //!   the client already maps `max_sharing` pages onto the existing copy of that content.
 //! * `Release(slots)`: the client neither maps nor indexes them any more.
+//! * `Vacate(slots)`: the client still holds them but needs their bytes no more (a page written
+//!   after its merge may still lie in a mapping of one): a slot all its holders vacated is
+//!   emptied (out of the index, punched) and freed once they release it.
 //! * `Forget(hashes)`: the client's pages of these contents are gone (written or released): its
 //!   notes of them are dropped, so notes stay as many as the clients' live first sightings.
 //!
@@ -48,7 +51,7 @@
 //! numbers for Prometheus, over HTTP, when asked for).
 
 mod contents;
-#[cfg(feature = "harness")]
+#[cfg(any(test, feature = "harness"))]
 pub mod harness;
 mod limits;
 mod listen;
@@ -186,7 +189,7 @@ impl Inner {
     }
 
     /// Every scope, for checks (the fuzz harness).
-    #[cfg(feature = "harness")]
+    #[cfg(any(test, feature = "harness"))]
     fn all_scopes(&self) -> Vec<Arc<Scope>> {
         pageone_sync::lock(&self.scopes).values().cloned().collect()
     }

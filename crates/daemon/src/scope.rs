@@ -41,6 +41,8 @@ pub(crate) struct Client {
     /// False once its connection ended while its process lives (see `Session::leave`).
     pub(crate) connected: bool,
     pub(crate) held: SlotSet,
+    /// Its holds of slots whose bytes it needs no more (see [`vacate`]).
+    pub(crate) vacant: SlotSet,
     pub(crate) offers: Vec<(u128, u32)>,
     /// Notes (sightings of contents without a copy) of this client.
     pub(crate) notes: usize,
@@ -57,6 +59,7 @@ impl Client {
             pid,
             connected: true,
             held: SlotSet::default(),
+            vacant: SlotSet::default(),
             offers: Vec::new(),
             notes: 0,
             report: None,
@@ -69,6 +72,11 @@ impl Client {
 pub(crate) struct ScopeState {
     pub(crate) contents: Contents,
     holders: Vec<u32>,
+    /// Per slot, its holders that vacated it (see [`vacate`]): when they are all of its
+    /// holders, the slot is empty (punched, out of the index) until they release it.
+    vacant: Vec<u32>,
+    /// Slots emptied and not yet punched (see [`ScopeState::punch_emptied`]).
+    emptied: Vec<u32>,
     free: FreeSlots,
     bump: u32,
     pub(crate) live: u64,
@@ -127,6 +135,8 @@ impl Scope {
             state: Mutex::new(ScopeState {
                 contents: Contents::new(),
                 holders: Vec::new(),
+                vacant: Vec::new(),
+                emptied: Vec::new(),
                 free: FreeSlots::default(),
                 bump: 0,
                 live: 0,
@@ -249,6 +259,7 @@ impl ScopeState {
         self.bump += 1;
         self.contents.hash_of.push(0);
         self.holders.push(0);
+        self.vacant.push(0);
         Some(self.bump - 1)
     }
 
@@ -271,24 +282,110 @@ impl ScopeState {
         }
     }
 
+    /// Holds `slot` (a copy the index answered with, or one just made) for `client`; a hold it
+    /// had vacated needs the bytes again.
     pub(crate) fn hold(&mut self, client: u64, slot: u32) {
+        debug_assert!(!self.is_empty_slot(slot), "an emptied slot is in no answer");
         if let Some(c) = self.clients.get_mut(&client) {
+            let i = slot as usize;
             if c.held.insert(slot) {
-                self.holders[slot as usize] += 1;
+                self.holders[i] += 1;
+            } else if c.vacant.remove(slot) {
+                self.vacant[i] -= 1;
             }
         }
     }
 
-    /// Drops one holder of `slot`. When none is left the slot leaves the index and is pushed to
-    /// `dead`: the caller punches it, then gives it to [`ScopeState::reuse`] (not before, or a new
-    /// copy written there could be punched).
-    pub(crate) fn unhold(&mut self, slot: u32, dead: &mut Vec<u32>) {
-        let h = &mut self.holders[slot as usize];
-        *h -= 1;
-        if *h == 0 {
-            self.contents.remove_copy(slot);
-            self.live -= 1;
+    /// Whether `slot` was emptied: held, by holders that all vacated it.
+    fn is_empty_slot(&self, slot: u32) -> bool {
+        let i = slot as usize;
+        self.holders[i] != 0 && self.vacant[i] == self.holders[i]
+    }
+
+    /// Drops one holder of `slot` (`vacated`: a hold it had vacated). When none is left the
+    /// slot leaves the index (if it was not emptied before) and is pushed to `dead`: the caller
+    /// punches it, then gives it to [`ScopeState::reuse`] (not before, or a new copy written
+    /// there could be punched). When those left all vacated it, it is emptied now.
+    pub(crate) fn unhold(&mut self, slot: u32, vacated: bool, dead: &mut Vec<u32>) {
+        let i = slot as usize;
+        let was_empty = self.is_empty_slot(slot);
+        self.holders[i] -= 1;
+        self.vacant[i] -= u32::from(vacated);
+        if self.holders[i] == 0 {
+            if !was_empty {
+                self.take_out(slot);
+            }
             dead.push(slot);
+        } else if !was_empty && self.is_empty_slot(slot) {
+            self.take_out(slot);
+            self.emptied.push(slot);
+        }
+    }
+
+    /// Checks the holds: each slot's holders and vacated holders are the clients holding it and
+    /// having vacated it, a client vacates only slots it holds, and no emptied slot is answered
+    /// for its content.
+    #[cfg(any(test, feature = "harness"))]
+    pub(crate) fn check_holds(&self) -> Result<(), String> {
+        for s in 0..self.bump {
+            let held = self.clients.values().filter(|c| c.held.contains(s)).count();
+            let vacant = self
+                .clients
+                .values()
+                .filter(|c| c.vacant.contains(s))
+                .count();
+            let i = s as usize;
+            if (self.holders[i] as usize, self.vacant[i] as usize) != (held, vacant) {
+                return Err(format!(
+                    "slot {s}: {} holders and {} vacated counted, {held} and {vacant} found",
+                    self.holders[i], self.vacant[i]
+                ));
+            }
+            if self.is_empty_slot(s) && self.contents.copy_of(self.contents.hash_of[i]) == Some(s) {
+                return Err(format!("slot {s} was emptied and is still answered"));
+            }
+        }
+        if let Some(c) = self.clients.values().find(|c| {
+            (0..self.bump).any(|s| c.vacant.contains(s) && !c.held.contains(s))
+                || c.vacant.len() > c.held.len()
+        }) {
+            return Err(format!("client {} vacated a slot it does not hold", c.pid));
+        }
+        Ok(())
+    }
+
+    /// Punches the slots emptied since the last call. Under the scope's lock: an emptied slot
+    /// is freed (and may take a new copy) once its holders release it, which must come after.
+    pub(crate) fn punch_emptied(&mut self, sc: &Scope) {
+        if self.emptied.is_empty() {
+            return;
+        }
+        self.emptied.sort_unstable();
+        proto::store::punch_runs(sc.fd.as_raw_fd(), &self.emptied);
+        self.emptied.clear();
+    }
+
+    /// Takes `slot`'s copy out of the index: no answer names it again.
+    fn take_out(&mut self, slot: u32) {
+        self.contents.remove_copy(slot);
+        self.live -= 1;
+    }
+
+    /// Client `id` vacates its holds of `slots` (others are ignored); slots every holder vacated
+    /// are emptied (punched by [`ScopeState::punch_emptied`]).
+    fn vacate(&mut self, id: u64, slots: &[u32]) {
+        for &s in slots {
+            let Some(c) = self.clients.get_mut(&id) else {
+                return;
+            };
+            if !c.held.contains(s) || !c.vacant.insert(s) {
+                continue;
+            }
+            self.vacant[s as usize] += 1;
+            if self.is_empty_slot(s) {
+                self.take_out(s);
+                self.emptied.push(s);
+            }
         }
     }
 
@@ -642,14 +739,30 @@ pub(crate) fn release(sc: &Scope, id: u64, slots: &[u32]) -> Reply {
     let mut dead = Vec::new();
     let mut st = lock(&sc.state);
     for &s in slots {
-        let held = st.clients.get_mut(&id).is_some_and(|c| c.held.remove(s));
-        if held {
-            st.unhold(s, &mut dead);
+        let Some(c) = st.clients.get_mut(&id) else {
+            break;
+        };
+        if c.held.remove(s) {
+            let vacated = c.vacant.remove(s);
+            st.unhold(s, vacated, &mut dead);
         }
     }
+    st.punch_emptied(sc);
     st.compact();
     drop(st);
     free_slots(sc, dead);
+    Reply::Ok
+}
+
+/// Client `id` still holds `slots` but needs their bytes no more: no page of it counts them,
+/// though a page written after its merge may still lie in a mapping of one (and read it again
+/// if dropped), so they are not given other contents until it releases them. A slot that every
+/// holder vacated is emptied: out of the index and punched (it reads zeros), its page back to
+/// the host.
+pub(crate) fn vacate(sc: &Scope, id: u64, slots: &[u32]) -> Reply {
+    let mut st = lock(&sc.state);
+    st.vacate(id, slots);
+    st.punch_emptied(sc);
     Reply::Ok
 }
 
@@ -704,6 +817,94 @@ pub(crate) fn report(sc: &Scope, id: u64, json: &str) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::harness::{Client as Conn, Harness};
+    use pageone_proto::Request;
+    use std::io::Write;
+
+    /// A client of a test daemon joined to scope "t", with its pipe's write end and the
+    /// store (read-only).
+    fn joined(h: &Harness) -> (Conn, OwnedFd, std::fs::File) {
+        let mut c = h.connect(0).unwrap();
+        let (r, w) = pageone_sys::pipe().unwrap();
+        let hello = Request::Hello {
+            version: proto::VERSION,
+            scope: "t".into(),
+        };
+        let (reply, store) = c.frame(&hello.encode()[4..], Some(r)).unwrap();
+        assert!(matches!(reply, Reply::Welcome { .. }), "{reply:?}");
+        (c, w, std::fs::File::from(store.unwrap()))
+    }
+
+    fn ask(c: &mut Conn, req: Request) -> Reply {
+        c.frame(&req.encode()[4..], None).unwrap().0
+    }
+
+    /// Copies a page of bytes `b` through the pipe: the slot holding it.
+    fn copy(c: &mut Conn, pipe: &OwnedFd, b: u8) -> u32 {
+        let mut f = std::fs::File::from(pipe.try_clone().unwrap());
+        f.write_all(&[b; PAGE]).unwrap();
+        match ask(c, Request::Copy(1)) {
+            Reply::Slots(s) if s.len() == 1 && s[0] != proto::FAILED => s[0],
+            r => panic!("{r:?}"),
+        }
+    }
+
+    /// The first byte of slot `s` as the store holds it.
+    fn first_byte(store: &std::fs::File, s: u32) -> u8 {
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 1];
+        store
+            .read_exact_at(&mut b, u64::from(s) * PAGE as u64)
+            .unwrap();
+        b[0]
+    }
+
+    /// A slot every holder vacated is emptied (punched, no longer answered) but not reused
+    /// until they all release it; a holder answered with the slot again needs its bytes again.
+    #[test]
+    fn a_slot_is_emptied_once_every_holder_vacated_it_and_reused_once_released() {
+        let h = Harness::new(Limits::for_ram(1 << 30), 64);
+        let (mut a, pa, store) = joined(&h);
+        let (mut b, pb, _) = joined(&h);
+        let s = copy(&mut a, &pa, 7);
+        assert_eq!(copy(&mut b, &pb, 7), s);
+        assert_eq!(ask(&mut a, Request::Vacate(vec![s])), Reply::Ok);
+        // B still needs the bytes.
+        assert_eq!(first_byte(&store, s), 7);
+        // A slot B does not hold: ignored.
+        assert_eq!(ask(&mut b, Request::Vacate(vec![s + 1, 63])), Reply::Ok);
+        h.check().unwrap();
+        assert_eq!(ask(&mut b, Request::Vacate(vec![s])), Reply::Ok);
+        assert_eq!(first_byte(&store, s), 0, "emptied: punched");
+        h.check().unwrap();
+        // Not answered any more: the same content takes another slot.
+        let s2 = copy(&mut b, &pb, 7);
+        assert_ne!(s2, s);
+        // Held by B (vacated): not reused when A lets go.
+        assert_eq!(ask(&mut a, Request::Release(vec![s])), Reply::Ok);
+        let s3 = copy(&mut a, &pa, 8);
+        assert_ne!(s3, s);
+        h.check().unwrap();
+        // Released by both: reused (lowest free first).
+        assert_eq!(ask(&mut b, Request::Release(vec![s])), Reply::Ok);
+        assert_eq!(copy(&mut a, &pa, 9), s);
+        assert_eq!(first_byte(&store, s), 9);
+        // A vacates a slot, then is answered with it again: B's vacate leaves the bytes.
+        let w = copy(&mut a, &pa, 10);
+        assert_eq!(copy(&mut b, &pb, 10), w);
+        assert_eq!(ask(&mut a, Request::Vacate(vec![w])), Reply::Ok);
+        assert_eq!(copy(&mut a, &pa, 10), w);
+        assert_eq!(ask(&mut b, Request::Vacate(vec![w])), Reply::Ok);
+        assert_eq!(first_byte(&store, w), 10);
+        h.check().unwrap();
+        // A leaving with a vacated hold: counted out too.
+        assert_eq!(ask(&mut a, Request::Vacate(vec![s3])), Reply::Ok);
+        a.leave();
+        h.check().unwrap();
+        b.leave();
+        h.check().unwrap();
+        assert!(h.is_empty());
+    }
 
     #[test]
     fn freed_slots_come_back_lowest_first() {

@@ -103,6 +103,7 @@ impl Session {
             (Some(j), Request::Copy(n)) => copy(j, n, false),
             (Some(j), Request::CopyFresh(n)) => copy(j, n, true),
             (Some(j), Request::Release(slots)) => scope::release(&j.scope, j.id, &slots),
+            (Some(j), Request::Vacate(slots)) => scope::vacate(&j.scope, j.id, &slots),
             (Some(j), Request::Forget(hashes)) => scope::forget(&j.scope, j.id, &hashes),
             (Some(j), Request::Report(json)) => scope::report(&j.scope, j.id, &json),
         };
@@ -252,8 +253,9 @@ impl Session {
         let mut st = lock(&sc.state);
         if let Some(c) = st.clients.remove(&id) {
             for s in c.held.into_slots() {
-                st.unhold(s, &mut dead);
+                st.unhold(s, c.vacant.contains(s), &mut dead);
             }
+            st.punch_emptied(&sc);
             st.forget_client(id);
             tracing::info!(client = id, pid = c.pid, scope = %sc.name, "client left");
         }

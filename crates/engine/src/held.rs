@@ -7,8 +7,9 @@
 //! store file at its copy's offset again. So a copy that no page counts any more is reused (by
 //! this engine, or by the daemon once released) only after the process's mappings show that no
 //! private mapping of the store covers it; until then a dropped page over it reads what the copy
-//! held, never another page's bytes (a store of the engine's own punches it at once: it reads
-//! zeros, as a dropped page of anonymous memory does).
+//! held, never another page's bytes. A store of the engine's own punches it at once: it reads
+//! zeros, as a dropped page of anonymous memory does. A daemon's slot is vacated (the daemon
+//! empties it once no process needs its bytes: zeros too, and its memory back).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};

@@ -67,6 +67,11 @@ pub(crate) struct Remote {
     /// Slots to release at the next flush (a set, so that a slot granted again before the flush
     /// is simply kept: the daemon's holds are a set per client, not a count).
     releases: Mutex<HashSet<u32>>,
+    /// Slots to vacate at the next flush (see [`Remote::vacate`]).
+    vacates: Mutex<HashSet<u32>>,
+    /// Slots vacated and not granted again since: a grant the daemon made before it took the
+    /// vacate is not usable (see [`Remote::is_vacated`]).
+    vacated: Mutex<HashSet<u32>>,
     /// Looked-up hashes whose page is gone, to send at the next flush.
     forgets: Mutex<Vec<u128>>,
     capacity: u32,
@@ -135,6 +140,8 @@ impl Remote {
                 scope,
                 lost: AtomicBool::new(false),
                 releases: Mutex::new(HashSet::new()),
+                vacates: Mutex::new(HashSet::new()),
+                vacated: Mutex::new(HashSet::new()),
                 forgets: Mutex::new(Vec::new()),
                 capacity,
                 copies_paused: Mutex::new(None),
@@ -233,6 +240,7 @@ impl Remote {
                             proto::NOTED
                         }
                     }));
+                    self.granted(&answers[answers.len() - chunk.len()..]);
                     offers.extend(o.into_iter().filter(|&(_, s)| self.valid(s)));
                 }
                 _ => return self.protocol_error(),
@@ -281,6 +289,7 @@ impl Remote {
             };
             match self.call(&sock, &req) {
                 Some(Reply::Slots(s)) if s.len() == taken => {
+                    self.granted(&s);
                     out.extend(s.into_iter().map(|s| self.valid(s).then_some(s)));
                 }
                 reply => {
@@ -296,14 +305,43 @@ impl Remote {
         out
     }
 
-    /// A slot granted again before its release was sent stays held.
+    /// A slot granted again before its release (or vacate) was sent stays held.
     pub(crate) fn keep(&self, slot: u32) {
         lock(&self.releases).remove(&slot);
+        lock(&self.vacates).remove(&slot);
     }
 
     pub(crate) fn release(&self, slot: u32) {
+        lock(&self.vacates).remove(&slot);
+        lock(&self.vacated).remove(&slot);
         if !self.is_lost() {
             lock(&self.releases).insert(slot);
+        }
+    }
+
+    /// Tells the daemon at the next flush that this process still holds `slot` but needs its
+    /// bytes no more (no page counts it; one may still lie in a mapping of it).
+    pub(crate) fn vacate(&self, slot: u32) {
+        if !self.is_lost() {
+            lock(&self.vacates).insert(slot);
+        }
+    }
+
+    /// Whether `slot` was vacated and not granted again since: an answer naming it that came
+    /// before the vacate went out is stale (the daemon may empty the slot), so the slot is not
+    /// merged onto. (A grant after the vacate makes the hold whole again at the daemon.)
+    pub(crate) fn is_vacated(&self, slot: u32) -> bool {
+        lock(&self.vacated).contains(&slot)
+    }
+
+    /// Slots in a reply the daemon just sent (held whole for this process again). Called with
+    /// the socket held, so no vacate goes out meanwhile.
+    fn granted(&self, slots: &[u32]) {
+        let mut vacated = lock(&self.vacated);
+        if !vacated.is_empty() {
+            for s in slots {
+                vacated.remove(s);
+            }
         }
     }
 
@@ -317,15 +355,20 @@ impl Remote {
     /// Sends the pending releases and forgotten hashes. Those the daemon did not take (its
     /// user's requests in flight were at their cap) wait for the next flush.
     pub(crate) fn flush(&self) {
+        let vacates: Vec<u32> = lock(&self.vacates).drain().collect();
         let all: Vec<u32> = lock(&self.releases).drain().collect();
         let forgets = std::mem::take(&mut *lock(&self.forgets));
-        if all.is_empty() && forgets.is_empty() {
+        if vacates.is_empty() && all.is_empty() && forgets.is_empty() {
             return;
         }
         let sock = lock(&self.sock);
-        let requests = all
+        let requests = vacates
             .chunks(proto::MAX_ITEMS)
-            .map(|c| Request::Release(c.to_vec()))
+            .map(|c| Request::Vacate(c.to_vec()))
+            .chain(
+                all.chunks(proto::MAX_ITEMS)
+                    .map(|c| Request::Release(c.to_vec())),
+            )
             .chain(
                 forgets
                     .chunks(proto::MAX_ITEMS)
@@ -334,8 +377,13 @@ impl Remote {
         let mut failed = false;
         for req in requests {
             failed = failed || !matches!(self.call(&sock, &req), Some(Reply::Ok));
-            if failed && !self.is_lost() {
+            if !failed {
+                if let Request::Vacate(slots) = &req {
+                    lock(&self.vacated).extend(slots);
+                }
+            } else if !self.is_lost() {
                 match req {
+                    Request::Vacate(slots) => lock(&self.vacates).extend(slots),
                     Request::Release(slots) => lock(&self.releases).extend(slots),
                     Request::Forget(hashes) => lock(&self.forgets).extend(hashes),
                     _ => {}

@@ -603,8 +603,9 @@ impl Store {
         }
         if self.mapped[id as usize] {
             self.held.hold(id);
-            if self.remote.is_none() {
-                self.held_unpunched.push(id);
+            match &self.remote {
+                Some(r) => r.vacate(id),
+                None => self.held_unpunched.push(id),
             }
             return;
         }
@@ -643,6 +644,10 @@ impl Store {
         }
         self.ensure(id);
         if let Some(r) = &self.remote {
+            // An answer from before this process vacated the slot: the daemon may empty it.
+            if r.is_vacated(id) {
+                return None;
+            }
             r.keep(id);
         }
         let i = id as usize;

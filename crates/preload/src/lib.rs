@@ -120,7 +120,8 @@ fn log(msg: &str) {
 }
 
 /// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`,
-/// the worker threads from `PAGEONE_WORKERS`, `PAGEONE_POPULATE_MERGED=1`,
+/// the worker threads from `PAGEONE_WORKERS`, the most copies of a store of its own from
+/// `PAGEONE_STORE_PAGES`, `PAGEONE_POPULATE_MERGED=1`,
 /// `PAGEONE_RESTORE_HUGE_PAGES=0` and `PAGEONE_KSM_WHEN_LIMITED=0` (ignored, like every `PAGEONE_*` variable, in set-user-ID and
 /// similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
@@ -133,6 +134,10 @@ fn builder() -> pageone_engine::Builder {
     };
     let b = match setting(c"PAGEONE_WORKERS", "worker threads") {
         Some(n) => b.workers(n as usize),
+        None => b,
+    };
+    let b = match setting(c"PAGEONE_STORE_PAGES", "pages") {
+        Some(n) => b.store_pages(n.clamp(1, u64::from(u32::MAX - 1)) as u32),
         None => b,
     };
     let b = match setting(

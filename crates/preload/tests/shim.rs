@@ -104,6 +104,18 @@ fn a_randomized_program_merging_everything_never_reads_a_wrong_page() {
     run_model_with(false, 10.0, &[("MODEL_MERGE_ALL", "1")]);
 }
 
+/// The model also dropping pages with a `madvise` no shim sees, with a store small enough that
+/// freed copies are reused all along: a dropped page reads zeros or bytes it held, never another
+/// page's.
+#[test]
+fn a_randomized_program_dropping_pages_unseen_never_reads_another_page() {
+    run_model_with(
+        false,
+        10.0,
+        &[("MODEL_RAW", "1"), ("PAGEONE_STORE_PAGES", "2048")],
+    );
+}
+
 /// Runs `tests/c/model.c` under the shim for `PAGEONE_MODEL_SECONDS` (else `default_seconds`),
 /// with `MODEL_HUGE` set if `huge`, and fails with its output.
 fn run_model(huge: bool, default_seconds: f64) {

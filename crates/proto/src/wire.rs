@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use pageone_sys as sys;
 
-/// 5: `OverCap` replies; `Status` shows a caller only its own user's scopes.
-pub const VERSION: u32 = 5;
+/// 5: `OverCap` replies; `Status` shows a caller only its own user's scopes. 6: `Vacate`.
+pub const VERSION: u32 = 6;
 /// Most records in one request.
 pub const MAX_ITEMS: usize = 1 << 16;
 /// Largest frame either side accepts.
@@ -35,6 +35,7 @@ const T_STATUS: u32 = 6;
 const T_COPY_FRESH: u32 = 7;
 const T_FORGET: u32 = 8;
 const T_GOODBYE: u32 = 9;
+const T_VACATE: u32 = 10;
 const T_WELCOME: u32 = 101;
 const T_ANSWERS: u32 = 102;
 const T_SLOTS: u32 = 103;
@@ -56,6 +57,11 @@ pub enum Request {
     CopyFresh(u32),
     /// Slots this client no longer indexes or maps.
     Release(Vec<u32>),
+    /// Slots this client still holds but whose bytes it needs no more: no page of it counts
+    /// them, but one may still lie in a mapping of them (written after its merge), so they must
+    /// not take other contents until it releases them. A slot every holder vacated is emptied
+    /// (punched, out of the index); a later `Release` frees it.
+    Vacate(Vec<u32>),
     /// Hashes this client looked up earlier whose page it no longer has (written or released):
     /// it wants no copy of them offered, and the daemon stops remembering its note.
     Forget(Vec<u128>),
@@ -202,6 +208,10 @@ impl Dec<'_> {
         let n = self.count(16)?;
         (0..n).map(|_| self.u128()).collect()
     }
+    fn slots(&mut self) -> Result<Vec<u32>, ProtoError> {
+        let n = self.count(4)?;
+        (0..n).map(|_| self.u32()).collect()
+    }
     fn string(&mut self) -> Result<String, ProtoError> {
         let n = self.count(1)?;
         String::from_utf8(self.take(n)?.to_vec()).map_err(|_| ProtoError::Malformed("not UTF-8"))
@@ -238,8 +248,12 @@ impl Request {
                 e.u32(*n);
                 e.finish()
             }
-            Request::Release(ids) => {
-                let mut e = Enc::with_room(T_RELEASE, 4 + 4 * ids.len());
+            Request::Release(ids) | Request::Vacate(ids) => {
+                let tag = match self {
+                    Request::Vacate(_) => T_VACATE,
+                    _ => T_RELEASE,
+                };
+                let mut e = Enc::with_room(tag, 4 + 4 * ids.len());
                 e.u32(ids.len() as u32);
                 for &i in ids {
                     e.u32(i);
@@ -272,10 +286,8 @@ impl Request {
             T_LOOKUP => Request::Lookup(d.hashes()?),
             T_COPY => Request::Copy(d.u32()?),
             T_COPY_FRESH => Request::CopyFresh(d.u32()?),
-            T_RELEASE => {
-                let n = d.count(4)?;
-                Request::Release((0..n).map(|_| d.u32()).collect::<Result<_, _>>()?)
-            }
+            T_RELEASE => Request::Release(d.slots()?),
+            T_VACATE => Request::Vacate(d.slots()?),
             T_FORGET => Request::Forget(d.hashes()?),
             T_REPORT => Request::Report(d.string()?),
             T_STATUS => Request::Status,
@@ -533,6 +545,7 @@ mod tests {
             Request::Copy(12),
             Request::CopyFresh(3),
             Request::Release(vec![3, 4]),
+            Request::Vacate(vec![5, 6, 7]),
             Request::Forget(vec![5, u128::MAX]),
             Request::Report("{}".into()),
             Request::Status,

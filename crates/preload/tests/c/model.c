@@ -10,6 +10,10 @@
  * with an engine of their own) and signals itself (the handler writes registered memory). Every
  * page must read what the shadow says: the last bytes written, zeros after DONTNEED, zeros or the
  * old bytes after FREE.
+ * With MODEL_RAW set, it also drops pages with MADV_DONTNEED through the system call itself,
+ * which no shim sees: such a page must read zeros, its last bytes, or a shared content it held
+ * before (a page written after its merge reads its copy again), never anything else; every other
+ * page as exactly as ever.
  * Prints "OK steps=N merged_mappings=M"; on the first wrong page prints the seed, the step and
  * the page, and exits 1. With MODEL_MERGE_ALL set, the program first asks for
  * PR_SET_MEMORY_MERGE: every anonymous mapping (its shadow, its threads' stacks, its heap) is
@@ -24,6 +28,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -34,7 +39,7 @@
 #define MAXREG 48
 #define WRITERS 3
 
-enum { F_RO = 1, F_MAYBE_ZERO = 2, F_LOCKED = 4 };
+enum { F_RO = 1, F_MAYBE_ZERO = 2, F_LOCKED = 4, F_RAW = 8 };
 
 struct region {
     unsigned char *addr;
@@ -42,6 +47,7 @@ struct region {
     unsigned char *cid;  /* content per page */
     uint32_t *ver;       /* version per page (unique contents) */
     unsigned char *flag; /* F_* per page */
+    uint32_t *hist;      /* shared contents (bit per content) each page ever held */
     void *malloc_block;  /* set when the region lies in a malloc'd block */
     int used;
 };
@@ -53,6 +59,8 @@ static int tracing;
 /* MODEL_HUGE: regions are advised MADV_HUGEPAGE before they are filled, and MADV_HUGEPAGE is one
  * more advice given to parts of them (merged ones too). */
 static int huge;
+/* MODEL_RAW: see the top. */
+static int raw;
 static char trail[64][160];
 static unsigned trail_n;
 #define TRACE(...)                                                                                 \
@@ -128,6 +136,11 @@ static void check_page(int k, size_t i, const char *what) {
         return;
     if ((r->flag[i] & F_MAYBE_ZERO) && memcmp(p, patterns[0], PAGE) == 0)
         return;
+    if (r->flag[i] & F_RAW) {
+        int c = name_content(p);
+        if (c == 0 || (c > 0 && (r->hist[i] >> c & 1)))
+            return;
+    }
     fail(what, k, i);
 }
 
@@ -155,6 +168,7 @@ static void write_page(struct region *r, size_t i, uint64_t *rng, uint32_t ver) 
     unsigned char *p = r->addr + i * PAGE;
     if (kind < 6) {
         r->cid[i] = 1 + next(rng) % SHARED;
+        r->hist[i] |= 1u << r->cid[i];
         memcpy(p, patterns[r->cid[i]], PAGE);
     } else if (kind < 8) {
         r->cid[i] = 0;
@@ -164,7 +178,7 @@ static void write_page(struct region *r, size_t i, uint64_t *rng, uint32_t ver) 
         r->ver[i] = ver;
         unique_page(p, ver);
     }
-    r->flag[i] &= ~F_MAYBE_ZERO;
+    r->flag[i] &= ~(F_MAYBE_ZERO | F_RAW);
 }
 
 static void *writer(void *arg) {
@@ -208,6 +222,28 @@ static int free_slot(void) {
     return -1;
 }
 
+/* What heap pages held before their malloc block was freed: the heap is not unmapped, so a page
+ * of a later block there may still lie over a copy of such bytes (bits as in region.hist, by
+ * page address; a table with linear probing). */
+#define HEAP_PAGES 262144
+static uintptr_t heap_addr[HEAP_PAGES];
+static uint32_t heap_hist[HEAP_PAGES];
+
+static uint32_t *heap_entry(uintptr_t a, int add) {
+    size_t i = (size_t)((a / PAGE) * 0x9E3779B97F4A7C15ULL >> 40) % HEAP_PAGES;
+    for (size_t n = 0; n < HEAP_PAGES; n++, i = (i + 1) % HEAP_PAGES) {
+        if (heap_addr[i] == a)
+            return &heap_hist[i];
+        if (heap_addr[i] == 0) {
+            if (!add)
+                return NULL;
+            heap_addr[i] = a;
+            return &heap_hist[i];
+        }
+    }
+    return NULL;
+}
+
 static void track(int k, unsigned char *addr, size_t pages, void *block) {
     struct region *r = &R[k];
     r->addr = addr;
@@ -215,19 +251,33 @@ static void track(int k, unsigned char *addr, size_t pages, void *block) {
     r->cid = calloc(pages + 1, 1);
     r->ver = calloc(pages + 1, sizeof *r->ver);
     r->flag = calloc(pages + 1, 1);
+    r->hist = calloc(pages + 1, sizeof *r->hist);
+    for (size_t i = 0; block && i < pages; i++) {
+        uint32_t *h = heap_entry((uintptr_t)addr + i * PAGE, 0);
+        r->hist[i] = h ? *h : 0;
+    }
     r->malloc_block = block;
     r->used = 1;
 }
 
 static void untrack(int k) {
+    for (size_t i = 0; R[k].malloc_block && i < R[k].pages; i++) {
+        uint32_t *h = heap_entry((uintptr_t)R[k].addr + i * PAGE, 1);
+        if (h)
+            *h |= R[k].hist[i];
+    }
     free(R[k].cid);
     free(R[k].ver);
     free(R[k].flag);
+    free(R[k].hist);
     memset(&R[k], 0, sizeof R[k]);
 }
 
 static void fill_region(int k, uint64_t *rng) {
-    uint32_t ver = 0x80000000u | (uint32_t)step << 8;
+    /* Unique contents never repeat (a region has fewer than 4096 pages, and several regions are
+     * filled in one step), so they never merge. */
+    static uint32_t fills;
+    uint32_t ver = 0x80000000u | (fills++ & 0x7FFFFu) << 12;
     for (size_t i = 0; i < R[k].pages; i++)
         write_page(&R[k], i, rng, ver + (uint32_t)i);
 }
@@ -305,6 +355,7 @@ static void op_unmap(uint64_t *rng, int k) {
         memcpy(R[k2].cid, r->cid + a + n, tail);
         memcpy(R[k2].ver, r->ver + a + n, tail * sizeof *r->ver);
         memcpy(R[k2].flag, r->flag + a + n, tail);
+        memcpy(R[k2].hist, r->hist + a + n, tail * sizeof *r->hist);
     } else if (tail) {
         munmap(r->addr + (a + n) * PAGE, tail * PAGE);
     }
@@ -332,16 +383,35 @@ static void op_remap(uint64_t *rng, int k) {
     r->cid = realloc(r->cid, pages + 1);
     r->ver = realloc(r->ver, (pages + 1) * sizeof *r->ver);
     r->flag = realloc(r->flag, pages + 1);
+    r->hist = realloc(r->hist, (pages + 1) * sizeof *r->hist);
     for (size_t i = r->pages; i < pages; i++)
-        r->cid[i] = 0, r->ver[i] = 0, r->flag[i] = 0;
+        r->cid[i] = 0, r->ver[i] = 0, r->flag[i] = 0, r->hist[i] = 0;
     r->addr = p;
     r->pages = pages;
+}
+
+/* MADV_DONTNEED of pages [a, a+n) of region k through the system call, which no shim sees. */
+static void drop_raw(int k, size_t a, size_t n) {
+    struct region *r = &R[k];
+    for (size_t i = a; i < a + n; i++)
+        if (r->flag[i] & F_LOCKED)
+            return;
+    TRACE("step %ld raw madvise DONTNEED region %d pages %zu+%zu at %p\n", step, k, a, n,
+          (void *)(r->addr + a * PAGE));
+    /* (Refused part way, the pages before the refusal may have been dropped: the same.) */
+    syscall(SYS_madvise, r->addr + a * PAGE, n * PAGE, MADV_DONTNEED);
+    for (size_t i = a; i < a + n; i++)
+        r->flag[i] |= F_RAW;
 }
 
 static void op_advise(uint64_t *rng, int k) {
     size_t a, n;
     subrange(rng, k, &a, &n);
     struct region *r = &R[k];
+    if (raw && next(rng) % 3 == 0) {
+        drop_raw(k, a, n);
+        return;
+    }
     unsigned choice = next(rng) % (huge ? 5 : 4);
     int advice = choice == 0   ? MADV_DONTNEED
                  : choice == 1 ? MADV_FREE
@@ -461,6 +531,7 @@ int main(int argc, char **argv) {
     seed = strtoull(argv[1], NULL, 0) | 1;
     tracing = getenv("MODEL_TRACE") != NULL;
     huge = getenv("MODEL_HUGE") != NULL;
+    raw = getenv("MODEL_RAW") != NULL;
     double seconds = atof(argv[2]);
     uint64_t rng = seed;
     for (int c = 1; c <= SHARED; c++)
