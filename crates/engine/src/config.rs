@@ -36,7 +36,7 @@ pub struct Config {
     pub merge_period: Duration,
     /// Periods a page must stay unchanged before it is merged (at least 1; default 2).
     pub merge_periods: u8,
-    /// Cap of the adaptive back-off for pages that keep changing, in periods.
+    /// Cap of the adaptive back-off for pages that keep changing, in periods (default 4).
     pub max_backoff: u8,
     /// Most pages mapping one stable copy (KSM's `max_page_sharing`).
     pub max_sharing: u32,
@@ -97,7 +97,7 @@ impl Default for Config {
             workers: 2,
             merge_period: Duration::from_millis(200),
             merge_periods: 2,
-            max_backoff: 16,
+            max_backoff: 4,
             max_sharing: 256,
             // (`proto::setting`: nothing from the environment in a set-user-ID program, whose
             // environment is its caller's.)
