@@ -382,7 +382,10 @@ impl Store {
     /// module).
     fn release_held(&mut self) {
         let now = std::time::Instant::now();
-        if !self.held.due(now) {
+        // Relaxed: see note_fork. After a fork a child may still map what this process no
+        // longer does (its copy of a mapping this process unmapped since): held for good, as
+        // every copy freed after a fork is kept.
+        if !self.held.due(now) || FORKED.load(Ordering::Relaxed) {
             return;
         }
         let maps = match sys::self_mappings() {
