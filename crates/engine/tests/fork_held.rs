@@ -7,35 +7,16 @@ use std::time::Duration;
 use pageone_engine::Engine;
 use pageone_sys as sys;
 
-const PAGE: usize = 4096;
+mod common;
+use common::{check, fill, wait_for, PAGE};
 
-/// Fills the page at `p` with content `c` (a word at a content-dependent offset).
-fn fill(p: *mut u8, c: u64) {
-    // SAFETY: `p` is a whole mapped page of this test's own memory.
-    unsafe {
-        std::ptr::write_bytes(p, 0, PAGE);
-        std::ptr::write_volatile(p.add(c as usize * 8).cast::<u64>(), c);
-    }
-}
-
-/// The content the page at `p` holds: 0 for zeros, `c` for `fill(p, c)`, `u64::MAX` otherwise.
-fn content(p: *const u8) -> u64 {
-    let mut page = [0u8; PAGE];
-    // SAFETY: `p` is a whole mapped page of this test's own memory.
-    unsafe { std::ptr::copy_nonoverlapping(p, page.as_mut_ptr(), PAGE) };
-    let nonzero: Vec<usize> = (0..PAGE).filter(|&i| page[i] != 0).collect();
-    match nonzero.first() {
-        None => 0,
-        Some(&i) => {
-            let at = i / 8 * 8;
-            let c = u64::from_le_bytes(page[at..at + 8].try_into().unwrap());
-            if at == c as usize * 8 && nonzero.iter().all(|&j| j / 8 * 8 == at) {
-                c
-            } else {
-                u64::MAX
-            }
-        }
-    }
+/// The page at `p`, of this test's own memory, as a slice.
+///
+/// # Safety
+/// `p` is a mapped page that nothing else writes while the slice lives.
+unsafe fn page<'a>(p: *mut u8) -> &'a mut [u8] {
+    // SAFETY: the caller's.
+    unsafe { std::slice::from_raw_parts_mut(p, PAGE) }
 }
 
 #[test]
@@ -47,23 +28,19 @@ fn a_copy_held_before_a_fork_is_never_reused_under_the_child() {
         .build()
         .expect("engine");
     let a = sys::mmap_anonymous(2 * PAGE).unwrap();
-    fill(a, 1);
-    fill(a.wrapping_add(PAGE), 1);
+    // SAFETY: pages of this test's own mapping (unmapped below only after their last use); the
+    // engine moves pages but never changes their bytes, and no other thread touches them.
+    let (a0, a1) = unsafe { (page(a), page(a.wrapping_add(PAGE))) };
+    fill(a0, 1);
+    fill(a1, 1);
     e.register(a, 2 * PAGE).unwrap();
-    let merged = |e: &Engine, f: &dyn Fn(&pageone_engine::Stats) -> bool| {
-        for _ in 0..500 {
-            e.wait_periods(1, Duration::from_secs(10));
-            if f(&e.stats()) {
-                return true;
-            }
-        }
-        false
-    };
-    assert!(merged(&e, &|s| s.pages_sharing == 1), "{:?}", e.stats());
+    let s = wait_for(&e, |s| s.pages_sharing == 1);
+    assert_eq!(s.pages_sharing, 1, "{s:?}");
     // Both pages written: the copy is freed, and held (the pages lie over it).
-    fill(a, 5);
-    fill(a.wrapping_add(PAGE), 6);
-    assert!(merged(&e, &|s| s.copies_held == 1), "{:?}", e.stats());
+    fill(a0, 5);
+    fill(a1, 6);
+    let s = wait_for(&e, |s| s.copies_held == 1);
+    assert_eq!(s.copies_held, 1, "{s:?}");
     let (r, w) = sys::pipe().unwrap();
     // SAFETY: the child only reads a pipe, calls madvise and reads its own memory, then
     // `_exit`s (no allocation, no lock another thread of the parent might hold).
@@ -81,16 +58,18 @@ fn a_copy_held_before_a_fork_is_never_reused_under_the_child() {
         };
         // SAFETY: the child's own page, dropped where no engine sees it (none runs here).
         unsafe { libc::madvise(a.cast(), PAGE, libc::MADV_DONTNEED) };
-        let c = content(a);
+        let ok = check(a0, 0) || check(a0, 1);
         // SAFETY: ends the child at once.
-        unsafe { libc::_exit(if c == 0 || c == 1 { 0 } else { 1 }) };
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
     }
     // The parent's pages over the copy go: only the child's remain.
     // SAFETY: the parent's own mapping; nothing refers to it any more.
     unsafe { sys::munmap(a, 2 * PAGE) }.unwrap();
     let b = sys::mmap_anonymous(2 * PAGE).unwrap();
-    fill(b, 3);
-    fill(b.wrapping_add(PAGE), 3);
+    // SAFETY: as for `a`.
+    let (b0, b1) = unsafe { (page(b), page(b.wrapping_add(PAGE))) };
+    fill(b0, 3);
+    fill(b1, 3);
     e.register(b, 2 * PAGE).unwrap();
     // Long enough for the held copy to be checked again (about once a second) and reused, were
     // the parent's mappings to decide.
@@ -112,5 +91,5 @@ fn a_copy_held_before_a_fork_is_never_reused_under_the_child() {
         "the child's dropped page read other bytes (status {status}); {:?}",
         e.stats()
     );
-    assert_eq!(content(b), 3);
+    assert!(check(b0, 3));
 }

@@ -159,6 +159,14 @@ impl Enc {
         }
         self
     }
+    /// A count, then the slots (what `Dec::slots` reads).
+    fn slots(&mut self, ids: &[u32]) -> &mut Self {
+        self.u32(ids.len() as u32);
+        for &i in ids {
+            self.u32(i);
+        }
+        self
+    }
     fn bytes(&mut self, b: &[u8]) -> &mut Self {
         self.u32(b.len() as u32);
         self.0.extend_from_slice(b);
@@ -248,16 +256,14 @@ impl Request {
                 e.u32(*n);
                 e.finish()
             }
-            Request::Release(ids) | Request::Vacate(ids) => {
-                let tag = match self {
-                    Request::Vacate(_) => T_VACATE,
-                    _ => T_RELEASE,
-                };
-                let mut e = Enc::with_room(tag, 4 + 4 * ids.len());
-                e.u32(ids.len() as u32);
-                for &i in ids {
-                    e.u32(i);
-                }
+            Request::Release(ids) => {
+                let mut e = Enc::with_room(T_RELEASE, 4 + 4 * ids.len());
+                e.slots(ids);
+                e.finish()
+            }
+            Request::Vacate(ids) => {
+                let mut e = Enc::with_room(T_VACATE, 4 + 4 * ids.len());
+                e.slots(ids);
                 e.finish()
             }
             Request::Forget(hs) => {
