@@ -595,11 +595,12 @@ fn lying_and_garbage_clients_cannot_affect_others() {
         c1.stats()["pages_shared"].as_u64() == Some(pages)
     });
     let garbage: Vec<Vec<u8>> = vec![
-        b"\xff\xff\xff\xffhello".to_vec(),       // length beyond the limit
-        raw_frame(77, b"what"),                  // unknown request
-        raw_frame(2, &u32::MAX.to_le_bytes()),   // lookup claiming 4G hashes
-        raw_frame(3, &5u32.to_le_bytes()),       // copy before hello
-        raw_frame(4, &[1, 0, 0, 0, 0, 0, 0, 0]), // release before hello
+        b"\xff\xff\xff\xffhello".to_vec(),        // length beyond the limit
+        raw_frame(77, b"what"),                   // unknown request
+        raw_frame(2, &u32::MAX.to_le_bytes()),    // lookup claiming 4G hashes
+        raw_frame(3, &5u32.to_le_bytes()),        // copy before hello
+        raw_frame(4, &[1, 0, 0, 0, 0, 0, 0, 0]),  // release before hello
+        raw_frame(10, &[1, 0, 0, 0, 0, 0, 0, 0]), // vacate before hello
         raw_frame(1, &[1, 0, 0, 0, 2, 0, 0, 0, b'x', b'x']), // hello without a pipe
     ];
     for g in garbage {
@@ -611,9 +612,9 @@ fn lying_and_garbage_clients_cannot_affect_others() {
         // An error reply (tag 199) or a closed connection; never a hang.
         assert!(n == 0 || (n >= 8 && buf[4] == 199), "reply {:?}", &buf[..n]);
     }
-    // A client that joined properly and then releases every slot it does not hold, and asks for
-    // copies of pages its pipe does not hold: the others keep their copies, and the daemon
-    // never waits on the pipe.
+    // A client that joined properly and then releases and vacates every slot it does not hold,
+    // and asks for copies of pages its pipe does not hold: the others keep their copies, and the
+    // daemon never waits on the pipe.
     {
         use pageone_engine::proto::{self, Reply, Request};
         use std::os::fd::AsRawFd;
@@ -635,6 +636,10 @@ fn lying_and_garbage_clients_cannot_affect_others() {
         assert!(matches!(r, Reply::Welcome { .. }) && fd.is_some());
         let (r, _) =
             proto::call(&s, &Request::Release((0..pages as u32 * 2).collect()), None).unwrap();
+        assert_eq!(r, Reply::Ok);
+        // Vacating them empties none: only a slot's own holders may give up its bytes.
+        let (r, _) =
+            proto::call(&s, &Request::Vacate((0..pages as u32 * 2).collect()), None).unwrap();
         assert_eq!(r, Reply::Ok);
         // An empty pipe: every copy fails, nothing is published.
         let (r, _) = proto::call(&s, &Request::Copy(8), None).unwrap();
