@@ -3,9 +3,10 @@
 //! object of what it tried and what happened.
 //!
 //! * `store`: joins, then tries every way to write the store it was handed.
-//! * `hostile`: takes connections until refused, floods lookups, fills the store with copies
-//!   until refused, lies about counts and reports, stalls in the middle of a frame, idles
-//!   without a greeting, stops reading replies, and reopens its store for writing.
+//! * `hostile`: takes connections until refused, vacates slots it does not hold (and one of its
+//!   own), floods lookups, fills the store with copies until refused, lies about counts and
+//!   reports, stalls in the middle of a frame, idles without a greeting, stops reading replies,
+//!   and reopens its store for writing.
 //! * `env`: the engine settings this process takes from its environment.
 
 use std::io::{Read, Write};
@@ -152,6 +153,7 @@ impl Noise {
 fn hostile(path: &Path, scope: &str, flood: Duration) -> Result<Value> {
     let mut v = json!({});
     v["connections"] = connections_until_refused(path).context("taking connections")?;
+    v["vacates"] = vacate_lies(path, scope).context("vacating")?;
     let until = Instant::now() + flood;
     let p = path.to_path_buf();
     let s = scope.to_string();
@@ -267,12 +269,12 @@ fn fill_store(path: &Path, scope: &str, until: Instant) -> Result<Value> {
 /// Counts that lie, reports too large or too big to add, releases of slots it never held; then
 /// whether `status` still answers.
 fn lies(path: &Path, scope: &str) -> Result<Value> {
-    let j = join(path, scope)?;
-    let k = join(path, scope)?;
+    let j = join(path, scope).context("joining")?;
+    let k = join(path, scope).context("joining again")?;
     let call = |j: &Joined, r: &Request| proto::call(&j.sock, r, None).map(|(r, _)| r);
     // Names 300 pages, holds 3.
     std::fs::File::from(j.pipe.try_clone()?).write_all(&vec![1u8; 3 * PAGE])?;
-    let short_copy = call(&j, &Request::Copy(300))?;
+    let short_copy = call(&j, &Request::Copy(300)).context("naming 300 pages")?;
     let release = call(
         &j,
         &Request::Release((0..j.capacity.min(1 << 16)).collect()),
@@ -292,6 +294,49 @@ fn lies(path: &Path, scope: &str) -> Result<Value> {
         "big_report": match big_report { Err(ProtoError::OverCap(_)) => "over cap".to_string(),
                                          r => format!("{r:?}") },
         "status_after_lies": matches!(status, Ok(Reply::Text(_))),
+    }))
+}
+
+/// Vacates of slots a client does not hold (every slot of the store, and one past its end) next
+/// to a holder of two copies: the holder's copies keep their bytes. Then the holder vacates one
+/// of its own: that one is emptied (it reads zeros), the other kept.
+fn vacate_lies(path: &Path, scope: &str) -> Result<Value> {
+    let holder = &join(path, scope)?;
+    let other = &join(path, scope)?;
+    let mut pages = vec![0u8; 2 * PAGE];
+    Noise(sys::random_u64()? | 1).page(&mut pages);
+    std::fs::File::from(holder.pipe.try_clone()?).write_all(&pages)?;
+    let slots = match proto::call(&holder.sock, &Request::CopyFresh(2), None)? {
+        (Reply::Slots(s), _) if s.len() == 2 && !s.contains(&proto::FAILED) => s,
+        (r, _) => bail!("a copy of two pages was answered {r:?}"),
+    };
+    let all: Vec<u32> = (0..holder.capacity.min(1 << 16)).collect();
+    let every = proto::call(&other.sock, &Request::Vacate(all), None).map(|(r, _)| r);
+    let past = proto::call(&other.sock, &Request::Vacate(vec![u32::MAX]), None).map(|(r, _)| r);
+    let read = |slot: u32| -> Result<Vec<u8>> {
+        let mut out = vec![0u8; PAGE];
+        // SAFETY: `out` is this function's own buffer of PAGE bytes.
+        unsafe {
+            sys::pread_into(
+                holder.store.as_raw_fd(),
+                out.as_mut_ptr(),
+                PAGE,
+                slot as u64 * PAGE as u64,
+            )?
+        };
+        Ok(out)
+    };
+    let kept = read(slots[0])? == pages[..PAGE] && read(slots[1])? == pages[PAGE..];
+    let own = proto::call(&holder.sock, &Request::Vacate(vec![slots[0]]), None).map(|(r, _)| r);
+    let emptied = read(slots[0])?.iter().all(|&b| b == 0);
+    let other_kept = read(slots[1])? == pages[PAGE..];
+    Ok(json!({
+        "every_slot": format!("{every:?}"),
+        "past_the_end": format!("{past:?}"),
+        "holders_copies_kept": kept,
+        "own": format!("{own:?}"),
+        "own_emptied": emptied,
+        "own_other_kept": other_kept,
     }))
 }
 

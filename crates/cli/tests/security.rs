@@ -443,8 +443,8 @@ fn an_engine_over_its_page_cap_merges_less_and_stays_correct() {
 }
 
 /// Item 3 (and the saturating sums of item 4): a client of another user that takes every
-/// connection it may, floods lookups, fills the store with copies, lies about counts and
-/// reports, stalls in the middle of a frame, idles, stops reading and reopens its store, next
+/// connection it may, vacates every slot of its scope next to a holder, floods lookups, fills
+/// the store with copies, lies about counts and reports, stalls in the middle of a frame, idles, stops reading and reopens its store, next
 /// to two honest engines: each of the hostile's moves meets a cap or a timeout, and the honest
 /// ones still merge everything, with their lookups answered within a bound.
 #[test]
@@ -517,6 +517,12 @@ fn hostile_was_bounded(v: &serde_json::Value) {
     assert_eq!(v["lies"]["short_copy_failed"], true, "{v}");
     assert_eq!(v["lies"]["big_report"], "over cap", "{v}");
     assert_eq!(v["lies"]["status_after_lies"], true, "{v}");
+    let vac = &v["vacates"];
+    assert_eq!(vac["every_slot"], "Ok(Ok)", "{v}");
+    assert_eq!(vac["holders_copies_kept"], true, "{v}");
+    assert_eq!(vac["own"], "Ok(Ok)", "{v}");
+    assert_eq!(vac["own_emptied"], true, "{v}");
+    assert_eq!(vac["own_other_kept"], true, "{v}");
     assert!(
         v["reopen_read_write"]
             .as_str()
