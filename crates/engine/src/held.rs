@@ -51,14 +51,36 @@ impl Held {
         !self.ids.is_empty() && now >= self.next_check
     }
 
-    /// Takes out the held copies that no range of `covered` (sorted, not overlapping) contains;
-    /// the rest stay held until the next check, due a while after `now`.
-    pub(crate) fn clear(&mut self, covered: &[Range<KeyId>], now: Instant) -> Vec<KeyId> {
+    /// How many copies are held now: the mappings read next decide for these (`clear`'s
+    /// `checked`), not for copies held after the read began, whose mappings it may have missed.
+    /// Copies are only added until `clear`, so these are the first ones.
+    pub(crate) fn snapshot(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Takes out the copies held at the `checked` snapshot that no range of `covered` (sorted,
+    /// not overlapping, read after the snapshot) contains; the rest stay held until the next
+    /// check, due a while after `now`.
+    pub(crate) fn clear(
+        &mut self,
+        covered: &[Range<KeyId>],
+        checked: usize,
+        now: Instant,
+    ) -> Vec<KeyId> {
         self.next_check = now + CHECK_EVERY;
-        self.ids.sort_unstable();
-        self.ids.dedup();
-        let (kept, cleared): (Vec<KeyId>, Vec<KeyId>) =
+        let later = self.ids.split_off(checked.min(self.ids.len()));
+        let (mut kept, cleared): (Vec<KeyId>, Vec<KeyId>) =
             self.ids.iter().partition(|&&id| is_covered(covered, id));
+        kept.extend(later);
+        kept.sort_unstable();
+        kept.dedup();
+        // A copy held twice (once before the snapshot, once after) stays held for the later one.
+        let mut cleared: Vec<KeyId> = cleared
+            .into_iter()
+            .filter(|id| kept.binary_search(id).is_err())
+            .collect();
+        cleared.sort_unstable();
+        cleared.dedup();
         self.ids = kept;
         cleared
     }
@@ -138,31 +160,43 @@ mod tests {
     }
 
     proptest! {
-        /// A held copy is cleared exactly when no mapping covers it, whatever the order of the
-        /// mappings and however they overlap; held twice, it is cleared once.
+        /// A copy held when the mappings were read is cleared exactly when no mapping covers
+        /// it, whatever the order of the mappings and however they overlap; held twice, it is
+        /// cleared once. A copy held after the read began is never cleared by it (a mapping
+        /// over it may be newer than the read), also when it was held before as well.
         #[test]
         fn a_copy_is_cleared_exactly_when_no_mapping_covers_it(
             maps in prop::collection::vec((0u64..200, 1usize..20), 0..30),
             held in prop::collection::vec(0u32..240, 0..60),
+            later in prop::collection::vec(0u32..240, 0..20),
         ) {
             let ms: Vec<_> = maps
                 .iter()
                 .enumerate()
                 .map(|(i, &(off, n))| mapping(i << 24, n, off, "rw-p", 1))
                 .collect();
-            let covered = covered_copies(&ms, 1);
             let mut h = Held::default();
             for &id in &held {
                 h.hold(id);
             }
+            let checked = h.snapshot();
+            let covered = covered_copies(&ms, 1);
+            for &id in &later {
+                h.hold(id);
+            }
             let now = Instant::now();
-            let cleared = h.clear(&covered, now);
+            let cleared = h.clear(&covered, checked, now);
             let covers = |id: u32| maps.iter().any(|&(off, n)| off <= id as u64 && (id as u64) < off + n as u64);
-            let mut want: Vec<u32> = held.iter().copied().filter(|&id| !covers(id)).collect();
+            let mut want: Vec<u32> = held
+                .iter()
+                .copied()
+                .filter(|&id| !covers(id) && !later.contains(&id))
+                .collect();
             want.sort_unstable();
             want.dedup();
             prop_assert_eq!(&cleared, &want);
-            prop_assert!(h.ids.iter().all(|&id| covers(id)));
+            prop_assert!(h.ids.iter().all(|&id| covers(id) || later.contains(&id)));
+            prop_assert!(later.iter().all(|id| h.ids.contains(id)));
             prop_assert!(!h.due(now));
         }
     }

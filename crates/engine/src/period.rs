@@ -27,6 +27,7 @@ use crate::rejoin::Rejoin;
 use crate::sightings::sweep_first_sightings;
 use crate::state::{page_at, PageKind, Shared, State};
 use crate::stats::stats_of;
+use crate::store::HeldCheck;
 use crate::watch::{release_zero_probes, watch, PeriodClock, Watch};
 
 /// Every this many periods, waiting first sightings are asked about again (daemon only), one
@@ -629,10 +630,16 @@ fn finish_tickets(sh: &Shared, pool: &pageone_recycler::Pool, tickets: &Tickets)
 /// The period's housekeeping: stale first sightings are swept, the store reclaims, and the C
 /// heap's free memory is returned when due.
 fn tidy_up(sh: &Shared, many: bool, worked: bool, period: u64) {
+    // The mappings are read outside the state lock: registrations and stats() do not wait.
+    let due = lock(&sh.state).store.held_check();
+    let held = due.map(|held| HeldCheck {
+        held,
+        mappings: sys::self_mappings(),
+    });
     let trim = {
         let mut st = lock(&sh.state);
         sweep_first_sightings(&mut st);
-        st.store.reclaim();
+        st.store.reclaim(held);
         // A period with many candidates made large short-lived allocations (candidates,
         // batches, read-ahead results, offers): their memory goes back at once, it counts
         // against the saving. Smaller ones go back every few periods of work, or at the first

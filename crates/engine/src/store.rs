@@ -72,6 +72,13 @@ pub fn is_store_mapping(m: &sys::Mapping) -> bool {
     names.iter().any(|n| m.path.starts_with(n))
 }
 
+/// The process's mappings, read for the copies held when the read began (see
+/// [`Store::held_check`]).
+pub(crate) struct HeldCheck {
+    pub(crate) held: usize,
+    pub(crate) mappings: std::io::Result<Vec<sys::Mapping>>,
+}
+
 /// The memfd and this process's shared view of it.
 pub(crate) struct StoreFile {
     fd: OwnedFd,
@@ -364,31 +371,43 @@ impl Store {
     }
 
     /// Frees the copies whose grace period has ended (called every period, so memory comes back
-    /// even when no new copy is allocated).
-    pub(crate) fn reclaim(&mut self) {
+    /// even when no new copy is allocated), and the held copies that `mappings` (read after
+    /// [`Store::held_check`]) show no mapping covers any more.
+    pub(crate) fn reclaim(&mut self, mappings: Option<HeldCheck>) {
         // Let the epoch advance so that deferred releases run.
         for _ in 0..2 {
             crossbeam_epoch::pin().flush();
         }
         self.collect_released();
-        self.release_held();
+        if let Some(check) = mappings {
+            self.release_held(check);
+        }
         if let Some(r) = &self.remote {
             r.flush();
         }
         self.punch_pending();
     }
 
-    /// Gives back the held copies that no mapping covers any more, when due (see the `held`
-    /// module).
-    fn release_held(&mut self) {
-        let now = std::time::Instant::now();
+    /// When held copies are due to be checked against the process's mappings: how many are
+    /// held now, the ones the mappings read next decide for (see the `held` module). The
+    /// mappings are read without the engine's state lock (about 0.5 ms per thousand), then
+    /// handed to [`Store::reclaim`].
+    pub(crate) fn held_check(&self) -> Option<usize> {
         // Relaxed: see note_fork. After a fork a child may still map what this process no
         // longer does (its copy of a mapping this process unmapped since): held for good, as
         // every copy freed after a fork is kept.
-        if !self.held.due(now) || FORKED.load(Ordering::Relaxed) {
+        let due = self.held.due(std::time::Instant::now()) && !FORKED.load(Ordering::Relaxed);
+        due.then(|| self.held.snapshot())
+    }
+
+    /// Gives back the held copies of the snapshot that no mapping covers any more (see the
+    /// `held` module).
+    fn release_held(&mut self, check: HeldCheck) {
+        let now = std::time::Instant::now();
+        if FORKED.load(Ordering::Relaxed) {
             return;
         }
-        let maps = match sys::self_mappings() {
+        let maps = match check.mappings {
             Ok(m) => m,
             Err(e) => {
                 tracing::debug!(error = %e, "the mappings could not be read; copies stay held");
@@ -396,7 +415,8 @@ impl Store {
                 return;
             }
         };
-        for id in self.held.clear(&covered_copies(&maps, self.inode), now) {
+        let covered = covered_copies(&maps, self.inode);
+        for id in self.held.clear(&covered, check.held, now) {
             let i = id as usize;
             // Given out again meanwhile (adopted from the daemon): its next free decides.
             if self.allocated[i] || self.in_tree[i] != 0 {
