@@ -140,6 +140,25 @@ typedef enum pageone_daemon_link {
 } pageone_daemon_link;
 
 /**
+ * How the engine's threads are scheduled (`pageone_config_set_priority`).
+ */
+typedef enum pageone_priority {
+  /**
+   * Idle priority, but the normal class for a while when busy threads starve them while
+   * memory is short (the default).
+   */
+  PAGEONE_PRIORITY_AUTO = 0,
+  /**
+   * Idle priority always: spare CPU only.
+   */
+  PAGEONE_PRIORITY_IDLE = 1,
+  /**
+   * The normal class always, as the program's own threads.
+   */
+  PAGEONE_PRIORITY_NORMAL = 2,
+} pageone_priority;
+
+/**
  * Engine settings, built up with `pageone_config_set_*` and passed to `pageone_engine_new`.
  * Created by `pageone_config_new` with the engine's defaults (which read `$PAGEONE_SCOPE` and
  * `$PAGEONE_SOCKET` at that moment), freed by `pageone_config_free`. Not thread-safe.
@@ -386,6 +405,16 @@ enum pageone_status pageone_config_set_ksm_when_limited(struct pageone_config *c
  * `cfg` must be NULL or a live configuration not used by another thread during the call.
  */
 enum pageone_status pageone_config_set_watch(struct pageone_config *cfg, uint32_t mode);
+
+/**
+ * Sets how the engine's threads are scheduled: a `pageone_priority` (for the whole process:
+ * the last engine started sets it). Other values give `PAGEONE_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ *
+ * `cfg` must be NULL or a live configuration not used by another thread during the call.
+ */
+enum pageone_status pageone_config_set_priority(struct pageone_config *cfg, uint32_t priority);
 
 /**
  * Sets the scope (tenant) name: only pages of one scope are ever shared through a daemon.

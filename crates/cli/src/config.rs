@@ -10,6 +10,7 @@
 //! scope-by = "uid"                        # or "cgroup"
 //! metrics = "127.0.0.1:9464"              # off when absent
 //! max-map-count = 1048576                 # raise vm.max_map_count to this (root)
+//! priority = "auto"                       # its threads: auto, idle or normal
 //!
 //! [daemon.limits]                         # caps, as --limit NAME=VALUE
 //! pages-per-uid = 2097152
@@ -17,6 +18,7 @@
 //! [run]
 //! scope = "vms"
 //! period-ms = 200
+//! priority = "auto"                       # the engines' threads: auto, idle or normal
 //! ```
 
 use std::collections::BTreeMap;
@@ -25,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 use pageone_daemon::ScopeBy;
-use pageone_engine::proto;
+use pageone_engine::{proto, Priority};
 use serde::Deserialize;
 
 /// Where the configuration is read from when neither `--config` nor `$PAGEONE_CONFIG` names a
@@ -51,6 +53,7 @@ pub struct DaemonSection {
     pub scope_by: Option<ScopeByValue>,
     pub metrics: Option<SocketAddr>,
     pub max_map_count: Option<u64>,
+    pub priority: Option<PriorityValue>,
     /// `[daemon.limits]`: NAME = VALUE, as `--limit NAME=VALUE`.
     #[serde(default)]
     pub limits: BTreeMap<String, u64>,
@@ -62,6 +65,25 @@ pub struct DaemonSection {
 pub struct RunSection {
     pub scope: Option<String>,
     pub period_ms: Option<PeriodMs>,
+    pub priority: Option<PriorityValue>,
+}
+
+/// `auto`, `idle` or `normal`: how background threads are scheduled (see
+/// [`pageone_engine::Priority`]).
+#[derive(Clone, Copy, Debug, Deserialize)]
+#[serde(try_from = "String")]
+pub struct PriorityValue(pub Priority);
+
+impl TryFrom<String> for PriorityValue {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        parse_priority(&s).map(PriorityValue)
+    }
+}
+
+/// `auto`, `idle` or `normal` (for flags and the file).
+pub fn parse_priority(s: &str) -> Result<Priority, String> {
+    Priority::parse(s).ok_or_else(|| format!("a priority is auto, idle or normal, not {s:?}"))
 }
 
 /// `uid` or `cgroup`.

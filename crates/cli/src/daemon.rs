@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use pageone_daemon::{Daemon, DaemonConfig, Limits, ScopeBy};
+use pageone_engine::proto;
 use pageone_sys as sys;
 
 use crate::config::Loaded;
@@ -45,6 +46,11 @@ pub struct DaemonOptions {
     /// The engine reads the limit every period, so running processes merge more at once.
     #[arg(long, value_name = "N")]
     pub max_map_count: Option<u64>,
+    /// How the threads serving clients are scheduled: `auto` (idle priority, but normal for a
+    /// while when busy threads starve them while memory is short), `idle` (spare CPU only) or
+    /// `normal` [config: daemon.priority; default: $PAGEONE_PRIORITY, else auto].
+    #[arg(long, value_parser = crate::config::parse_priority)]
+    pub priority: Option<pageone_engine::Priority>,
     /// Check the configuration (the file and these flags), print the settings in force, and
     /// exit.
     #[arg(long)]
@@ -79,6 +85,14 @@ fn settings(o: &DaemonOptions, loaded: &Loaded) -> Result<Settings> {
         config.limits.set(name, value).map_err(anyhow::Error::msg)?;
     }
     config.metrics = o.metrics.or(file.daemon.metrics);
+    config.priority = match o.priority.or(file.daemon.priority.map(|p| p.0)) {
+        Some(p) => p,
+        None => match proto::setting("PAGEONE_PRIORITY") {
+            Some(v) => crate::config::parse_priority(&v.to_string_lossy())
+                .map_err(|e| anyhow::anyhow!("PAGEONE_PRIORITY: {e}"))?,
+            None => pageone_engine::Priority::default(),
+        },
+    };
     Ok(Settings {
         config,
         max_map_count: o.max_map_count.or(file.daemon.max_map_count),
@@ -139,6 +153,7 @@ fn print_settings(s: &Settings, loaded: &Loaded) {
         Some(n) => println!("max-map-count = {n}"),
         None => println!("# max-map-count: left as it is"),
     }
+    println!("priority = \"{}\"", c.priority);
     println!("[daemon.limits]");
     for (name, value) in limit_values(&c.limits) {
         println!("{name} = {value}");
@@ -152,6 +167,10 @@ fn print_settings(s: &Settings, loaded: &Loaded) {
     match run.period_ms {
         Some(p) => println!("period-ms = {}", p.0),
         None => println!("# period-ms: the engine's default"),
+    }
+    match run.priority {
+        Some(p) => println!("priority = \"{}\"", p.0),
+        None => println!("# priority: $PAGEONE_PRIORITY, else auto"),
     }
 }
 

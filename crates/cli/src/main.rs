@@ -36,6 +36,10 @@ Environment:
   PAGEONE_KSM_WHEN_LIMITED=0  regions whose merges cost a mapping per page, beyond the mapping
                               limit, stay pageone's (by default they go to the kernel's KSM
                               where it runs)
+  PAGEONE_PRIORITY            how their threads (and a daemon's) are scheduled: auto (idle
+                              priority, but normal for a while when busy threads starve
+                              them while memory is short; the default), idle (spare CPU
+                              only) or normal
   PAGEONE_PRELOAD             the shim `pageone run` preloads
   PAGEONE_LOG                 log filter (e.g. info, pageone_engine=debug)";
 

@@ -41,6 +41,12 @@ pub struct RunOptions {
     /// engine's].
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
     pub period_ms: Option<u64>,
+    /// How the engines' threads are scheduled: `auto` (idle priority, but normal for a while
+    /// when busy threads starve them while memory is short), `idle` (spare CPU only) or
+    /// `normal` [config: run.priority; default: $PAGEONE_PRIORITY, else auto]. A private
+    /// daemon's threads too.
+    #[arg(long, value_parser = crate::config::parse_priority)]
+    pub priority: Option<pageone_engine::Priority>,
     /// The command and its arguments (after `--`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     pub cmd: Vec<OsString>,
@@ -84,22 +90,25 @@ fn die_with(c: &mut Command, parent: i32, own_group: bool) {
 struct PrivateDaemon {
     child: Child,
     dir: PrivateDir,
+    /// `--priority` for the daemon (`None`: its default).
+    priority: Option<pageone_engine::Priority>,
     started: Instant,
 }
 
 impl PrivateDaemon {
     /// In `$XDG_RUNTIME_DIR`, else the temporary directory.
-    fn start() -> Result<Self> {
+    fn start(priority: Option<pageone_engine::Priority>) -> Result<Self> {
         let parent = proto::setting("XDG_RUNTIME_DIR")
             .map(PathBuf::from)
             .filter(|p| p.is_absolute())
             .unwrap_or_else(std::env::temp_dir);
         let dir = PrivateDir::new(&parent, "pageone-run-")
             .context("could not make a private directory for the daemon")?;
-        let child = spawn_daemon(&dir)?;
+        let child = spawn_daemon(&dir, priority)?;
         Ok(Self {
             child,
             dir,
+            priority,
             started: Instant::now(),
         })
     }
@@ -114,7 +123,7 @@ impl PrivateDaemon {
         }
         self.started = Instant::now();
         eprintln!("pageone run: the private daemon ended ({status}); starting it again");
-        match spawn_daemon(&self.dir) {
+        match spawn_daemon(&self.dir, self.priority) {
             Ok(child) => self.child = child,
             Err(e) => eprintln!("pageone run: the daemon could not start again: {e:#}"),
         }
@@ -130,14 +139,18 @@ impl Drop for PrivateDaemon {
 }
 
 /// Starts `pageone daemon` in `dir`, with no configuration file (its caps are the defaults; it
-/// serves no metrics), and waits until it listens.
-fn spawn_daemon(dir: &PrivateDir) -> Result<Child> {
+/// serves no metrics; its threads' priority is `priority`, else its default), and waits until
+/// it listens.
+fn spawn_daemon(dir: &PrivateDir, priority: Option<pageone_engine::Priority>) -> Result<Child> {
     let socket = dir.socket();
     let mut c = Command::new(std::env::current_exe()?);
     c.args(["--config", "/dev/null", "daemon", "--socket"])
         .arg(&socket)
         .stdin(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
+    if let Some(p) = priority {
+        c.arg("--priority").arg(p.to_string());
+    }
     die_with(&mut c, std::process::id() as i32, true);
     let mut child = c.spawn().context("could not start the daemon")?;
     if let Err(e) = scope::wait_for_own_daemon(&socket, &mut child) {
@@ -196,6 +209,10 @@ pub fn run(o: RunOptions, loaded: &Loaded) -> Result<i32> {
     if let Some(ms) = o.period_ms.or(loaded.file.run.period_ms.map(|p| p.0)) {
         c.env("PAGEONE_MERGE_PERIOD_MS", ms.to_string());
     }
+    let priority = o.priority.or(loaded.file.run.priority.map(|p| p.0));
+    if let Some(p) = priority {
+        c.env("PAGEONE_PRIORITY", p.to_string());
+    }
     let could_not = || format!("could not run {}", program.to_string_lossy());
     // The given daemon, else one already serving the default socket: be the command.
     if let Some(socket) = o.daemon.or_else(|| default_daemon(loaded)) {
@@ -207,7 +224,7 @@ pub fn run(o: RunOptions, loaded: &Loaded) -> Result<i32> {
     // child starts; children start with none blocked).
     let signals = sys::BlockedSignals::block(&[FORWARDED.as_slice(), &[libc::SIGCHLD]].concat())
         .context("could not block signals")?;
-    let mut private = PrivateDaemon::start()?;
+    let mut private = PrivateDaemon::start(priority)?;
     c.env("PAGEONE_SOCKET", private.dir.socket());
     die_with(&mut c, std::process::id() as i32, false);
     let child = c.spawn().with_context(could_not)?;

@@ -388,7 +388,8 @@ fn check_config_reads_the_file_and_the_flags() {
     std::fs::write(
         &file,
         "socket = \"/run/x/pageone.sock\"\n[daemon]\nscope-by = \"cgroup\"\nmetrics = \
-         \"127.0.0.1:9464\"\n[daemon.limits]\nnotes = 99\n[run]\nscope = \"vms\"\n",
+         \"127.0.0.1:9464\"\npriority = \"idle\"\n[daemon.limits]\nnotes = 99\n[run]\nscope = \
+         \"vms\"\npriority = \"normal\"\n",
     )
     .unwrap();
     let out = Command::new(BIN)
@@ -411,9 +412,23 @@ fn check_config_reads_the_file_and_the_flags() {
         "notes = 99",
         "connections = 5",
         "scope = \"vms\"",
+        "priority = \"idle\"",
+        "priority = \"normal\"",
     ] {
         assert!(text.contains(want), "{want}: {text}");
     }
+    std::fs::write(&file, "[run]\npriority = \"fast\"\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["daemon", "--check-config", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("auto, idle or normal") && err.contains("fast"),
+        "{err}"
+    );
     std::fs::write(
         &file,
         "[daemon]\nmetrics = \"127.0.0.1:9464\"\nworkerz = 2\n",

@@ -144,6 +144,8 @@ pub struct DaemonConfig {
     /// Where to serve metrics over HTTP (`GET /metrics`, Prometheus text format); `None`: not
     /// at all. Whoever reaches the address reads every scope's numbers (see `metrics`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// How the threads serving clients are scheduled (see [`sys::Priority`]).
+    pub priority: sys::Priority,
 }
 
 impl DaemonConfig {
@@ -157,6 +159,7 @@ impl DaemonConfig {
             limits: Limits::for_ram(pages),
             scope_by: ScopeBy::Uid,
             metrics: None,
+            priority: sys::Priority::default(),
         }
     }
 }

@@ -99,6 +99,7 @@ impl Daemon {
     /// Serves clients until the process ends (or, with `exit_when_idle`, until the last client
     /// left).
     pub fn run(self) -> io::Result<()> {
+        sys::set_background_priority(self.inner.config.priority);
         if let Some(listener) = self.metrics {
             let inner = self.inner.clone();
             std::thread::Builder::new()
@@ -135,15 +136,16 @@ impl Daemon {
             let spawned = std::thread::Builder::new()
                 .name("pageone-client".into())
                 .spawn(move || {
-                    // Copies and lookups are done for clients' engines, which run at idle
-                    // priority: so does this work (spare CPU only).
-                    let _ = sys::set_thread_idle_priority();
+                    // Copies and lookups are done for clients' engines, which run in the
+                    // background: so does this work (see `sys::Background`).
+                    let mut background = sys::Background::start();
                     let peer = Peer {
                         uid: cred.uid,
                         pid: cred.pid,
                         pidfd: sys::peer_pidfd(sock.as_raw_fd(), cred.pid).ok(),
                     };
-                    if serve(&inner, sock, Session::new(inner.clone(), peer, connection)) {
+                    let session = Session::new(inner.clone(), peer, connection);
+                    if serve(&inner, sock, session, &mut background) {
                         // Relaxed: a flag-like count read by the threads of later exits.
                         served.fetch_add(1, Ordering::Relaxed);
                     }
@@ -191,7 +193,7 @@ fn clear_stale(dir: &TrustedDir, name: &CString, path: &Path) -> Result<(), Daem
 }
 
 /// Serves one connection until it ends; returns whether a client joined a scope on it.
-fn serve(inner: &Inner, sock: UnixStream, mut session: Session) -> bool {
+fn serve(inner: &Inner, sock: UnixStream, mut session: Session, bg: &mut sys::Background) -> bool {
     let limits = &inner.limits;
     let frame = Some(limits.frame_timeout);
     let ended = loop {
@@ -216,6 +218,7 @@ fn serve(inner: &Inner, sock: UnixStream, mut session: Session) -> bool {
                 break e;
             }
         };
+        bg.check();
         let answer = session.handle(req, fd);
         let sent =
             proto::write_frame_within(&sock, &answer.reply.encode(), answer.fd.as_ref(), frame);

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use pageone_sys as sys;
+
 use crate::{Engine, EngineError};
 
 /// How written pages are detected.
@@ -89,6 +91,14 @@ pub struct Config {
     /// only address space until copies are made). Full, pages wait unmerged. Read when the engine
     /// starts.
     pub store_pages: Option<u32>,
+    /// How the engine's threads are scheduled (for the whole process: the last engine started
+    /// or reconfigured sets it). `Auto` (the default): at idle priority, except for a couple of
+    /// seconds at a time when busy threads starve them while memory is short (the memory
+    /// cgroup three quarters full, or the host's available memory under a quarter): then in the
+    /// normal class, so that memory still merges where every CPU is busy and memory is needed.
+    /// `Idle`: spare CPU only. `Normal`: as the program's threads. See `docs/DESIGN.md`,
+    /// "Priority".
+    pub priority: sys::Priority,
 }
 
 impl Default for Config {
@@ -113,6 +123,7 @@ impl Default for Config {
             merging: true,
             daemon: crate::proto::setting("PAGEONE_SOCKET").map(Into::into),
             store_pages: None,
+            priority: sys::Priority::default(),
         }
     }
 }
@@ -206,6 +217,11 @@ impl Builder {
     /// Caps a store of the engine's own at `pages` copies (see [`Config::store_pages`]).
     pub fn store_pages(mut self, pages: u32) -> Self {
         self.config.store_pages = Some(pages);
+        self
+    }
+    /// How the engine's threads are scheduled (see [`Config::priority`]).
+    pub fn priority(mut self, p: sys::Priority) -> Self {
+        self.config.priority = p;
         self
     }
     /// Starts the engine.

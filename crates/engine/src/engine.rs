@@ -137,6 +137,7 @@ impl Engine {
 
     pub(crate) fn start(config: Config) -> Result<Self, EngineError> {
         config.validate()?;
+        sys::set_background_priority(config.priority);
         crate::layout::watch_forks().map_err(EngineError::Thread)?;
         let Watch {
             uffd,
@@ -380,6 +381,7 @@ impl Engine {
         f(&mut next);
         next.validate()?;
         next.watch = c.watch;
+        sys::set_background_priority(next.priority);
         *c = next;
         Ok(())
     }

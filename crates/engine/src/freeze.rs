@@ -585,9 +585,9 @@ impl RestoreReport {
 }
 
 /// Runs the calling thread in the normal scheduling class until dropped, then puts it back in
-/// `SCHED_IDLE`: a thread holding writers up (a frozen or write-protected run) must not wait
-/// behind busy threads of normal priority while they wait for it. Only for the engine's threads,
-/// which run at idle priority otherwise.
+/// its background class (`SCHED_IDLE` unless it was starved: see `sys::Background`): a thread
+/// holding writers up (a frozen or write-protected run) must not wait behind busy threads of
+/// normal priority while they wait for it. Only for the engine's threads.
 pub(crate) struct NormalPriority(());
 
 impl NormalPriority {
@@ -599,7 +599,7 @@ impl NormalPriority {
 
 impl Drop for NormalPriority {
     fn drop(&mut self) {
-        let _ = sys::set_thread_idle_priority();
+        sys::restore_background_class();
     }
 }
 

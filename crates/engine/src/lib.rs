@@ -125,5 +125,6 @@ pub use layout::{changing_mappings, MappingChange};
 pub use pageone_proto as proto;
 /// PPR, the per-page recycler: pools of pages a program marks free (see [`Engine::recycle_from`]).
 pub use pageone_recycler as recycler;
+pub use pageone_sys::Priority;
 pub use stats::{DaemonLink, Stats};
 pub use store::{is_merged_mapping, is_store_mapping};

@@ -68,7 +68,7 @@ pub(crate) enum ToCommitter {
 
 /// The engine thread: a period, then sleep until the next one, until the engine stops.
 pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToCommitter>) {
-    let _ = sys::set_thread_idle_priority();
+    let mut background = sys::Background::start();
     sh.count_cpu_of_this_thread();
     // Whether this period was started by `kick` rather than by the clock.
     let mut kicked = false;
@@ -84,6 +84,7 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
     // The engine threads' CPU when the last period ended: what a period costs sets the idle pace.
     let mut cpu_before = sh.cpu_ns();
     while !sh.stop.load(Ordering::SeqCst) {
+        background.check();
         let t0 = Instant::now();
         let config = Arc::new(lock(&sh.config).clone());
         if config.workers > pool.size() {
@@ -283,9 +284,10 @@ fn sleep_out_period(
 /// The committer thread: commits batches in the order the classifier sends them, while the
 /// classifier works on the next one.
 pub(crate) fn commit_loop(sh: &Shared, batches: Receiver<ToCommitter>) {
-    let _ = sys::set_thread_idle_priority();
+    let mut background = sys::Background::start();
     sh.count_cpu_of_this_thread();
     while let Ok(msg) = batches.recv() {
+        background.check();
         match msg {
             ToCommitter::Batch {
                 batch,

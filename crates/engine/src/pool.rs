@@ -197,7 +197,7 @@ impl Pool {
 }
 
 fn worker(sh: &Shared) {
-    let _ = sys::set_thread_idle_priority();
+    let mut background = sys::Background::start();
     if let Ok(c) = sys::CpuClock::current() {
         lock(&sh.clocks).push(c);
     }
@@ -215,6 +215,7 @@ fn worker(sh: &Shared) {
                 q = sh.work.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
+        background.check();
         task.run();
     }
 }

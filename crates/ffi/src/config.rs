@@ -6,7 +6,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ::pageone_engine::{Config, WatchMode};
+use ::pageone_engine::{Config, Priority, WatchMode};
 
 use crate::boundary::new_into;
 use crate::stats::pageone_watch_mode;
@@ -243,6 +243,44 @@ pub unsafe extern "C" fn pageone_config_set_watch(
 ) -> pageone_status {
     // SAFETY: NULL or a live configuration used by no other thread, by the contract.
     unsafe { config_setter!(cfg.watch = try watch_mode(mode)) }
+}
+
+/// How the engine's threads are scheduled (`pageone_config_set_priority`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum pageone_priority {
+    /// Idle priority, but the normal class for a while when busy threads starve them while
+    /// memory is short (the default).
+    PAGEONE_PRIORITY_AUTO = 0,
+    /// Idle priority always: spare CPU only.
+    PAGEONE_PRIORITY_IDLE = 1,
+    /// The normal class always, as the program's own threads.
+    PAGEONE_PRIORITY_NORMAL = 2,
+}
+
+/// Sets how the engine's threads are scheduled: a `pageone_priority` (for the whole process:
+/// the last engine started sets it). Other values give `PAGEONE_INVALID_ARGUMENT`.
+///
+/// # Safety
+///
+/// `cfg` must be NULL or a live configuration not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_config_set_priority(
+    cfg: *mut pageone_config,
+    priority: u32,
+) -> pageone_status {
+    // SAFETY: NULL or a live configuration used by no other thread, by the contract.
+    unsafe { config_setter!(cfg.priority = try priority_of(priority)) }
+}
+
+/// A `pageone_priority` from C as the engine's [`Priority`].
+fn priority_of(p: u32) -> Result<Priority, pageone_status> {
+    match p {
+        p if p == pageone_priority::PAGEONE_PRIORITY_AUTO as u32 => Ok(Priority::Auto),
+        p if p == pageone_priority::PAGEONE_PRIORITY_IDLE as u32 => Ok(Priority::Idle),
+        p if p == pageone_priority::PAGEONE_PRIORITY_NORMAL as u32 => Ok(Priority::Normal),
+        _ => Err(PAGEONE_INVALID_ARGUMENT),
+    }
 }
 
 /// Sets the scope (tenant) name: only pages of one scope are ever shared through a daemon.

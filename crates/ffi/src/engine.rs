@@ -33,6 +33,7 @@ fn start(c: &Config) -> Result<Engine, EngineError> {
         .vma_margin(c.vma_margin)
         .populate_merged(c.populate_merged)
         .merging(c.merging)
+        .priority(c.priority)
         .daemon(c.daemon.clone())
         .build()?;
     // The builder has no setter for the back-off cap.

@@ -127,6 +127,14 @@ fn malformed_arguments_are_refused() {
         assert_eq!(pageone_config_set_scope(cfg, c"vms".as_ptr()), PAGEONE_OK);
         assert_eq!(pageone_config_set_ksm_when_limited(cfg, false), PAGEONE_OK);
         assert_eq!(
+            pageone_config_set_priority(cfg, 3),
+            PAGEONE_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            pageone_config_set_priority(cfg, pageone_priority::PAGEONE_PRIORITY_IDLE as u32),
+            PAGEONE_OK
+        );
+        assert_eq!(
             pageone_config_set_daemon(cfg, c"".as_ptr()),
             PAGEONE_INVALID_ARGUMENT
         );

@@ -121,9 +121,9 @@ fn log(msg: &str) {
 
 /// The engine's settings: the defaults, with the merge period from `PAGEONE_MERGE_PERIOD_MS`,
 /// the worker threads from `PAGEONE_WORKERS`, the most copies of a store of its own from
-/// `PAGEONE_STORE_PAGES`, `PAGEONE_POPULATE_MERGED=1`,
-/// `PAGEONE_RESTORE_HUGE_PAGES=0` and `PAGEONE_KSM_WHEN_LIMITED=0` (ignored, like every `PAGEONE_*` variable, in set-user-ID and
-/// similar secure-execution programs).
+/// `PAGEONE_STORE_PAGES`, `PAGEONE_POPULATE_MERGED=1`, `PAGEONE_RESTORE_HUGE_PAGES=0`,
+/// `PAGEONE_KSM_WHEN_LIMITED=0` and the threads' priority from `PAGEONE_PRIORITY` (ignored, like
+/// every `PAGEONE_*` variable, in set-user-ID and similar secure-execution programs).
 fn builder() -> pageone_engine::Builder {
     // The engine's memory is the shim's allocator's: the program's heap is not the engine's to
     // trim (see `alloc`).
@@ -154,12 +154,22 @@ fn builder() -> pageone_engine::Builder {
         Some("0") => b.restore_huge_pages(false),
         _ => b,
     };
-    match env_text(c"PAGEONE_KSM_WHEN_LIMITED")
+    let b = match env_text(c"PAGEONE_KSM_WHEN_LIMITED")
         .as_deref()
         .map(str::trim)
     {
         Some("0") => b.ksm_when_limited(false),
         _ => b,
+    };
+    match env_text(c"PAGEONE_PRIORITY").map(|v| (pageone_engine::Priority::parse(&v), v)) {
+        Some((Some(p), _)) => b.priority(p),
+        Some((None, v)) => {
+            log(&format!(
+                "PAGEONE_PRIORITY={v} is not auto, idle or normal; using the default"
+            ));
+            b
+        }
+        None => b,
     }
 }
 
@@ -221,6 +231,18 @@ fn engine() -> Option<&'static Engine> {
     start()
 }
 
+/// `e` and its causes, each after a colon (the kernel's reason last).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut why = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        why.push_str(": ");
+        why.push_str(&c.to_string());
+        cause = c.source();
+    }
+    why
+}
+
 /// Starts this process's engine (joining `$PAGEONE_SOCKET`'s daemon when set) under
 /// [`fork::START`]; in a forked child, it then registers what the child inherited (see
 /// [`inherit`]) and, with `PR_SET_MEMORY_MERGE` on, the large mappings. A failure is logged once;
@@ -239,7 +261,8 @@ fn start() -> Option<&'static Engine> {
         Err(e) => {
             FAILED.store(true, Ordering::Relaxed);
             log(&format!(
-                "the engine could not start ({e}); the kernel's KSM answers instead"
+                "the engine could not start ({}); the kernel's KSM answers instead",
+                with_causes(&e)
             ));
             return None;
         }

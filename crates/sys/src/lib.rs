@@ -18,6 +18,7 @@
 //!   the `LD_PRELOAD` shim needs, the page size, and the C heap's trimming.
 //! * `uffd.rs`: a userfaultfd context ([`Uffd`]) and its ioctls.
 //! * `pagemap.rs`: `/proc/self/pagemap` ([`Pagemap`]) and its `PAGEMAP_SCAN` ioctl.
+//! * `cgroup.rs`: the process's memory cgroup (how close its usage is to a limit).
 //! * `procfs.rs`: the text files of `/proc`: `maps` ([`Mapping`]), `meminfo`, `smaps_rollup`,
 //!   `status`, and `vm.max_map_count`.
 //! * `memfd.rs`: files behind memory (memfds, seals, holes, vectored writes and reads at
@@ -25,8 +26,10 @@
 //! * `pipe.rs`: pipes (capacity, `vmsplice` of pages, `splice` out of them).
 //! * `uds.rs`: Unix sockets (descriptors passed with `SCM_RIGHTS`, the peer's credentials and
 //!   pidfd, shutdown).
-//! * `process.rs`: the process and its threads (eventfd, poll, scheduling class, CPU clocks,
-//!   fork hooks, `SIGPIPE`, pidfds, randomness, `prctl`).
+//! * `process.rs`: the process and its threads (eventfd, poll, CPU clocks, affinity, fork
+//!   hooks, `SIGPIPE`, pidfds, randomness, `prctl`).
+//! * `sched.rs`: the scheduler (a thread's class, its wait on run queues, and the background
+//!   policy of engine and daemon threads: [`Background`]).
 //! * `signal.rs`: signals a supervisor handles itself (blocked and waited for, passed on, sent
 //!   to a child when its parent dies), and the process's CPU time.
 //! * `uapi.rs`: kernel constants and structures newer than the build host's headers (public as
@@ -38,6 +41,7 @@ use std::io;
 use std::os::fd::RawFd;
 
 mod access;
+mod cgroup;
 mod epoll;
 mod memfd;
 mod mm;
@@ -45,12 +49,14 @@ mod pagemap;
 mod pipe;
 mod process;
 mod procfs;
+mod sched;
 mod signal;
 pub mod uapi;
 mod uds;
 mod uffd;
 
 pub use access::*;
+pub use cgroup::*;
 pub use epoll::*;
 pub use memfd::*;
 pub use mm::*;
@@ -58,6 +64,7 @@ pub use pagemap::*;
 pub use pipe::*;
 pub use process::*;
 pub use procfs::*;
+pub use sched::*;
 pub use signal::*;
 pub use uds::*;
 pub use uffd::*;

@@ -1,4 +1,4 @@
-//! The process and its threads: eventfd wake-ups and polling, scheduling class and CPU clocks,
+//! The process and its threads: eventfd wake-ups and polling, CPU clocks and affinity,
 //! fork hooks, `SIGPIPE`'s disposition, pidfds, kernel randomness, and `prctl`.
 
 use std::io;
@@ -47,21 +47,6 @@ pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<Vec<bool>> {
             .map(|p| p.revents & (libc::POLLIN | libc::POLLERR) != 0)
             .collect());
     }
-}
-
-/// Puts the calling thread in the `SCHED_IDLE` class, so it only runs on otherwise idle CPUs.
-pub fn set_thread_idle_priority() -> io::Result<()> {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: param is a live sched_param; pid 0 means the calling thread.
-    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } as libc::c_long).map(drop)
-}
-
-/// Puts the calling thread back in the normal class (`SCHED_OTHER`) at its nice value, which an
-/// unprivileged thread may do from `SCHED_IDLE`: for a thread that holds others up for a moment.
-pub fn set_thread_normal_priority() -> io::Result<()> {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: param is a live sched_param; pid 0 means the calling thread.
-    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) } as libc::c_long).map(drop)
 }
 
 /// The id of the calling thread (`gettid`), for [`thread_affinity`] and [`set_thread_affinity`].
