@@ -138,25 +138,7 @@ impl MemoryCgroup {
     /// Makes `cmd` start inside the cgroup: the child moves itself before it execs, so nothing it
     /// allocates or forks is charged elsewhere.
     pub fn spawn_inside(&self, cmd: &mut std::process::Command) {
-        use std::os::unix::process::CommandExt;
-        let path = self.procs.clone();
-        // SAFETY: the closure runs in the child between fork and exec and only makes
-        // async-signal-safe calls (open, write, close) on memory allocated before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
-                if fd < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // "0": the writing process itself.
-                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-                libc::close(fd);
-                if r != 1 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        pageone_sys::start_in_cgroup(cmd, self.procs.clone());
     }
 }
 

@@ -26,6 +26,29 @@ pub fn memory_cgroup_fill() -> Option<f64> {
     fill
 }
 
+/// Makes `cmd`'s child move itself into the cgroup whose `cgroup.procs` file is `procs` before
+/// it execs, so that nothing it allocates or forks is charged elsewhere.
+pub fn start_in_cgroup(cmd: &mut std::process::Command, procs: std::ffi::CString) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and only makes
+    // async-signal-safe calls (open, write, close) on memory allocated before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // "0": the writing process itself.
+            let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+            libc::close(fd);
+            if r != 1 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Which hierarchy holds the memory controller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Version {
@@ -204,34 +227,18 @@ mod tests {
         }
         std::fs::write(dir.join(limit), (64u64 << 20).to_string()).unwrap();
         let procs = dir.join("cgroup.procs");
-        let out = {
-            use std::os::unix::process::CommandExt;
-            let mut c = std::process::Command::new(std::env::current_exe().unwrap());
-            c.args([
-                "--exact",
-                "cgroup::tests::child_in_a_limited_cgroup",
-                "--nocapture",
-            ])
-            .env("PAGEONE_CGROUP_CHILD", "1");
-            let path = std::ffi::CString::new(procs.as_os_str().as_encoded_bytes()).unwrap();
-            // SAFETY: the closure runs between fork and exec and only opens, writes and closes
-            // a file (async-signal-safe calls; the path was made before the fork).
-            unsafe {
-                c.pre_exec(move || {
-                    let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
-                    if fd < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                    if r != 1 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-            c.output().unwrap()
-        };
+        let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+        c.args([
+            "--exact",
+            "cgroup::tests::child_in_a_limited_cgroup",
+            "--nocapture",
+        ])
+        .env("PAGEONE_CGROUP_CHILD", "1");
+        start_in_cgroup(
+            &mut c,
+            std::ffi::CString::new(procs.as_os_str().as_encoded_bytes()).unwrap(),
+        );
+        let out = c.output().unwrap();
         let _ = std::fs::remove_dir(&dir);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{out:?}");
