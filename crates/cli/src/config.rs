@@ -77,13 +77,8 @@ pub struct PriorityValue(pub Priority);
 impl TryFrom<String> for PriorityValue {
     type Error = String;
     fn try_from(s: String) -> Result<Self, String> {
-        parse_priority(&s).map(PriorityValue)
+        s.parse().map(PriorityValue)
     }
-}
-
-/// `auto`, `idle` or `normal` (for flags and the file).
-pub fn parse_priority(s: &str) -> Result<Priority, String> {
-    Priority::parse(s).ok_or_else(|| format!("a priority is auto, idle or normal, not {s:?}"))
 }
 
 /// `uid` or `cgroup`.

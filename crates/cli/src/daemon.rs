@@ -49,7 +49,7 @@ pub struct DaemonOptions {
     /// How the threads serving clients are scheduled: `auto` (idle priority, but normal for a
     /// while when busy threads starve them while memory is short), `idle` (spare CPU only) or
     /// `normal` [config: daemon.priority; default: $PAGEONE_PRIORITY, else auto].
-    #[arg(long, value_parser = crate::config::parse_priority)]
+    #[arg(long)]
     pub priority: Option<pageone_engine::Priority>,
     /// Check the configuration (the file and these flags), print the settings in force, and
     /// exit.
@@ -88,7 +88,9 @@ fn settings(o: &DaemonOptions, loaded: &Loaded) -> Result<Settings> {
     config.priority = match o.priority.or(file.daemon.priority.map(|p| p.0)) {
         Some(p) => p,
         None => match proto::setting("PAGEONE_PRIORITY") {
-            Some(v) => crate::config::parse_priority(&v.to_string_lossy())
+            Some(v) => v
+                .to_string_lossy()
+                .parse()
                 .map_err(|e| anyhow::anyhow!("PAGEONE_PRIORITY: {e}"))?,
             None => pageone_engine::Priority::default(),
         },

@@ -45,7 +45,7 @@ pub struct RunOptions {
     /// when busy threads starve them while memory is short), `idle` (spare CPU only) or
     /// `normal` [config: run.priority; default: $PAGEONE_PRIORITY, else auto]. A private
     /// daemon's threads too.
-    #[arg(long, value_parser = crate::config::parse_priority)]
+    #[arg(long)]
     pub priority: Option<pageone_engine::Priority>,
     /// The command and its arguments (after `--`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]

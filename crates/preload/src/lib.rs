@@ -161,9 +161,9 @@ fn builder() -> pageone_engine::Builder {
         Some("0") => b.ksm_when_limited(false),
         _ => b,
     };
-    match env_text(c"PAGEONE_PRIORITY").map(|v| (pageone_engine::Priority::parse(&v), v)) {
-        Some((Some(p), _)) => b.priority(p),
-        Some((None, v)) => {
+    match env_text(c"PAGEONE_PRIORITY").map(|v| (v.parse(), v)) {
+        Some((Ok(p), _)) => b.priority(p),
+        Some((Err(_), v)) => {
             log(&format!(
                 "PAGEONE_PRIORITY={v} is not auto, idle or normal; using the default"
             ));

@@ -8,22 +8,43 @@ use std::path::{Path, PathBuf};
 /// its ancestors that have a limit; `None` where none has one, or the hierarchy is not
 /// mounted or readable here.
 pub fn memory_cgroup_fill() -> Option<f64> {
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let (version, path) = memory_cgroup_path(&cgroups)?;
-    let (mount, root) = memory_mount(&mounts, version)?;
-    let rel = path.strip_prefix(root.as_str()).unwrap_or(&path);
-    let mut dir = PathBuf::from(&mount).join(rel.trim_start_matches('/'));
+    let h = Hierarchy::of_this_process()?;
+    let mut dir = h.cgroup;
     let mut fill: Option<f64> = None;
     loop {
-        if let Ok(Some(f)) = level_fill(&dir, version) {
+        if let Ok(Some(f)) = level_fill(&dir, h.version) {
             fill = Some(fill.map_or(f, |g: f64| g.max(f)));
         }
-        if dir == Path::new(&mount) || !dir.pop() || !dir.starts_with(&mount) {
+        if dir == h.mount || !dir.pop() || !dir.starts_with(&h.mount) {
             break;
         }
     }
     fill
+}
+
+/// The hierarchy holding the calling process's memory controller: its version, where it is
+/// mounted, and the process's cgroup directory in it.
+struct Hierarchy {
+    version: Version,
+    mount: PathBuf,
+    cgroup: PathBuf,
+}
+
+impl Hierarchy {
+    fn of_this_process() -> Option<Self> {
+        let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+        let (version, path) = memory_cgroup_path(&cgroups)?;
+        let (mount, root) = memory_mount(&mounts, version)?;
+        let rel = path.strip_prefix(root.as_str()).unwrap_or(&path);
+        let mount = PathBuf::from(mount);
+        let cgroup = mount.join(rel.trim_start_matches('/'));
+        Some(Self {
+            version,
+            mount,
+            cgroup,
+        })
+    }
 }
 
 /// Makes `cmd`'s child move itself into the cgroup whose `cgroup.procs` file is `procs` before
@@ -56,6 +77,16 @@ enum Version {
     V2,
 }
 
+impl Version {
+    /// A cgroup's memory usage file and its limit file.
+    fn files(self) -> (&'static str, &'static str) {
+        match self {
+            Version::V1 => ("memory.usage_in_bytes", "memory.limit_in_bytes"),
+            Version::V2 => ("memory.current", "memory.max"),
+        }
+    }
+}
+
 /// The memory cgroup's path from `/proc/self/cgroup`: the v1 line naming `memory`, else the v2
 /// line (`0::/path`).
 fn memory_cgroup_path(text: &str) -> Option<(Version, String)> {
@@ -79,7 +110,9 @@ fn memory_cgroup_path(text: &str) -> Option<(Version, String)> {
 /// (not `/` inside a cgroup namespace), from `/proc/self/mountinfo`.
 fn memory_mount(text: &str, version: Version) -> Option<(String, String)> {
     for line in text.lines() {
-        let (before, after) = line.split_once(" - ")?;
+        let Some((before, after)) = line.split_once(" - ") else {
+            continue;
+        };
         let fields: Vec<&str> = before.split(' ').collect();
         let mut tail = after.split(' ');
         let (Some(fstype), _, Some(options)) = (tail.next(), tail.next(), tail.next()) else {
@@ -124,10 +157,7 @@ fn unescape(s: &str) -> String {
 
 /// Usage / limit of one cgroup directory; `None` without a limit.
 fn level_fill(dir: &Path, version: Version) -> io::Result<Option<f64>> {
-    let (usage, limit) = match version {
-        Version::V1 => ("memory.usage_in_bytes", "memory.limit_in_bytes"),
-        Version::V2 => ("memory.current", "memory.max"),
-    };
+    let (usage, limit) = version.files();
     let limit = std::fs::read_to_string(dir.join(limit))?;
     let Some(limit) = parse_limit(&limit) else {
         return Ok(None);
@@ -160,6 +190,7 @@ mod tests {
         );
         assert_eq!(memory_cgroup_path("garbage\n"), None);
         let mounts = "\
+a line without its separator
 30 25 0:26 / /sys/fs/cgroup/unified rw,relatime shared:5 - cgroup2 cgroup2 rw
 35 25 0:31 /ns /sys/fs/cgroup/memory rw,relatime shared:15 - cgroup cgroup rw,memory
 36 25 0:32 / /sys/fs/cgroup/cpu\\040x rw,relatime shared:16 - cgroup cgroup rw,cpu
@@ -204,21 +235,15 @@ mod tests {
             eprintln!("skipped: making a cgroup takes root");
             return;
         }
-        let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap();
-        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        let (version, _) = memory_cgroup_path(&cgroups).expect("a memory cgroup");
-        let (mount, _) = memory_mount(&mounts, version).expect("its hierarchy mounted");
-        let dir = PathBuf::from(mount).join(format!("pageone-test-{}", std::process::id()));
+        let h = Hierarchy::of_this_process().expect("a memory cgroup, its hierarchy mounted");
+        let dir = h.mount.join(format!("pageone-test-{}", std::process::id()));
         if let Err(e) = std::fs::create_dir(&dir) {
             // A container's read-only cgroup file system, say: nothing to make it in.
             eprintln!("skipped: could not make {}: {e}", dir.display());
             return;
         }
-        let limit = match version {
-            Version::V1 => "memory.limit_in_bytes",
-            Version::V2 => "memory.max",
-        };
-        if version == Version::V2 {
+        let (_, limit) = h.version.files();
+        if h.version == Version::V2 {
             // The controller must be on for children of the mount's root.
             let _ = std::fs::write(
                 dir.parent().unwrap().join("cgroup.subtree_control"),

@@ -87,17 +87,20 @@ pub enum Priority {
     Normal = 2,
 }
 
-impl Priority {
-    /// `auto`, `idle` or `normal`.
-    pub fn parse(s: &str) -> Option<Self> {
+/// `auto`, `idle` or `normal` (flags, the configuration file, `PAGEONE_PRIORITY`).
+impl std::str::FromStr for Priority {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
         match s.trim() {
-            "auto" => Some(Priority::Auto),
-            "idle" => Some(Priority::Idle),
-            "normal" => Some(Priority::Normal),
-            _ => None,
+            "auto" => Ok(Priority::Auto),
+            "idle" => Ok(Priority::Idle),
+            "normal" => Ok(Priority::Normal),
+            _ => Err(format!("a priority is auto, idle or normal, not {s:?}")),
         }
     }
+}
 
+impl Priority {
     fn from_u8(v: u8) -> Self {
         match v {
             1 => Priority::Idle,
@@ -227,17 +230,27 @@ impl Background {
             self.applied = Some(p);
         }
     }
-
-    /// Whether the calling thread runs in the normal class now (its background class).
-    pub fn is_normal(&self) -> bool {
-        NORMAL_NOW.with(Cell::get)
-    }
 }
 
 /// Whether memory is short for the calling process: its memory cgroup (or one above it with a
 /// limit) is three quarters full or more, or the host's `MemAvailable` is under a quarter of
-/// `MemTotal`.
+/// `MemTotal`. Read at most every [`Background::CHECK_EVERY`] for the whole process: the
+/// background threads that ask in one stretch share the answer.
 pub fn memory_is_short() -> bool {
+    static LAST: std::sync::Mutex<Option<(Instant, bool)>> = std::sync::Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    let now = Instant::now();
+    match *last {
+        Some((at, short)) if now.duration_since(at) < Background::CHECK_EVERY => short,
+        _ => {
+            let short = memory_is_short_now();
+            *last = Some((now, short));
+            short
+        }
+    }
+}
+
+fn memory_is_short_now() -> bool {
     let host = || -> Option<bool> {
         let total = crate::meminfo_kib("MemTotal").ok()?;
         let available = crate::meminfo_kib("MemAvailable").ok()?;
@@ -360,7 +373,6 @@ mod tests {
         std::thread::spawn(|| {
             let mut b = Background::start();
             assert_eq!(class(), libc::SCHED_IDLE);
-            assert!(!b.is_normal());
             set_background_priority(Priority::Normal);
             b.check();
             assert_eq!(class(), libc::SCHED_OTHER);
