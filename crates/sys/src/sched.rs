@@ -14,7 +14,7 @@
 
 use std::cell::Cell;
 use std::io;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::cvt;
@@ -234,20 +234,33 @@ impl Background {
 
 /// Whether memory is short for the calling process: its memory cgroup (or one above it with a
 /// limit) is three quarters full or more, or the host's `MemAvailable` is under a quarter of
-/// `MemTotal`. Read at most every [`Background::CHECK_EVERY`] for the whole process: the
+/// `MemTotal`. Read at most about every [`Background::CHECK_EVERY`] for the whole process: the
 /// background threads that ask in one stretch share the answer.
 pub fn memory_is_short() -> bool {
-    static LAST: std::sync::Mutex<Option<(Instant, bool)>> = std::sync::Mutex::new(None);
-    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
-    let now = Instant::now();
-    match *last {
-        Some((at, short)) if now.duration_since(at) < Background::CHECK_EVERY => short,
-        _ => {
-            let short = memory_is_short_now();
-            *last = Some((now, short));
-            short
-        }
+    // (When it was read, in milliseconds of CLOCK_MONOTONIC) << 1 | (the answer). An atomic, not
+    // a lock: a forked child's engine must never find it held by a thread of the parent. Two
+    // threads that read at once both read the files, and either answer stands.
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now_ms = monotonic_ms();
+    // Relaxed: the word carries its own time and answer; nothing else is published with it.
+    let last = LAST.load(Ordering::Relaxed);
+    if last != 0 && now_ms.saturating_sub(last >> 1) < Background::CHECK_EVERY.as_millis() as u64 {
+        return last & 1 == 1;
     }
+    let short = memory_is_short_now();
+    LAST.store((now_ms.max(1) << 1) | short as u64, Ordering::Relaxed);
+    short
+}
+
+/// Milliseconds of `CLOCK_MONOTONIC`.
+fn monotonic_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a live timespec for the kernel to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }
 
 fn memory_is_short_now() -> bool {
