@@ -356,8 +356,8 @@ enum pageone_status pageone_config_set_max_sharing(struct pageone_config *cfg, u
 enum pageone_status pageone_config_set_vma_margin(struct pageone_config *cfg, size_t vmas);
 
 /**
- * Sets whether merged pages are mapped as they merge (`populate_merged` in the Rust API: a first
- * read is then a load, not a page fault; merging costs more CPU).
+ * Sets whether merged pages are mapped as they merge where the kernel cannot report minor faults
+ * (`populate_merged` in the Rust API; elsewhere they always are).
  *
  * # Safety
  *

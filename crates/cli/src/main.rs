@@ -29,8 +29,8 @@ Environment:
   PAGEONE_WORKERS             their worker threads
   PAGEONE_STORE_PAGES         the most copies a store of their own holds (default: a page
                               per page of RAM)
-  PAGEONE_POPULATE_MERGED=1   their merged pages are mapped as they merge (a first read is
-                              then a load, not a page fault; merging costs more CPU)
+  PAGEONE_POPULATE_MERGED=1   their merged pages are mapped as they merge where the kernel
+                              cannot report minor faults (elsewhere they always are)
   PAGEONE_RESTORE_HUGE_PAGES=0  huge pages split by the watch stay split (by default,
                               quiet unique memory is collapsed back into huge pages)
   PAGEONE_KSM_WHEN_LIMITED=0  regions whose merges cost a mapping per page, beyond the mapping

@@ -29,6 +29,7 @@ use std::ops::Range;
 use pageone_sys::uapi::UffdEvent;
 
 use crate::spill::SpillBuffer;
+use crate::unfilled::Unfilled;
 
 /// One change the kernel reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,6 +101,17 @@ pub(crate) const SPILL: usize = 1 << 18;
 /// others.
 pub(crate) const OWN_ROOM: usize = 1024;
 
+/// What an announced change of the engine's own does to the dropped store ranges recorded over
+/// it (see the `unfilled` module).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Own {
+    /// It replaces what was there: they are forgotten.
+    Replaces,
+    /// It maps copies judged equal before mark `since`: ranges recorded before it are forgotten,
+    /// the others were dropped while the merge went on and stay.
+    Merges { since: u64 },
+}
+
 /// Changes taken from the log to be applied (see [`ChangeLog::take`]), oldest first.
 pub(crate) struct Taken {
     pending: Vec<Change>,
@@ -135,8 +147,11 @@ pub(crate) struct ChangeLog {
     spare: Option<SpillBuffer<Change>>,
     /// The newest ones, past both (allocating).
     overflow: Vec<Change>,
-    /// The engine's own changes announced and not reported yet.
-    own: Vec<Change>,
+    /// The engine's own changes announced and not reported yet, each with the dropped store
+    /// ranges it makes stale (see [`Own`]).
+    own: Vec<(Change, Own)>,
+    /// Pages of store mappings the program dropped, to read zeros (see the `unfilled` module).
+    pub(crate) unfilled: Unfilled,
 }
 
 impl ChangeLog {
@@ -148,6 +163,7 @@ impl ChangeLog {
             spare: SpillBuffer::new(SPILL),
             overflow: Vec::new(),
             own: Vec::with_capacity(OWN_ROOM),
+            unfilled: Unfilled::default(),
         }
     }
 
@@ -157,17 +173,17 @@ impl ChangeLog {
     }
 
     /// Records a change the kernel reported, unless it is one the engine announced (then that
-    /// announcement is used up). Allocates nothing until the room and a spill buffer are full.
-    pub(crate) fn record(&mut self, c: Change) {
-        if let Some(i) = self.own.iter().position(|&o| o == c) {
-            self.own.swap_remove(i);
-            return;
+    /// announcement is used up and returned). Allocates nothing until the room and a spill
+    /// buffer are full.
+    pub(crate) fn record(&mut self, c: Change) -> Option<Own> {
+        if let Some(i) = self.own.iter().position(|&(o, _)| o == c) {
+            return Some(self.own.swap_remove(i).1);
         }
         // (Changes stay in order: room, spill, overflow; each fills only once the one before is
         // full, and a take empties them all.)
         if self.pending.len() < self.pending.capacity() || self.pending.is_empty() {
             self.pending.push(c);
-            return;
+            return None;
         }
         let spilled = match &mut self.spill {
             Some(b) if self.overflow.is_empty() => b.push(c),
@@ -176,18 +192,26 @@ impl ChangeLog {
         if let Err(c) = spilled {
             self.overflow.push(c);
         }
+        None
     }
 
     /// Announces a change the engine is about to make itself (see the module documentation).
     /// Never call it for an operation that may fail before reaching the kernel's report, or
     /// withdraw it with [`unexpect`](Self::unexpect) then.
     pub(crate) fn expect(&mut self, c: Change) {
-        self.own.push(c);
+        self.own.push((c, Own::Replaces));
+    }
+
+    /// Announces a mapping of copies over pages the engine judged equal to them, while the dropped
+    /// store ranges recorded from mark `since` on ([`Unfilled::mark`]) were dropped during the
+    /// merge and must stay (see the `unfilled` module).
+    pub(crate) fn expect_merge(&mut self, c: Change, since: u64) {
+        self.own.push((c, Own::Merges { since }));
     }
 
     /// Withdraws an announcement whose change did not happen.
     pub(crate) fn unexpect(&mut self, c: Change) {
-        if let Some(i) = self.own.iter().position(|&o| o == c) {
+        if let Some(i) = self.own.iter().position(|&(o, _)| o == c) {
             self.own.swap_remove(i);
         }
     }

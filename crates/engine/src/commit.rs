@@ -133,6 +133,8 @@ struct Subrun {
     sid: KeyId,
     m: usize,
     prot: libc::c_int,
+    /// The dropped store ranges' mark when the pages were judged (see `ChangeLog::expect_merge`).
+    since: u64,
 }
 
 /// Freezes, verifies and replaces runs of the batch's candidates, in address order; `budget` is
@@ -609,8 +611,10 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
     }
     // Holes whose neighbours turned out unequal are released as zero pages.
     release_lone_holes(&mut out.verdict[..run.n], &plan.holes, plan.left);
+    // Pages the program drops from here on stay dropped under the copies (see `unfilled`).
+    let since = log.unfilled.mark();
     for_each_subrun(&out.verdict[..run.n], |k, _, m| {
-        log.expect(mapping_change(run.start + k * PAGE, m));
+        log.expect_merge(mapping_change(run.start + k * PAGE, m), since);
     });
     drop(log);
     replace_frozen(cx, run, plan, &mut frozen, &mut out);
@@ -652,8 +656,10 @@ fn replace_frozen(
         match unsafe { map_subrun(plan.fd, addr, (sid, m), libc::PROT_READ | libc::PROT_WRITE) } {
             Ok(()) => {
                 (k..k + m).for_each(|q| frozen.consume_mapped(q));
-                watch_store_mapping(cx.sh, addr, m);
-                map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
+                if register_store_mapping(cx.sh, addr, m) {
+                    map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
+                    map_copies_over_the_rest(cx.sh, run.start, k..k + m, &plan.holes);
+                }
             }
             Err(e) => {
                 lock(&cx.sh.changes).unexpect(mapping_change(addr, m));
@@ -671,14 +677,57 @@ fn replace_frozen(
 /// filled, reads zeros all the same, from a page the store's file gets for it.
 fn map_zero_page_over_holes(sh: &Shared, start: usize, ks: Range<usize>, holes: &HoleSet) {
     let Some(u) = &sh.store_uffd else { return };
+    for_each_stretch(
+        ks,
+        |k| holes.contains(k),
+        |k, m| {
+            let _ = u.fill_zero_pages(start + k * PAGE, m * PAGE);
+        },
+    );
+}
+
+/// Maps the copies of the pages `ks` of the run at `start` that are not over holes (their page
+/// table entries; see [`STORE_MODE`]), except where the program dropped them meanwhile.
+fn map_copies_over_the_rest(sh: &Shared, start: usize, ks: Range<usize>, holes: &HoleSet) {
+    map_cached_unless_dropped(sh, start, ks, |k| !holes.contains(k));
+}
+
+/// Maps the cached pages (copies) of the pages `ks` of the store mapping at `start` that are
+/// `wanted`, except those the program dropped since they were judged (see the `unfilled`
+/// module): those stay empty, to read zeros. Under the change log's lock, so that no drop is
+/// recorded meanwhile, and none made (the kernel drops a page only once its report is read).
+pub(crate) fn map_cached_unless_dropped(
+    sh: &Shared,
+    start: usize,
+    ks: Range<usize>,
+    wanted: impl Fn(usize) -> bool,
+) {
+    let Some(u) = &sh.store_uffd else { return };
+    let log = lock(&sh.changes);
+    let at = |k: usize| start + k * PAGE;
+    for_each_stretch(
+        ks,
+        |k| wanted(k) && !log.unfilled.holds(at(k)),
+        |k, m| {
+            let _ = u.map_cached_pages(at(k), m * PAGE);
+        },
+    );
+}
+
+/// Calls `f(k, m)` for each longest stretch `k..k + m` of `ks` whose pages are `wanted`.
+fn for_each_stretch(
+    ks: Range<usize>,
+    wanted: impl Fn(usize) -> bool,
+    mut f: impl FnMut(usize, usize),
+) {
     let mut k = ks.start;
     while k < ks.end {
-        if !holes.contains(k) {
+        if !wanted(k) {
             k += 1;
             continue;
         }
-        let m = (k..ks.end).take_while(|&q| holes.contains(q)).count();
-        let _ = u.fill_zero_pages(start + k * PAGE, m * PAGE);
+        let m = (k..ks.end).take_while(|&q| wanted(q)).count();
+        f(k, m);
         k += m;
     }
 }
@@ -912,6 +961,8 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
     };
     // `None`: some page is not in a write-protectable mapping; the run is left alone this time.
     cx.hold_still_from_now();
+    // Pages the program drops from here on stay dropped under the copies (see `unfilled`).
+    let since = lock(&sh.changes).unfilled.mark();
     let Some(mut held) = ProtectedRun::protect(u2, start, n) else {
         return;
     };
@@ -945,6 +996,7 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
             sid,
             m,
             prot,
+            since,
         };
         // SAFETY: the subrun's pages are write-protected with writers blocked and equal their
         // copies (compared above).
@@ -983,6 +1035,7 @@ unsafe fn map_copies(
         sid,
         m,
         prot,
+        since,
     } = sub;
     let sh = cx.sh;
     let addr = rs.region.start + index * PAGE;
@@ -993,7 +1046,7 @@ unsafe fn map_copies(
         Ok(false)
     } else {
         // The store mapping replaced is reported by its context: the engine's own change.
-        lock(&sh.changes).expect(mapping_change(addr, m));
+        lock(&sh.changes).expect_merge(mapping_change(addr, m), since);
         // SAFETY: the pages are held still and equal their copies (this function's contract).
         let r = unsafe { map_subrun(rs.store.fd(), addr, (sid, m), prot) }.map(|()| true);
         if r.is_err() {
@@ -1123,12 +1176,23 @@ unsafe fn release_zeroed(
 }
 
 /// Registers a new mapping of the store with the store mappings' userfaultfd, so that its pages
-/// can be frozen for a new merge if they are COW-broken later. Failing only costs that (the page
-/// is not merged again after a copy-on-write break).
+/// can be frozen for a new merge if they are COW-broken later, and read zeros if dropped behind
+/// the engine's back; then maps its pages, which would otherwise fault to the fault thread on
+/// their first touch (see [`STORE_MODE`]). Failing to register only costs that (the page is not
+/// merged again after a copy-on-write break, and reads its copy again if dropped unseen); a page
+/// left unmapped costs its first touch a round trip.
 fn watch_store_mapping(sh: &Shared, addr: usize, pages: usize) {
-    if let Some(u) = &sh.store_uffd {
-        let _ = u.register(addr, pages * PAGE, STORE_MODE);
+    if register_store_mapping(sh, addr, pages) {
+        map_cached_unless_dropped(sh, addr, 0..pages, |_| true);
     }
+}
+
+/// Registers a new mapping of the store with the store mappings' userfaultfd ([`STORE_MODE`]);
+/// returns whether it is.
+fn register_store_mapping(sh: &Shared, addr: usize, pages: usize) -> bool {
+    sh.store_uffd
+        .as_ref()
+        .is_some_and(|u| u.register(addr, pages * PAGE, STORE_MODE).is_ok())
 }
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the
 /// reference counted for it is taken back.

@@ -49,11 +49,11 @@ pub struct Config {
     /// VMAs kept free below `vm.max_map_count`.
     pub vma_margin: usize,
     /// Map the page-table entries of merged pages as they are merged (`MADV_POPULATE_READ`), so
-    /// that the program's first read of each is a load, not a page fault (the kernel does no
-    /// fault-around on memory registered with userfaultfd). Off by default: it costs merging
-    /// about a quarter more CPU and settled periods about three times as much (every merged
-    /// page is then present, and the watch asks the kernel whether each is still the store's);
-    /// see `docs/benchmarks.md`.
+    /// that the program's first read of each is a load, not a page fault. The engine does so
+    /// anyway wherever it can register store mappings for minor faults (Linux 5.14, always where
+    /// the engine runs): it must, since the kernel then does no fault-around there and a first
+    /// touch would wait for the engine. This setting only matters where it cannot. Off by
+    /// default.
     pub populate_merged: bool,
     /// Merge pages (the default). Off, the engine only recycles the pages the program marks free
     /// in its PPR pool ([`Engine::recycle_from`]): registered memory is then neither

@@ -170,14 +170,17 @@ impl Engine {
         // A second context, without async write-protection: its write faults block until the
         // engine un-protects, which is how a COW-broken page is held still while compared. It
         // reports changes to the store mappings it holds (merged pages) like the first.
+        // Minor faults: a page of a store mapping dropped where the engine cannot see it reads
+        // zeros (see the `unfilled` module).
+        let store_features = UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_MINOR_SHMEM;
         let store_uffd = sys::Uffd::open(
-            UFFD_FEATURE_WP_HUGETLBFS_SHMEM
+            store_features
                 | UFFD_FEATURE_EVENT_UNMAP
                 | UFFD_FEATURE_EVENT_REMAP
                 | UFFD_FEATURE_EVENT_REMOVE,
         )
         .ok()
-        .filter(|u| u.features() & UFFD_FEATURE_WP_HUGETLBFS_SHMEM != 0);
+        .filter(|u| u.features() & store_features == store_features);
         let pagemap = sys::Pagemap::open().map_err(EngineError::Uffd)?;
         let shared = Arc::new(Shared {
             uffd,
@@ -198,6 +201,7 @@ impl Engine {
             stop_fd: sys::eventfd().map_err(EngineError::Thread)?,
             maps: sys::Maps::open().map_err(EngineError::Map)?,
             periods: Mutex::new(0),
+            settled: AtomicBool::new(false),
             period_cv: Condvar::new(),
             kick: (Mutex::new(false), Condvar::new()),
             not_before: Mutex::new(None),

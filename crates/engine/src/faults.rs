@@ -4,6 +4,8 @@
 //! come from what is registered for them: a frozen run (left to the committer), parked pages (see
 //! the `parking` module), registered memory throughout under checksum watching (first touches,
 //! released zero pages: the shared zero page), and holes of the store's file in its mappings.
+//! Minor faults come from store mappings whose page table entries are gone (see the `unfilled`
+//! module).
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -110,11 +112,23 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
     let mut msgs = [UffdMsg::default(); READ_AT_ONCE];
     let read = uffd.read_events(&mut msgs).unwrap_or(0);
     let mut nfaults = 0;
+    let mut minors = [0usize; READ_AT_ONCE];
+    let mut nminors = 0;
     for msg in &msgs[..read] {
         match msg.event() {
             UffdEvent::PageFault { address, .. } if answer => {
                 faults[nfaults] = address as usize & !(PAGE - 1);
                 nfaults += 1;
+            }
+            // A store mapping's page whose entry is gone while the file has it (see the
+            // `unfilled` module).
+            UffdEvent::PageFault {
+                address,
+                minor: true,
+                ..
+            } => {
+                minors[nminors] = address as usize & !(PAGE - 1);
+                nminors += 1;
             }
             // A store mapping read where the store's file has a hole (a zero hole not filled
             // yet): the zero page, as the file would give.
@@ -130,7 +144,7 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
             e => {
                 if let Some(c) = Change::of(e) {
                     sh.parking.follow(&sh.uffd, &c);
-                    log.record(c);
+                    follow_dropped_store_pages(sh, &mut log, c, answer);
                 }
             }
         }
@@ -140,11 +154,74 @@ fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
     for &addr in &faults[..nfaults] {
         answer_fault(sh, &log, addr);
     }
+    // (After the events read with them too: one waiting to be read makes every answer fail with
+    // `EAGAIN`, and the kernel hands out faults before events, so a thread woken to fault again
+    // at once could keep the event from ever being read.)
+    for &addr in &minors[..nminors] {
+        answer_minor(sh, uffd, &log, addr);
+    }
     // Parked pages go back as soon as there is memory for them (see the `parking` module).
     if answer {
         sh.parking.put_back(uffd, 0..usize::MAX);
     }
     read
+}
+
+/// Records change `c` of the context read (`main`: registered memory's, else the store
+/// mappings'), and keeps the store pages to read zeros up to date (see the `unfilled` module):
+/// pages the program dropped in store mappings, and in the run being merged, which a mapping of
+/// copies may replace before the kernel drops them (it drops whatever is mapped there when it
+/// goes on).
+fn follow_dropped_store_pages(sh: &Shared, log: &mut ChangeLog, c: Change, main: bool) {
+    if let Change::Remove { start, end } = c {
+        let dropped = if main {
+            sh.frozen
+                .published()
+                .map(|run| start.max(run.start)..end.min(run.end))
+        } else {
+            Some(start..end)
+        };
+        if let Some(r) = dropped.filter(|r| !r.is_empty()) {
+            log.unfilled.dropped(r);
+        }
+    }
+    let own = log.record(c);
+    log.unfilled.follow(&c, own);
+}
+
+/// Answers a minor fault of a store mapping at `addr`: the zero page where the program dropped
+/// the page, else the file's page (the copy it maps). In a run held still by write-protection
+/// the entry may hold a write-protect marker (the page was dropped while protected), which the
+/// zero page cannot replace: a page of zeros goes there instead, write-protected like the page
+/// it replaces (outside such a run, the kernel refuses to protect, and it is not). Errors only
+/// need the wake (`EEXIST`: mapped meanwhile; `EAGAIN`: a change waits to be read, the thread
+/// faults again).
+fn answer_minor(sh: &Shared, uffd: &sys::Uffd, log: &ChangeLog, addr: usize) {
+    static ZEROS: [u64; WORDS] = [0; WORDS];
+    let either = |f: &dyn Fn(bool) -> std::io::Result<()>| {
+        f(true).or_else(|e| match e.raw_os_error() {
+            Some(libc::EINVAL) => f(false),
+            _ => Err(e),
+        })
+    };
+    let zeros = |wp| {
+        // SAFETY: ZEROS is a static page of zeros.
+        unsafe { uffd.copy_with(addr, ZEROS.as_ptr().cast(), PAGE, wp) }
+    };
+    let r = if log.unfilled.holds(addr) {
+        uffd.zeropage(addr, PAGE)
+            .or_else(|e| match e.raw_os_error() {
+                Some(libc::EEXIST) => either(&zeros),
+                _ => Err(e),
+            })
+    } else {
+        either(&|wp| uffd.continue_pages(addr, PAGE, wp))
+    };
+    if r.is_err() {
+        let _ = uffd.wake(addr, PAGE);
+    }
+    // Relaxed: a counter.
+    sh.counters.faults_answered.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Answers a missing fault at `addr`: left to the committer if it is a frozen page (it wakes it

@@ -24,12 +24,13 @@ use crate::changes::{Change, ChangeLog, Fate};
 use crate::parking::Parking;
 
 /// How store mappings (merged pages) are registered with the store mappings' context: for missing
-/// faults, which brings the kernel's reports of the program's changes to them and leaves the
-/// kernel's fault-around on (it maps the 16 pages around a read fault; a mapping registered for
-/// write-protection gets none, so every first read of a merged page took a fault of its own).
-/// Write-protection is registered only on a run of them held still ([`ProtectedRun`]). The missing
-/// faults there are reads of holes of the store's file (zero holes), answered with the zero page.
-pub(crate) const STORE_MODE: u64 = UFFDIO_REGISTER_MODE_MISSING;
+/// faults, which brings the kernel's reports of the program's changes to them; and for minor
+/// faults, so that a page the program dropped where the engine could not see it reads zeros, not
+/// its copy (see the `unfilled` module). Their pages are mapped as they merge (a minor fault
+/// costs a round trip to the fault thread, and the kernel's fault-around is off). Write-protection
+/// is registered only on a run of them held still ([`ProtectedRun`]). The missing faults there
+/// are reads of holes of the store's file (zero holes), answered with the zero page.
+pub(crate) const STORE_MODE: u64 = UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_MINOR;
 
 /// Longest run frozen at once: bounds how long a writer can be blocked.
 pub(crate) const MAX_RUN: usize = 512;
@@ -75,6 +76,13 @@ impl FrozenRange {
         // SeqCst pairs with the fault thread's load (`Gate::is_frozen`): the range is visible
         // before any page moves.
         self.word.store(pack_run(start, n), Ordering::SeqCst);
+    }
+
+    /// The run published now, if any, at the addresses it was frozen at.
+    pub(crate) fn published(&self) -> Option<std::ops::Range<usize>> {
+        // SeqCst: as the fault thread's load in `Gate::is_frozen`.
+        let (s, e) = unpack_run(self.word.load(Ordering::SeqCst));
+        (s < e).then_some(s..e)
     }
 
     /// Unpublishes the run, after every page is back or replaced and before its writers are woken.
@@ -638,7 +646,7 @@ impl<'a> ProtectedRun<'a> {
     pub(crate) fn protect(uffd: &'a sys::Uffd, start: usize, n: usize) -> Option<Self> {
         assert!(n <= MAX_RUN, "a run of {n} pages exceeds the longest run");
         let registered = uffd
-            .register(start, n * PAGE, UFFDIO_REGISTER_MODE_WP)
+            .register(start, n * PAGE, STORE_MODE | UFFDIO_REGISTER_MODE_WP)
             .is_ok();
         if !registered || uffd.writeprotect(start, n * PAGE, true).is_err() {
             let _ = uffd.writeprotect(start, n * PAGE, false);

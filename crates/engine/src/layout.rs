@@ -197,6 +197,7 @@ pub(crate) fn forget_pages(st: &mut State, piece: &RegionState) {
 /// Applies the changes the kernel reported and the engine has not applied yet to the regions
 /// (the caller holds the state lock: lock order state, then change log).
 pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
+    fill_dropped_store_pages(sh);
     if lock(&sh.changes).is_empty() {
         return;
     }
@@ -228,6 +229,21 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
     st.store.punch_pending();
 }
 
+/// Maps the zero page over the store mappings' pages the program dropped behind the engine's
+/// back since the last time (see the `unfilled` module). Called with the state lock held, so no
+/// store mapping is made meanwhile.
+fn fill_dropped_store_pages(sh: &Shared) {
+    let Some(u) = &sh.store_uffd else { return };
+    if lock(&sh.changes).unfilled.nothing_to_fill() {
+        return;
+    }
+    // Allocated before the log's lock: the fault thread may wait for it (see `changes::ROOM`).
+    let room = Vec::with_capacity(crate::unfilled::ROOM);
+    let mut waiting = lock(&sh.changes).unfilled.to_fill(room);
+    waiting.retain(|w| crate::unfilled::fill(u, &w.range));
+    lock(&sh.changes).unfilled.filled(&waiting);
+}
+
 /// `[from, from+len)` moved to `to`, its pages with it (and its registration: the kernel keeps
 /// it when reporting moves). Whatever was registered at `to` was unmapped (reported before).
 fn moved(st: &mut State, from: usize, to: usize, len: usize) {
@@ -248,8 +264,10 @@ fn moved(st: &mut State, from: usize, to: usize, len: usize) {
     }
 }
 
-/// The pages of `range` were dropped (`MADV_DONTNEED`): anonymous ones read zeros now; pages in
-/// mappings of the store read their copy again (a private file mapping reads the file).
+/// The pages of `range` were dropped (`MADV_DONTNEED`): they read zeros now, anonymous ones as
+/// the kernel gives them, pages of store mappings through the engine (see the `unfilled`
+/// module): those are private pages of a store mapping from now on, like pages written since
+/// their merge, and a merged one no longer counts its copy.
 fn dropped(st: &mut State, range: Range<usize>) {
     let State {
         regions,
@@ -264,18 +282,16 @@ fn dropped(st: &mut State, range: Range<usize>) {
                     *stale_sightings += 1;
                 }
                 p.kind = PageKind::Anon;
-                p.unchanged = 0;
-                p.epoch = p.epoch.wrapping_add(1);
             }
-            // Written after its merge, the page dropped its private copy: it maps the copy
-            // again, counted again if the store still holds it.
-            PageKind::Broken if store.is_allocated(p.sid) => {
-                store.add_ref(p.sid);
-                p.kind = PageKind::Merged;
-                p.unchanged = 0;
+            PageKind::Merged => {
+                store.drop_ref(p.sid);
+                p.kind = PageKind::Broken;
             }
-            _ => {}
+            PageKind::Broken | PageKind::Foreign => p.kind = PageKind::Broken,
+            PageKind::Zero => continue,
         }
+        p.unchanged = 0;
+        p.epoch = p.epoch.wrapping_add(1);
     }
 }
 

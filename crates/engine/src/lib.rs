@@ -112,6 +112,7 @@ mod stats;
 mod store;
 mod stranded;
 mod stripes;
+mod unfilled;
 mod watch;
 mod zero_holes;
 

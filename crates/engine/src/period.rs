@@ -116,6 +116,8 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
         } else {
             idle.saturating_add(1)
         };
+        // Relaxed: a hint for the next period's watch (this thread's own).
+        sh.settled.store(idle >= IDLE_PERIODS, Ordering::Relaxed);
         {
             *lock(&sh.periods) += 1;
             sh.period_cv.notify_all();

@@ -185,9 +185,13 @@ fn watch_pieces(
     }
     for (k, &(s, e, store_piece)) in pieces.iter().enumerate() {
         let r = if store_piece {
-            sh.store_uffd
-                .as_ref()
-                .map_or(Ok(()), |u| u.register(s, e - s, STORE_MODE))
+            sh.store_uffd.as_ref().map_or(Ok(()), |u| {
+                // Its pages mapped: a first touch would otherwise wait for the fault thread
+                // (see `STORE_MODE`).
+                u.register(s, e - s, STORE_MODE).map(|()| {
+                    crate::commit::map_cached_unless_dropped(sh, s, 0..(e - s) / PAGE, |_| true)
+                })
+            })
         } else {
             sh.uffd.register(s, e - s, sh.reg_mode)
         };

@@ -283,6 +283,9 @@ pub(crate) struct Shared {
     pub(crate) maps: sys::Maps,
     /// Periods completed, with a condvar for `wait_periods`.
     pub(crate) periods: Mutex<u64>,
+    /// Whether the engine is idle (periods in a row that changed little: see `period`); the
+    /// watch then walks store mappings less often.
+    pub(crate) settled: AtomicBool,
     pub(crate) period_cv: Condvar,
     pub(crate) kick: (Mutex<bool>, Condvar),
     /// When the next period should start: a period after the latest registration, so newly

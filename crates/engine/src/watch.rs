@@ -74,9 +74,15 @@ pub(crate) fn watch(
     let mut collapsible = Vec::new();
     let mut reader = PageReader::new();
     // (A region handed to the kernel's KSM is no longer the engine's to watch.)
+    // Store mappings are walked every period while the engine is busy, every 4th once it is
+    // idle: their merged pages are present (mapped as they merge), which makes the walk most of
+    // an idle period's cost, and what it finds there (pages written since their merge) only
+    // changes what is counted and merged again, a few periods later.
+    // Relaxed: the engine thread's own hint.
+    let walk_store = !sh.settled.load(Ordering::Relaxed) || period % 4 == 0;
     for r in regions.values_mut().filter(|r| !r.to_ksm) {
         let step = unchanged_step(r, now, kicked, config);
-        scan_categories(sh.mode, pagemap, r, &mut scan)?;
+        scan_categories(sh.mode, pagemap, r, &mut scan, walk_store)?;
         sh.counters
             .scanned
             .fetch_add(r.pages.len() as u64, Ordering::Relaxed);
@@ -166,6 +172,7 @@ fn scan_categories(
     pagemap: &sys::Pagemap,
     r: &RegionState,
     scan: &mut ScanBuffers,
+    store: bool,
 ) -> io::Result<()> {
     let ScanBuffers {
         regions: regions_buf,
@@ -185,7 +192,8 @@ fn scan_categories(
         // region with tens of thousands of merged runs pays that per walk: so the written and
         // the present anonymous pages come from the same walk, not from one walk each.
         pagemap.scan(r.start, end, &anonymous_pages(), regions_buf)?;
-        if r.merged_ever {
+        // (Left out, a store mapping's pages read as mapping their copies: nothing changes.)
+        if r.merged_ever && store {
             pagemap.scan(r.start, end, &store_mappings(), regions_buf)?;
         }
         mark_pages(cats, r.start, regions_buf);
@@ -504,16 +512,18 @@ fn anonymous_pages() -> sys::ScanQuery {
     }
 }
 
-/// The present pages of the store mappings in a region, with whether each is file-backed (a
-/// present page that is not was written: copy-on-write broken) or the zero page. The store
-/// mappings are registered with the second context, which has no async write-protection, so
-/// they are the mappings that are not `PAGE_IS_WPALLOWED`: a write-protect walk cannot see them,
-/// and their `PAGE_IS_WRITTEN` says nothing (their entries carry no write-protect bit).
+/// The present pages of the store mappings in a region that are not the store's: written since
+/// their merge (copy-on-write broken) or the zero page. Pages mapping their copies (every merged
+/// page: they are mapped as they merge) are left out of the answer, and read as not present (so
+/// `PAGE_IS_FILE` is never returned). The store mappings are registered with the second context,
+/// which has no async write-protection, so they are the mappings that are not
+/// `PAGE_IS_WPALLOWED`: a write-protect walk cannot see them, and their `PAGE_IS_WRITTEN` says
+/// nothing (their entries carry no write-protect bit).
 fn store_mappings() -> sys::ScanQuery {
     sys::ScanQuery {
-        category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED,
-        category_inverted: PAGE_IS_WPALLOWED,
-        return_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
+        category_mask: PAGE_IS_PRESENT | PAGE_IS_WPALLOWED | PAGE_IS_FILE,
+        category_inverted: PAGE_IS_WPALLOWED | PAGE_IS_FILE,
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_PFNZERO,
         ..Default::default()
     }
 }
@@ -689,12 +699,14 @@ mod tests {
         };
         let mut scan = ScanBuffers::default();
         let mut categories = || {
-            scan_categories(WatchMode::UffdWp, &pagemap, &r, &mut scan).unwrap();
+            scan_categories(WatchMode::UffdWp, &pagemap, &r, &mut scan, true).unwrap();
             scan.cats.clone()
         };
-        // Present 1, file-backed 2, zero pfn 4, written 8 (anonymous pieces only). The zero page
-        // of an anonymous piece is left out of the walk (never write-protected): no categories.
-        let (anon, zero, file, written) = (1, 0, 0b0011, 0b1001);
+        // Present 1, zero pfn 4, written 8 (anonymous pieces only). The zero page of an
+        // anonymous piece is left out of the walk (never write-protected): no categories. A store
+        // mapping's page mapping the store is left out too (merged pages are mapped as they
+        // merge): no categories; one written since (page 5) is present.
+        let (anon, zero, file, written) = (1, 0, 0, 0b1001);
         let mut want = [
             written, anon, zero, 0, file, anon, 0, anon, file, file, file, written,
         ];

@@ -1088,37 +1088,6 @@ fn first_touches_of_registered_and_released_memory_do_not_reach_the_engine() {
     drop(r);
 }
 
-/// `populate_merged`: merged pages are mapped as they merge (a first read is a load, not a
-/// fault); without it they are mapped by the program's first touch.
-#[test]
-fn merged_pages_are_mapped_as_they_merge_when_asked() {
-    let _g = serial();
-    for populate in [false, true] {
-        let e = Engine::builder()
-            .merge_period(Duration::from_millis(20))
-            .populate_merged(populate)
-            .build()
-            .expect("the engine starts on this kernel");
-        let n = 256;
-        // Two identical halves of distinct pages, filled before they are registered.
-        let mem = common::filled(2 * n, |i| (i % n) as u64 + 1);
-        let base = mem.as_ptr() as usize;
-        e.register(base as *mut u8, mem.len()).unwrap();
-        let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-        assert_eq!(s.pages_sharing, n as u64, "{s:?}");
-        let mapped = (0..2 * n).filter(|&i| file_backed(base + i * PAGE)).count();
-        if populate {
-            assert_eq!(mapped, 2 * n, "every merged page is mapped");
-        } else {
-            assert_eq!(mapped, 0, "merged pages are mapped by a first touch only");
-        }
-        for (i, p) in mem.chunks(PAGE).enumerate() {
-            assert!(check(p, (i % n) as u64 + 1), "page {i} changed by merging");
-        }
-        e.unregister(base as *mut u8, mem.len()).unwrap();
-    }
-}
-
 /// Memory written often and then zeroed (a program or guest freeing it so) is released one
 /// period after its last write, not after the back-off its writes earned.
 #[test]
@@ -1301,11 +1270,12 @@ fn race_writes(base: usize, pages: usize, seed: u64, stop: &AtomicBool) -> Vec<u
     last
 }
 
-/// A first read of a merged page maps the merged pages around it too (the kernel's fault-around,
-/// which a mapping registered for write-protection does not get): store mappings are registered
-/// for missing faults, and write-protected only while a run of them is held still.
+/// Merged pages are mapped as they merge: store mappings are registered for minor faults (so that
+/// a page dropped behind the engine's back reads zeros), which turns the kernel's fault-around
+/// off, so the engine maps their page table entries itself. Reading every merged page then waits
+/// for nothing.
 #[test]
-fn a_read_of_a_merged_page_maps_its_neighbours() {
+fn merged_pages_are_mapped_as_they_merge() {
     let _g = serial();
     let e = engine(WatchMode::Auto);
     let n = 256;
@@ -1313,24 +1283,18 @@ fn a_read_of_a_merged_page_maps_its_neighbours() {
     e.register(mem.as_mut_ptr(), mem.len()).unwrap();
     let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
     assert_eq!(s.pages_sharing, n as u64, "{s:?}");
-    let pm = sys::Pagemap::open().unwrap();
-    let start = mem.as_ptr() as usize;
-    let present = || {
-        pm.count_pages(start, 2 * n, sys::uapi::PAGE_IS_PRESENT)
-            .unwrap()
-    };
-    let before = present();
-    // One page read, in the middle of the second half.
-    let at = n + n / 2;
-    assert!(check(&mem[at * PAGE..(at + 1) * PAGE], (at % n) as u64 + 1));
-    let mapped = present() - before;
-    assert!(
-        mapped >= 8,
-        "one read mapped {mapped} merged page(s): no fault-around"
-    );
+    let base = mem.as_ptr() as usize;
+    let mapped = (0..2 * n).filter(|&i| file_backed(base + i * PAGE)).count();
+    assert_eq!(mapped, 2 * n, "merged pages without a page table entry");
+    let faults = e.stats().faults_answered;
     for (i, page) in mem.chunks(PAGE).enumerate() {
         assert!(check(page, (i % n) as u64 + 1), "page {i} changed");
     }
+    assert_eq!(
+        e.stats().faults_answered,
+        faults,
+        "a read waited for the engine"
+    );
     e.unregister(mem.as_mut_ptr(), mem.len()).unwrap();
     for (i, page) in mem.chunks(PAGE).enumerate() {
         assert!(
@@ -1386,4 +1350,137 @@ fn a_dropped_page_over_a_freed_copy_never_reads_another_page() {
     let s = wait_for(&e, |s| s.pages_sharing >= 1 && s.copies_held == 0);
     assert_eq!((s.pages_sharing, s.copies_held), (1, 0), "{s:?}");
     assert!(b.as_mut_slice().chunks(PAGE).all(|p| check(p, 3)));
+}
+
+/// Merged pages, and a page written since its merge, dropped where the engine cannot see it first
+/// (a raw `madvise`, as the C library's own calls are): they read zeros at once, as anonymous
+/// memory does, never their copies; every other page keeps its bytes and stays merged; the
+/// copies are no longer counted for them; written, they keep the bytes; equal to a copy again,
+/// they merge again.
+#[test]
+fn merged_pages_dropped_unseen_read_zeros() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 64;
+    let mut r = merged_halves(&e, n);
+    let (ptr, base) = (r.as_ptr(), r.as_ptr() as usize);
+    let drop_unseen = |first: usize, pages: usize| {
+        // SAFETY: pages of the test's own region; no reference into it is live.
+        unsafe {
+            sys::madvise(
+                ptr.wrapping_add(first * PAGE),
+                pages * PAGE,
+                libc::MADV_DONTNEED,
+            )
+        }
+        .unwrap();
+    };
+    // One page, then several, then a page written since its merge.
+    drop_unseen(5, 1);
+    assert!(
+        check(&r.as_slice()[5 * PAGE..6 * PAGE], 0),
+        "page 5 read its copy"
+    );
+    drop_unseen(20, 4);
+    assert!(
+        r.as_slice()[20 * PAGE..24 * PAGE].iter().all(|&b| b == 0),
+        "pages 20..24 read their copies"
+    );
+    r.as_mut_slice()[40 * PAGE + 7] ^= 0xFF;
+    wait_for(&e, |s| s.cow_breaks >= 1);
+    drop_unseen(40, 1);
+    assert!(
+        check(&r.as_slice()[40 * PAGE..41 * PAGE], 0),
+        "page 40 read its copy"
+    );
+    let dropped = [5, 20, 21, 22, 23, 40];
+    let s = wait_for(&e, |s| s.pages_sharing <= n as u64 - 6);
+    assert_eq!(s.pages_sharing, n as u64 - 6, "{s:?}");
+    e.wait_periods(3, Duration::from_secs(10));
+    for (i, page) in r.as_slice().chunks(PAGE).enumerate() {
+        let want = if dropped.contains(&i) {
+            0
+        } else {
+            (i % n) as u64 + 1
+        };
+        assert!(check(page, want), "page {i} reads wrong bytes");
+        if !dropped.contains(&i) && i != 40 + n && i != 40 - n {
+            assert!(
+                in_store_mapping(base + i * PAGE),
+                "page {i} is no longer merged"
+            );
+        }
+    }
+    // Dropped again once filled: still zeros.
+    drop_unseen(5, 1);
+    assert!(
+        check(&r.as_slice()[5 * PAGE..6 * PAGE], 0),
+        "page 5 read its copy"
+    );
+    // Written after the drop: kept; equal to its twin again: merged again.
+    fill(&mut r.as_mut_slice()[20 * PAGE..21 * PAGE], 1000);
+    fill(&mut r.as_mut_slice()[5 * PAGE..6 * PAGE], 6);
+    e.wait_periods(3, Duration::from_secs(10));
+    assert!(
+        check(&r.as_slice()[20 * PAGE..21 * PAGE], 1000),
+        "a write was lost"
+    );
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64 - 5);
+    assert_eq!(s.pages_sharing, n as u64 - 5, "{s:?}");
+    assert!(check(&r.as_slice()[5 * PAGE..6 * PAGE], 6));
+    assert!(file_backed(base + 5 * PAGE), "the page did not merge again");
+}
+
+/// Merged pages between unmerged ones (a mapping each), dropped in one call where the engine
+/// cannot see it first: every page reads zeros.
+#[test]
+fn scattered_merged_pages_dropped_unseen_in_one_call_read_zeros() {
+    let _g = serial();
+    let e = engine(WatchMode::Auto);
+    let n = 64;
+    // Page i of the first half equals page i of the second where i is even; odd pages are unique.
+    let content = |i: usize| {
+        if i % 2 == 0 {
+            (i % n) as u64 + 1
+        } else {
+            1000 + i as u64
+        }
+    };
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64 / 2);
+    assert_eq!(s.pages_sharing, n as u64 / 2, "{s:?}");
+    let base = r.as_ptr() as usize;
+    assert!(in_store_mapping(base + 2 * PAGE) && !in_store_mapping(base + 3 * PAGE));
+    // SAFETY: pages of the test's own region; no reference into it is live.
+    unsafe {
+        sys::madvise(
+            r.as_ptr().wrapping_add(PAGE),
+            2 * (n - 1) * PAGE,
+            libc::MADV_DONTNEED,
+        )
+    }
+    .unwrap();
+    for (i, page) in r.as_slice().chunks(PAGE).enumerate() {
+        let want = if (1..2 * n - 1).contains(&i) {
+            0
+        } else {
+            content(i)
+        };
+        assert!(check(page, want), "page {i} reads wrong bytes");
+    }
+    e.wait_periods(3, Duration::from_secs(10));
+    for (i, page) in r.as_slice().chunks(PAGE).enumerate() {
+        let want = if (1..2 * n - 1).contains(&i) {
+            0
+        } else {
+            content(i)
+        };
+        assert!(
+            check(page, want),
+            "page {i} reads wrong bytes a while later"
+        );
+    }
 }

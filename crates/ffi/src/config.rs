@@ -169,8 +169,8 @@ pub unsafe extern "C" fn pageone_config_set_vma_margin(
     unsafe { config_setter!(cfg.vma_margin = vmas) }
 }
 
-/// Sets whether merged pages are mapped as they merge (`populate_merged` in the Rust API: a first
-/// read is then a load, not a page fault; merging costs more CPU).
+/// Sets whether merged pages are mapped as they merge where the kernel cannot report minor faults
+/// (`populate_merged` in the Rust API; elsewhere they always are).
 ///
 /// # Safety
 ///

@@ -16,6 +16,8 @@ pub const MADV_DONTNEED_LOCKED: libc::c_int = 24;
 pub const UFFD_API: u64 = 0xAA;
 pub const UFFD_USER_MODE_ONLY: libc::c_int = 1;
 
+/// Minor faults on shmem (Linux 5.14): a page in the file's cache but not in the page tables.
+pub const UFFD_FEATURE_MINOR_SHMEM: u64 = 1 << 10;
 pub const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
 pub const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 pub const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
@@ -23,6 +25,7 @@ pub const UFFD_FEATURE_MOVE: u64 = 1 << 16;
 
 pub const UFFDIO_REGISTER_MODE_MISSING: u64 = 1 << 0;
 pub const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
+pub const UFFDIO_REGISTER_MODE_MINOR: u64 = 1 << 2;
 
 pub const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
 pub const UFFDIO_ZEROPAGE_MODE_DONTWAKE: u64 = 1 << 0;
@@ -103,8 +106,14 @@ pub struct UffdMsg {
 /// What a [`UffdMsg`] reports, its union read by its event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UffdEvent {
-    /// A thread faulted at `address` (`write`: a write fault; `wp`: on write-protection).
-    PageFault { address: u64, write: bool, wp: bool },
+    /// A thread faulted at `address` (`write`: a write fault; `wp`: on write-protection;
+    /// `minor`: the page is in the file's cache, only its page table entry is missing).
+    PageFault {
+        address: u64,
+        write: bool,
+        wp: bool,
+        minor: bool,
+    },
     /// `[from, from+len)` moved to `[to, to+len)` (`mremap`); the mapping there keeps the
     /// registration.
     Remap { from: u64, to: u64, len: u64 },
@@ -127,6 +136,7 @@ impl UffdMsg {
                 address: self.pf_address,
                 write: self.pf_flags & UFFD_PAGEFAULT_FLAG_WRITE != 0,
                 wp: self.pf_flags & UFFD_PAGEFAULT_FLAG_WP != 0,
+                minor: self.pf_flags & UFFD_PAGEFAULT_FLAG_MINOR != 0,
             },
             UFFD_EVENT_REMAP => UffdEvent::Remap {
                 from: self.pf_flags,
@@ -148,6 +158,7 @@ impl UffdMsg {
 
 pub const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1 << 0;
 pub const UFFD_PAGEFAULT_FLAG_WP: u64 = 1 << 1;
+pub const UFFD_PAGEFAULT_FLAG_MINOR: u64 = 1 << 2;
 
 pub const UFFDIO_API: u64 = ioc(IOC_RW, 0xAA, 0x3F, std::mem::size_of::<UffdioApi>());
 pub const UFFDIO_REGISTER: u64 = ioc(IOC_RW, 0xAA, 0x00, std::mem::size_of::<UffdioRegister>());
@@ -169,6 +180,18 @@ pub const UFFDIO_WRITEPROTECT: u64 = ioc(
     std::mem::size_of::<UffdioWriteprotect>(),
 );
 pub const UFFDIO_MOVE: u64 = ioc(IOC_RW, 0xAA, 0x05, std::mem::size_of::<UffdioMove>());
+/// `struct uffdio_continue` (Linux 5.13).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UffdioContinue {
+    pub range: UffdioRange,
+    pub mode: u64,
+    pub mapped: i64,
+}
+pub const UFFDIO_CONTINUE_MODE_DONTWAKE: u64 = 1 << 0;
+pub const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
+pub const UFFDIO_COPY_MODE_WP: u64 = 1 << 1;
+pub const UFFDIO_CONTINUE: u64 = ioc(IOC_RW, 0xAA, 0x07, std::mem::size_of::<UffdioContinue>());
 
 /// `struct pm_scan_arg` (6.7+).
 #[repr(C)]

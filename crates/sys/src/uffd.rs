@@ -129,36 +129,57 @@ impl Uffd {
     /// anyone (the caller wakes): pages present already are skipped (the kernel stops at each
     /// with `EEXIST`). Returns the pages filled; an error other than `EEXIST` ends it.
     pub fn fill_zero_pages(&self, start: usize, len: usize) -> io::Result<usize> {
-        let (mut at, end, mut filled) = (start, start + len, 0);
-        while at < end {
+        fill_skipping(start, len, &[libc::EEXIST], |at, len| {
             let mut z = UffdioZeropage {
                 range: UffdioRange {
                     start: at as u64,
-                    len: (end - at) as u64,
+                    len: len as u64,
                 },
                 mode: UFFDIO_ZEROPAGE_MODE_DONTWAKE,
                 zeropage: 0,
             };
             // SAFETY: z is a live uffdio_zeropage.
             let r = unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) };
-            let done = if z.zeropage > 0 {
-                z.zeropage as usize
-            } else {
-                0
+            (r, z.zeropage)
+        })
+    }
+
+    /// Maps the pages of the file's cache behind `[start, start+len)`, a shmem mapping registered
+    /// for minor faults, where the page tables have none yet (`UFFDIO_CONTINUE`), without waking
+    /// anyone: pages mapped already (`EEXIST`) and holes of the file (`EFAULT`) are skipped.
+    /// Returns the pages mapped; an error other than those ends it.
+    pub fn map_cached_pages(&self, start: usize, len: usize) -> io::Result<usize> {
+        fill_skipping(start, len, &[libc::EEXIST, libc::EFAULT], |at, len| {
+            let mut c = UffdioContinue {
+                range: UffdioRange {
+                    start: at as u64,
+                    len: len as u64,
+                },
+                mode: UFFDIO_CONTINUE_MODE_DONTWAKE,
+                mapped: 0,
             };
-            filled += done / crate::PAGE_SIZE;
-            at += done;
-            if r == 0 {
-                break;
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EEXIST) {
-                return if filled > 0 { Ok(filled) } else { Err(e) };
-            }
-            // The page at `at` is present: skip it.
-            at += crate::PAGE_SIZE;
-        }
-        Ok(filled)
+            // SAFETY: c is a live uffdio_continue.
+            let r = unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_CONTINUE, &mut c) };
+            (r, c.mapped)
+        })
+    }
+
+    /// Resolves a minor fault at `[start, start+len)` by mapping the file's cached pages there
+    /// (`UFFDIO_CONTINUE`), write-protected if `wp` (the range must be registered for it), and
+    /// waking the faulters. Unlike [`Uffd::zeropage`], this also fills an entry holding only a
+    /// write-protect marker.
+    pub fn continue_pages(&self, start: usize, len: usize, wp: bool) -> io::Result<()> {
+        let mut c = UffdioContinue {
+            range: UffdioRange {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode: if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 },
+            mapped: 0,
+        };
+        // SAFETY: c is a live uffdio_continue.
+        cvt(unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_CONTINUE, &mut c) } as libc::c_long)
+            .map(drop)
     }
 
     /// Write-protects (`protect`) or un-protects `[start, start+len)`; un-protecting also clears
@@ -190,11 +211,27 @@ impl Uffd {
     /// # Safety
     /// `src` must be readable for `len` bytes.
     pub unsafe fn copy(&self, dst: usize, src: *const u8, len: usize) -> io::Result<()> {
+        // SAFETY: by the caller's contract.
+        unsafe { self.copy_with(dst, src, len, false) }
+    }
+
+    /// [`Uffd::copy`], write-protecting the new pages if `wp` (the range must be registered for
+    /// write-protection).
+    ///
+    /// # Safety
+    /// `src` must be readable for `len` bytes.
+    pub unsafe fn copy_with(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+        wp: bool,
+    ) -> io::Result<()> {
         let mut c = UffdioCopy {
             dst: dst as u64,
             src: src as u64,
             len: len as u64,
-            mode: 0,
+            mode: if wp { UFFDIO_COPY_MODE_WP } else { 0 },
             copy: 0,
         };
         // SAFETY: c is a live uffdio_copy; the caller vouches for src.
@@ -274,4 +311,33 @@ impl Uffd {
         }
         Ok(Some(msg))
     }
+}
+
+/// Fills `[start, start+len)` with `fill(at, len)`, a userfaultfd ioctl returning its result and
+/// the bytes it filled (negative: none), going on past each page whose error is one of `skip`
+/// (the kernel stops there). Returns the pages filled; another error ends it (an error only if
+/// nothing was filled).
+fn fill_skipping(
+    start: usize,
+    len: usize,
+    skip: &[i32],
+    mut fill: impl FnMut(usize, usize) -> (libc::c_int, i64),
+) -> io::Result<usize> {
+    let (mut at, end, mut filled) = (start, start + len, 0);
+    while at < end {
+        let (r, done) = fill(at, end - at);
+        let done = usize::try_from(done).unwrap_or(0);
+        filled += done / crate::PAGE_SIZE;
+        at += done;
+        if r == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        if !e.raw_os_error().is_some_and(|c| skip.contains(&c)) {
+            return if filled > 0 { Ok(filled) } else { Err(e) };
+        }
+        // The page at `at` is one to skip.
+        at += crate::PAGE_SIZE;
+    }
+    Ok(filled)
 }
