@@ -123,10 +123,18 @@ impl Unfilled {
         self.entries.iter().any(|e| e.range.contains(&addr))
     }
 
-    /// The ranges not filled yet, copied into `into` (allocated by the caller before the lock).
+    /// The ranges not filled yet, copied into `into` as far as its capacity goes (allocated by
+    /// the caller before the lock: this allocates nothing; the rest wait for the next fill).
     pub(crate) fn to_fill(&self, mut into: Vec<Waiting>) -> Vec<Waiting> {
         into.clear();
-        into.extend(self.entries.iter().filter(|e| !e.filled).cloned());
+        let room = into.capacity();
+        into.extend(
+            self.entries
+                .iter()
+                .filter(|e| !e.filled)
+                .take(room)
+                .cloned(),
+        );
         into
     }
 
@@ -224,7 +232,7 @@ mod tests {
         let mut u = Unfilled::default();
         u.dropped(P..2 * P);
         u.dropped(10 * P..11 * P);
-        let done = u.to_fill(Vec::new());
+        let done = u.to_fill(Vec::with_capacity(ROOM));
         u.dropped(5 * P..6 * P);
         u.follow(
             &Change::Remap {
@@ -238,13 +246,30 @@ mod tests {
         u.dropped(6 * P..7 * P);
         u.filled(&done);
         // Moved after it was taken: filled at its old address, so it waits again.
-        let left: Vec<_> = u.to_fill(Vec::new()).into_iter().map(|w| w.range).collect();
+        let left: Vec<_> = u
+            .to_fill(Vec::with_capacity(ROOM))
+            .into_iter()
+            .map(|w| w.range)
+            .collect();
         assert_eq!(left, [100 * P..101 * P, 5 * P..7 * P]);
-        let done = u.to_fill(Vec::new());
+        let done = u.to_fill(Vec::with_capacity(ROOM));
         u.filled(&done);
         assert!(u.nothing_to_fill());
         // Filled, they are still held.
         assert!(u.holds(100 * P) && u.holds(6 * P) && u.holds(10 * P) && !u.holds(P));
+    }
+
+    #[test]
+    fn a_fill_takes_no_more_than_its_room() {
+        let mut u = Unfilled::default();
+        for i in 0..10 {
+            u.dropped(2 * i * P..(2 * i + 1) * P);
+        }
+        let done = u.to_fill(Vec::with_capacity(4));
+        let taken = done.len();
+        assert_eq!(taken, done.capacity().min(10));
+        u.filled(&done);
+        assert_eq!(u.to_fill(Vec::with_capacity(ROOM)).len(), 10 - taken);
     }
 
     #[test]
