@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use pageone_seed::{fill_page, Data};
 
-use crate::latency::{monotonic_ns, Histogram, Sparse};
+use crate::latency::{Histogram, Sparse};
 use crate::procfs;
+use pageone_sys::monotonic_ns;
 
 const PAGE: usize = 4096;
 /// The word written by the CoW-break and stall writes (zero in the seed data).

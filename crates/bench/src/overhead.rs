@@ -19,9 +19,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::ksm::KsmSession;
-use crate::latency::{monotonic_ns, Histogram, Summary};
+use crate::latency::{Histogram, Summary};
 use crate::ops::{Op, OpOutput, OpSpec, Side, Stall};
 use crate::processes::{io_err, Error};
+use pageone_sys::monotonic_ns;
 
 /// How the benchmark is run.
 #[derive(Clone, Debug)]

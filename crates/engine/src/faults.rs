@@ -17,6 +17,9 @@ use crate::access::{PAGE, WORDS};
 use crate::changes::{Change, ChangeLog};
 use crate::state::Shared;
 
+/// A page of zeros, copied where the zero page cannot go (over a write-protect marker).
+static ZEROS: [u64; WORDS] = [0; WORDS];
+
 /// Messages read in one go, under the change log's lock.
 const READ_AT_ONCE: usize = 64;
 
@@ -197,7 +200,6 @@ fn follow_dropped_store_pages(sh: &Shared, log: &mut ChangeLog, c: Change, main:
 /// need the wake (`EEXIST`: mapped meanwhile; `EAGAIN`: a change waits to be read, the thread
 /// faults again).
 fn answer_minor(sh: &Shared, uffd: &sys::Uffd, log: &ChangeLog, addr: usize) {
-    static ZEROS: [u64; WORDS] = [0; WORDS];
     let either = |f: &dyn Fn(bool) -> std::io::Result<()>| {
         f(true).or_else(|e| match e.raw_os_error() {
             Some(libc::EINVAL) => f(false),
@@ -243,7 +245,6 @@ fn answer_fault(sh: &Shared, log: &ChangeLog, addr: usize) {
     // as a last resort install a zeroed page. Other errors (EEXIST because the page came back,
     // ENOENT because the address is now a merged mapping, EAGAIN while a change's event waits to
     // be read: the faulting thread retries) only need the wake.
-    static ZEROS: [u64; WORDS] = [0; WORDS];
     let r = match sh.uffd.zeropage(addr, PAGE) {
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
             let _ = sh.uffd.writeprotect(addr, PAGE, false);

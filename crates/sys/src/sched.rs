@@ -241,7 +241,7 @@ pub fn memory_is_short() -> bool {
     // a lock: a forked child's engine must never find it held by a thread of the parent. Two
     // threads that read at once both read the files, and either answer stands.
     static LAST: AtomicU64 = AtomicU64::new(0);
-    let now_ms = monotonic_ms();
+    let now_ms = monotonic_ns() / 1_000_000;
     // Relaxed: the word carries its own time and answer; nothing else is published with it.
     let last = LAST.load(Ordering::Relaxed);
     if last != 0 && now_ms.saturating_sub(last >> 1) < Background::CHECK_EVERY.as_millis() as u64 {
@@ -252,15 +252,16 @@ pub fn memory_is_short() -> bool {
     short
 }
 
-/// Milliseconds of `CLOCK_MONOTONIC`.
-fn monotonic_ms() -> u64 {
+/// Nanoseconds of `CLOCK_MONOTONIC`, comparable between processes of one boot (and, unlike
+/// `Instant`, a plain number to keep in an atomic word).
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `ts` is a live timespec for the kernel to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn memory_is_short_now() -> bool {

@@ -150,18 +150,23 @@ impl Uffd {
     /// Returns the pages mapped; an error other than those ends it.
     pub fn map_cached_pages(&self, start: usize, len: usize) -> io::Result<usize> {
         fill_skipping(start, len, &[libc::EEXIST, libc::EFAULT], |at, len| {
-            let mut c = UffdioContinue {
-                range: UffdioRange {
-                    start: at as u64,
-                    len: len as u64,
-                },
-                mode: UFFDIO_CONTINUE_MODE_DONTWAKE,
-                mapped: 0,
-            };
-            // SAFETY: c is a live uffdio_continue.
-            let r = unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_CONTINUE, &mut c) };
-            (r, c.mapped)
+            self.continue_ioctl(at, len, UFFDIO_CONTINUE_MODE_DONTWAKE)
         })
+    }
+
+    /// `UFFDIO_CONTINUE` over `[start, start+len)` with `mode`: its result and the bytes mapped.
+    fn continue_ioctl(&self, start: usize, len: usize, mode: u64) -> (libc::c_int, i64) {
+        let mut c = UffdioContinue {
+            range: UffdioRange {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode,
+            mapped: 0,
+        };
+        // SAFETY: c is a live uffdio_continue.
+        let r = unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_CONTINUE, &mut c) };
+        (r, c.mapped)
     }
 
     /// Resolves a minor fault at `[start, start+len)` by mapping the file's cached pages there
@@ -169,17 +174,8 @@ impl Uffd {
     /// waking the faulters. Unlike [`Uffd::zeropage`], this also fills an entry holding only a
     /// write-protect marker.
     pub fn continue_pages(&self, start: usize, len: usize, wp: bool) -> io::Result<()> {
-        let mut c = UffdioContinue {
-            range: UffdioRange {
-                start: start as u64,
-                len: len as u64,
-            },
-            mode: if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 },
-            mapped: 0,
-        };
-        // SAFETY: c is a live uffdio_continue.
-        cvt(unsafe { crate::raw_ioctl(self.as_raw_fd(), UFFDIO_CONTINUE, &mut c) } as libc::c_long)
-            .map(drop)
+        let mode = if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 };
+        cvt(self.continue_ioctl(start, len, mode).0 as libc::c_long).map(drop)
     }
 
     /// Write-protects (`protect`) or un-protects `[start, start+len)`; un-protecting also clears
