@@ -25,11 +25,11 @@ use crate::colocate::Colocated;
 use crate::config::{Config, WatchMode};
 use crate::freeze::{
     Freezer, FrozenRun, NormalPriority, ProtectedRun, Rearm, RestoreReport, Scratch, MAX_RUN,
-    STORE_MODE,
 };
 use crate::layout::holding_still;
+use crate::staging::{map_copies_registered, Copies};
 use crate::state::{Page, PageKind, RegionState, Shared, State};
-use crate::store::Store;
+use crate::store::{Store, StoreFile};
 
 /// What a read fault on a file mapping maps at once, aligned, of the pages in the page cache
 /// (Linux's default `fault_around_bytes`).
@@ -145,7 +145,14 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
     if todo.is_empty() {
         return;
     }
-    let scratch = lock(&sh.state).scratch;
+    let (scratch, file) = {
+        let st = lock(&sh.state);
+        (st.scratch, st.store.file.clone())
+    };
+    // (Before any run is frozen: it maps, registers and reads a setting.)
+    if !config.stage_each_mapping {
+        sh.staging.prepare(sh, &file);
+    }
     let mut cx = CommitCtx {
         sh,
         config,
@@ -274,8 +281,8 @@ fn next_run(
 struct Plan {
     /// Per page: release (`Zero`, `Recycle`), merge onto a copy held for it, or nothing.
     acts: [Option<Action>; MAX_RUN],
-    /// The store's descriptor and view.
-    fd: i32,
+    /// The store's file and view.
+    file: Arc<StoreFile>,
     store_base: usize,
     /// The copy the page left of the run maps, if merged: a subrun continuing it coalesces.
     left: Option<KeyId>,
@@ -348,7 +355,7 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
     }
     Some(Plan {
         acts,
-        fd: rs.store.fd(),
+        file: rs.store.file.clone(),
         store_base: rs.store.addr(0),
         left,
         sides,
@@ -617,7 +624,7 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
         log.expect_merge(mapping_change(run.start + k * PAGE, m), since);
     });
     drop(log);
-    replace_frozen(cx, run, plan, &mut frozen, &mut out);
+    replace_frozen(cx, (run, plan), since, &mut frozen, &mut out);
     let released = |k: usize| matches!(out.verdict[k], Some(Action::Zero | Action::Recycle(_)));
     let mut k = 0;
     while k < run.n {
@@ -639,8 +646,8 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
 /// copies); their pages are consumed. A subrun that cannot be mapped is put back.
 fn replace_frozen(
     cx: &CommitCtx<'_>,
-    run: &Run,
-    plan: &Plan,
+    (run, plan): (&Run, &Plan),
+    since: u64,
     frozen: &mut FrozenRun<'_>,
     out: &mut Outcome,
 ) {
@@ -651,12 +658,19 @@ fn replace_frozen(
             continue;
         };
         let addr = run.start + k * PAGE;
+        // (Frozen by moving, its mapping is read/write.)
+        let copies = Copies {
+            file: &plan.file,
+            sid,
+            m,
+            prot: libc::PROT_READ | libc::PROT_WRITE,
+        };
         // SAFETY: the subrun is frozen (its pages are in scratch) and compared equal to its
-        // copies, which the plan holds. (Frozen by moving, its mapping is read/write.)
-        match unsafe { map_subrun(plan.fd, addr, (sid, m), libc::PROT_READ | libc::PROT_WRITE) } {
-            Ok(()) => {
+        // copies, which the plan holds; its unmapping was announced with mark `since`.
+        match unsafe { map_copies_registered(cx.sh, addr, copies, since) } {
+            Ok(registered) => {
                 (k..k + m).for_each(|q| frozen.consume_mapped(q));
-                if register_store_mapping(cx.sh, addr, m) {
+                if registered {
                     map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
                     map_copies_over_the_rest(cx.sh, run.start, k..k + m, &plan.holes);
                 }
@@ -687,7 +701,7 @@ fn map_zero_page_over_holes(sh: &Shared, start: usize, ks: Range<usize>, holes: 
 }
 
 /// Maps the copies of the pages `ks` of the run at `start` that are not over holes (their page
-/// table entries; see [`STORE_MODE`]), except where the program dropped them meanwhile.
+/// table entries; see [`STORE_MODE`](crate::freeze::STORE_MODE)), except where the program dropped them meanwhile.
 fn map_copies_over_the_rest(sh: &Shared, start: usize, ks: Range<usize>, holes: &HoleSet) {
     map_cached_unless_dropped(sh, start, ks, |k| !holes.contains(k));
 }
@@ -927,23 +941,6 @@ fn map_copies_before_freeze(acts: &[Option<Action>], holes: &HoleSet, store_base
     }
 }
 
-/// Maps copies `sid..sid + m` of the store `fd` privately over the `m` pages at `addr`, with
-/// protection `prot` (that of the mapping they replace).
-///
-/// # Safety
-/// The pages at `addr` are held still and equal their copies, so replacing the mapping discards
-/// nothing.
-unsafe fn map_subrun(
-    fd: i32,
-    addr: usize,
-    (sid, m): (KeyId, usize),
-    prot: libc::c_int,
-) -> std::io::Result<()> {
-    let offset = sid as u64 * PAGE as u64;
-    // SAFETY: by the caller's contract.
-    unsafe { sys::mmap_private_fixed_with(addr as *mut u8, m * PAGE, fd, offset, prot) }
-}
-
 /// Merges a run of COW-broken pages again. They live in store mappings, which `UFFDIO_MOVE` cannot
 /// freeze, so writers are held off with synchronous write-protection instead: the pages stay
 /// readable, any write blocks until the run is done, and the comparison reads bytes that cannot
@@ -1047,12 +1044,27 @@ unsafe fn map_copies(
     } else {
         // The store mapping replaced is reported by its context: the engine's own change.
         lock(&sh.changes).expect_merge(mapping_change(addr, m), since);
-        // SAFETY: the pages are held still and equal their copies (this function's contract).
-        let r = unsafe { map_subrun(rs.store.fd(), addr, (sid, m), prot) }.map(|()| true);
-        if r.is_err() {
-            lock(&sh.changes).unexpect(mapping_change(addr, m));
+        let copies = Copies {
+            file: &rs.store.file,
+            sid,
+            m,
+            prot,
+        };
+        // SAFETY: the pages are held still and equal their copies (this function's contract);
+        // their unmapping was just announced with mark `since`.
+        let r = unsafe { map_copies_registered(sh, addr, copies, since) };
+        match r {
+            Ok(registered) => {
+                if registered {
+                    map_cached_unless_dropped(sh, addr, 0..m, |_| true);
+                }
+                Ok(true)
+            }
+            Err(e) => {
+                lock(&sh.changes).unexpect(mapping_change(addr, m));
+                Err(e)
+            }
         }
-        r
     };
     let ok = matches!(mapped, Ok(true));
     for q in 0..m {
@@ -1068,7 +1080,6 @@ unsafe fn map_copies(
         *rs.vmas += cost;
         rs.region.merged_ever = true;
         sh.counters.merges.fetch_add(m as u64, Ordering::Relaxed);
-        watch_store_mapping(sh, addr, m);
     }
     mapped
 }
@@ -1175,25 +1186,6 @@ unsafe fn release_zeroed(
     registered.map(|()| true)
 }
 
-/// Registers a new mapping of the store with the store mappings' userfaultfd, so that its pages
-/// can be frozen for a new merge if they are COW-broken later, and read zeros if dropped behind
-/// the engine's back; then maps its pages, which would otherwise fault to the fault thread on
-/// their first touch (see [`STORE_MODE`]). Failing to register only costs that (the page is not
-/// merged again after a copy-on-write break, and reads its copy again if dropped unseen); a page
-/// left unmapped costs its first touch a round trip.
-fn watch_store_mapping(sh: &Shared, addr: usize, pages: usize) {
-    if register_store_mapping(sh, addr, pages) {
-        map_cached_unless_dropped(sh, addr, 0..pages, |_| true);
-    }
-}
-
-/// Registers a new mapping of the store with the store mappings' userfaultfd ([`STORE_MODE`]);
-/// returns whether it is.
-fn register_store_mapping(sh: &Shared, addr: usize, pages: usize) -> bool {
-    sh.store_uffd
-        .as_ref()
-        .is_some_and(|u| u.register(addr, pages * PAGE, STORE_MODE).is_ok())
-}
 /// Records the outcome of mapping copy `copy` over a page: merged, or (`ok == false`) the
 /// reference counted for it is taken back.
 ///

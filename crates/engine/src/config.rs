@@ -55,6 +55,10 @@ pub struct Config {
     /// touch would wait for the engine. This setting only matters where it cannot. Off by
     /// default.
     pub populate_merged: bool,
+    /// (For tests of the fallback.) Stage each mapping of copies on its own instead of moving
+    /// them from the staging area (see `docs/DESIGN.md`), as where the area cannot be made.
+    #[doc(hidden)]
+    pub stage_each_mapping: bool,
     /// Merge pages (the default). Off, the engine only recycles the pages the program marks free
     /// in its PPR pool ([`Engine::recycle_from`]): registered memory is then neither
     /// write-protected nor scanned nor read, so the program's writes and marks cost what they
@@ -117,6 +121,7 @@ impl Default for Config {
             watch: WatchMode::Auto,
             vma_margin: 1024,
             populate_merged: false,
+            stage_each_mapping: false,
             restore_huge_pages: true,
             trim_c_heap: true,
             ksm_when_limited: true,
@@ -207,6 +212,12 @@ impl Builder {
     }
     pub fn vma_margin(mut self, n: usize) -> Self {
         self.config.vma_margin = n;
+        self
+    }
+    /// See [`Config::stage_each_mapping`].
+    #[doc(hidden)]
+    pub fn stage_each_mapping(mut self, on: bool) -> Self {
+        self.config.stage_each_mapping = on;
         self
     }
     /// Joins the daemon at `socket` (`None`: run alone even if `$PAGEONE_SOCKET` is set).

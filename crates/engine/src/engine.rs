@@ -195,6 +195,7 @@ impl Engine {
             frozen: FrozenRange::default(),
             parking: Parking::new().map_err(EngineError::Map)?,
             changes: Mutex::new(ChangeLog::with_room()),
+            staging: Default::default(),
             stop: AtomicBool::new(false),
             faults_done: AtomicBool::new(false),
             fault_thread_id: AtomicI32::new(0),
@@ -441,6 +442,7 @@ impl Engine {
         if let Some(t) = self.commit_thread.take() {
             let _ = t.join();
         }
+        self.shared.staging.release(&self.shared);
         registry::unregister_all(&self.shared);
         // SeqCst: pairs with the fault thread's load.
         self.shared.faults_done.store(true, Ordering::SeqCst);

@@ -107,6 +107,7 @@ mod rejoin;
 mod remote;
 mod sightings;
 mod spill;
+mod staging;
 mod state;
 mod stats;
 mod store;

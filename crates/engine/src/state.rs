@@ -270,6 +270,8 @@ pub(crate) struct Shared {
     /// (see the `changes` module). Lock order: the state lock, the change log, the frozen range's
     /// gate.
     pub(crate) changes: Mutex<ChangeLog>,
+    /// Where copies are moved into place from (see the `staging` module).
+    pub(crate) staging: crate::staging::StagingArea,
     pub(crate) stop: AtomicBool,
     /// Set once every region is unregistered at the stop: the fault thread ends then (it must
     /// answer faults and read events until then).

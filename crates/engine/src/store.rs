@@ -6,7 +6,7 @@
 //! kept by the committer thread alone, so they need no atomics.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pageone_index::{Insert, KeyId, KeySource, SdTree};
@@ -84,8 +84,22 @@ pub(crate) struct StoreFile {
     fd: OwnedFd,
     base: usize,
     capacity: u32,
+    /// Where the engine's staging area of this file starts, 0 if it has none (see the `staging`
+    /// module): it maps every copy, and holds none.
+    pub(crate) staging_at: AtomicUsize,
     /// Ids whose grace period has passed, ready for reuse.
     released: Mutex<Vec<KeyId>>,
+}
+
+impl StoreFile {
+    pub(crate) fn fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    /// The file's length (the view's) in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.capacity as usize * PAGE
+    }
 }
 
 impl Drop for StoreFile {
@@ -222,6 +236,7 @@ impl Store {
             fd,
             base,
             capacity: capacity_pages,
+            staging_at: AtomicUsize::new(0),
             released: Mutex::new(Vec::new()),
         });
         let inode = {
@@ -415,6 +430,11 @@ impl Store {
                 return;
             }
         };
+        // Relaxed: orders nothing. An area mapped but not yet recorded here is taken for a
+        // mapping of every copy, which keeps them held until the next check: never a copy freed
+        // while mapped.
+        let area = self.file.staging_at.load(Ordering::Relaxed);
+        let maps: Vec<_> = maps.into_iter().filter(|m| m.start != area).collect();
         let covered = covered_copies(&maps, self.inode);
         for id in self.held.clear(&covered, check.held, now) {
             let i = id as usize;

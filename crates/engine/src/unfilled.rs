@@ -103,8 +103,10 @@ impl Unfilled {
         };
         match *c {
             Change::Unmap { start, end } => self.cut(start..end, upto, |_| None),
+            // (The engine's own moves are of copies staged aside, which nothing dropped: see
+            // the `staging` module.)
             Change::Remap { from, to, len } => {
-                self.cut(to..to + len, u64::MAX, |_| None);
+                self.cut(to..to + len, upto, |_| None);
                 let seq = self.seq();
                 self.cut(from..from + len, u64::MAX, |w| {
                     Some(Waiting {

@@ -1357,6 +1357,76 @@ fn a_dropped_page_over_a_freed_copy_never_reads_another_page() {
 /// memory does, never their copies; every other page keeps its bytes and stays merged; the
 /// copies are no longer counted for them; written, they keep the bytes; equal to a copy again,
 /// they merge again.
+/// A merged page dropped behind the engine's back the moment its copy appears over it (were the
+/// copies mapped in place, before the engine could register their mapping, which then reported
+/// nothing) reads zeros. A thread watches the page's mapping and drops the page as soon as it
+/// is a mapping of the store, in several rounds.
+#[test]
+fn merged_page_dropped_as_its_copy_appears_reads_zeros() {
+    merged_page_dropped_as_its_copy_appears(false);
+}
+
+/// The same, with each mapping of copies staged on its own (where the staging area cannot be
+/// made).
+#[test]
+fn merged_page_dropped_as_its_copy_appears_reads_zeros_staged_apart() {
+    merged_page_dropped_as_its_copy_appears(true);
+}
+
+fn merged_page_dropped_as_its_copy_appears(stage_each_mapping: bool) {
+    let _g = serial();
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .stage_each_mapping(stage_each_mapping)
+        .build()
+        .expect("the engine starts on this kernel");
+    let n = 32;
+    let maps = sys::Maps::open().unwrap();
+    let (mut dropped, mut rounds) = (0, 0);
+    while dropped < 12 && rounds < 48 {
+        rounds += 1;
+        let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+        let base = r.as_ptr() as usize;
+        let target = n + rounds % n;
+        let at = base + target * PAGE;
+        let hit = std::thread::scope(|s| {
+            let watcher = s.spawn(|| {
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                while std::time::Instant::now() < deadline {
+                    let m = maps.in_range(at, at + PAGE).unwrap();
+                    if m.first().is_some_and(|m| m.start <= at && m.inode != 0) {
+                        // SAFETY: a page of the test's own region; no reference into it is
+                        // live (the filling thread is done with it).
+                        unsafe { sys::madvise(at as *mut u8, PAGE, libc::MADV_DONTNEED) }.unwrap();
+                        return true;
+                    }
+                }
+                false
+            });
+            for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+                fill(p, (i % n) as u64 + 1);
+            }
+            watcher.join().unwrap()
+        });
+        if !hit {
+            continue;
+        }
+        dropped += 1;
+        e.wait_periods(4, Duration::from_secs(10));
+        for (i, page) in r.as_slice().chunks(PAGE).enumerate() {
+            let want = if i == target { 0 } else { (i % n) as u64 + 1 };
+            assert!(
+                check(page, want),
+                "round {rounds}: page {i} reads wrong bytes (page {target} was dropped)"
+            );
+        }
+    }
+    assert!(
+        dropped >= 6,
+        "only {dropped} pages were dropped in {rounds} rounds"
+    );
+}
+
 #[test]
 fn merged_pages_dropped_unseen_read_zeros() {
     let _g = serial();

@@ -83,63 +83,90 @@ pub unsafe fn raw_mremap(
     }
 }
 
-/// Maps `len` bytes of fresh private anonymous memory (read/write) anywhere.
-pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
-    // SAFETY: a non-fixed anonymous mapping cannot alias existing memory.
-    let p = unsafe {
-        raw_mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
+/// `mmap(2)` at `addr` (as `flags` say: a hint, fixed, or fixed unless taken), or the error.
+///
+/// # Safety
+/// As `mmap(2)`: a fixed mapping replaces whatever was mapped there.
+unsafe fn mmap_at(
+    addr: *mut u8,
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: RawFd,
+    offset: u64,
+) -> io::Result<*mut u8> {
+    // SAFETY: forwarded to the caller's contract.
+    let p = unsafe { raw_mmap(addr.cast(), len, prot, flags, fd, offset as libc::off_t) };
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
     Ok(p.cast())
+}
+
+/// A mapping of `len` bytes (`mmap(2)`'s other arguments) at an address the kernel picks.
+fn mmap_anywhere(
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: RawFd,
+    offset: u64,
+) -> io::Result<*mut u8> {
+    // SAFETY: a non-fixed mapping cannot alias existing memory.
+    unsafe { mmap_at(std::ptr::null_mut(), len, prot, flags, fd, offset) }
+}
+
+const RW: libc::c_int = libc::PROT_READ | libc::PROT_WRITE;
+
+/// Maps `len` bytes of fresh private anonymous memory (read/write) anywhere.
+pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    mmap_anywhere(len, RW, flags, -1, 0)
 }
 
 /// Maps `len` bytes of `fd` at `offset` shared and read/write anywhere (the engine's view of its
 /// stable store).
 pub fn mmap_shared(fd: RawFd, len: usize, offset: u64) -> io::Result<*mut u8> {
-    // SAFETY: a non-fixed mapping cannot alias existing memory.
-    let p = unsafe {
-        raw_mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_NORESERVE,
-            fd,
-            offset as libc::off_t,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(p.cast())
+    mmap_anywhere(len, RW, libc::MAP_SHARED | libc::MAP_NORESERVE, fd, offset)
 }
 
 /// Maps `len` bytes of `fd` shared and read-only anywhere (a client's view of a daemon's store,
 /// whose descriptor it holds read-only).
 pub fn mmap_shared_readonly(fd: RawFd, len: usize) -> io::Result<*const u8> {
-    // SAFETY: a non-fixed mapping cannot alias existing memory.
-    let p = unsafe {
-        raw_mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED | libc::MAP_NORESERVE,
-            fd,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
+    let flags = libc::MAP_SHARED | libc::MAP_NORESERVE;
+    mmap_anywhere(len, libc::PROT_READ, flags, fd, 0).map(<*mut u8>::cast_const)
+}
+
+/// Maps `len` bytes of `fd` at `offset` privately (copy-on-write) with protection `prot`, at an
+/// address the kernel picks.
+pub fn mmap_private(fd: RawFd, len: usize, offset: u64, prot: libc::c_int) -> io::Result<*mut u8> {
+    mmap_anywhere(len, prot, libc::MAP_PRIVATE, fd, offset)
+}
+
+/// Maps the first `len` bytes of `fd` privately (copy-on-write) and read/write at an address
+/// the kernel picks, reserving no commit charge (`MAP_NORESERVE`) for pages never written.
+pub fn mmap_private_unreserved(fd: RawFd, len: usize) -> io::Result<*mut u8> {
+    mmap_anywhere(len, RW, libc::MAP_PRIVATE | libc::MAP_NORESERVE, fd, 0)
+}
+
+/// Maps `len` bytes of `fd` at `offset` privately with protection `prot` at `addr`, only if
+/// nothing is mapped anywhere in `[addr, addr+len)` (`EEXIST` otherwise).
+pub fn mmap_private_where_free(
+    addr: usize,
+    len: usize,
+    fd: RawFd,
+    offset: u64,
+    prot: libc::c_int,
+) -> io::Result<()> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_FIXED_NOREPLACE;
+    // SAFETY: `MAP_FIXED_NOREPLACE` never replaces a mapping.
+    let p = unsafe { mmap_at(addr as *mut u8, len, prot, flags, fd, offset) }?;
+    if p as usize != addr {
+        // A kernel before 4.17 takes the flag for a hint and maps elsewhere.
+        // SAFETY: the mapping just made, which nothing refers to.
+        unsafe { raw_munmap(p.cast(), len) };
+        return Err(io::Error::from_raw_os_error(libc::EEXIST));
     }
-    Ok(p.cast_const().cast())
+    Ok(())
 }
 
 /// Replaces `[addr, addr+len)` by a private (copy-on-write) read/write mapping of `fd` at `offset`.
@@ -168,21 +195,9 @@ pub unsafe fn mmap_private_fixed_with(
     offset: u64,
     prot: libc::c_int,
 ) -> io::Result<()> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_FIXED;
     // SAFETY: the caller owns the range (see the function's contract).
-    let p = unsafe {
-        raw_mmap(
-            addr.cast(),
-            len,
-            prot,
-            libc::MAP_PRIVATE | libc::MAP_FIXED,
-            fd,
-            offset as libc::off_t,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    unsafe { mmap_at(addr, len, prot, flags, fd, offset) }.map(drop)
 }
 
 /// Replaces `[addr, addr+len)` by a fresh private anonymous mapping with protection `prot`,
@@ -217,12 +232,34 @@ pub unsafe fn mmap_anonymous_fixed(addr: *mut u8, len: usize, prot: libc::c_int)
 /// own what was mapped at `new`.
 pub unsafe fn mremap_fixed(old: *mut u8, len: usize, new: *mut u8) -> io::Result<()> {
     // SAFETY: forwarded to the caller's contract.
+    unsafe { mremap_fixed_with(old, len, new, 0) }
+}
+
+/// [`mremap_fixed`] that leaves the old range mapped, empty (`MREMAP_DONTUNMAP`, Linux 5.7; for
+/// mappings of files since 5.13): nothing is unmapped there, so nothing is reported unmapped.
+///
+/// # Safety
+/// As [`mremap_fixed`].
+pub unsafe fn mremap_fixed_keeping(old: *mut u8, len: usize, new: *mut u8) -> io::Result<()> {
+    // SAFETY: forwarded to the caller's contract.
+    unsafe { mremap_fixed_with(old, len, new, libc::MREMAP_DONTUNMAP) }
+}
+
+/// # Safety
+/// As [`mremap_fixed`].
+unsafe fn mremap_fixed_with(
+    old: *mut u8,
+    len: usize,
+    new: *mut u8,
+    flags: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: forwarded to the caller's contract.
     let p = unsafe {
         raw_mremap(
             old.cast(),
             len,
             len,
-            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | flags,
             new.cast::<libc::c_void>(),
         )
     };

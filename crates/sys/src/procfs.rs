@@ -17,6 +17,15 @@ pub fn max_map_count() -> io::Result<usize> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad max_map_count"))
 }
 
+/// Whether the kernel refuses to overcommit memory (`vm.overcommit_memory` is 2). Allocates
+/// nothing. `false` if the setting cannot be read.
+pub fn overcommit_is_strict() -> bool {
+    use std::io::Read;
+    let mut buf = [0u8; 8];
+    let n = File::open("/proc/sys/vm/overcommit_memory").and_then(|mut f| f.read(&mut buf));
+    matches!(n, Ok(n) if buf[..n].trim_ascii() == b"2")
+}
+
 /// Sets `vm.max_map_count` (root only; used by tests of the VMA-limit path).
 pub fn set_max_map_count(n: usize) -> io::Result<()> {
     std::fs::write("/proc/sys/vm/max_map_count", format!("{n}\n"))
