@@ -94,6 +94,7 @@ fn join_again(sh: &Shared, config: &Config) -> bool {
     forget_read_ahead(&mut st);
     let old = std::mem::replace(&mut st.store, store);
     st.store.take_over(old);
+    sh.staging.release(sh);
     let mut foreign = 0u64;
     for r in st.regions.values_mut() {
         for p in r.pages.iter_mut().filter(|p| p.kind == PageKind::Merged) {

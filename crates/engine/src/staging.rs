@@ -20,7 +20,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use pageone_index::KeyId;
 use pageone_sync::lock;
@@ -75,7 +75,10 @@ pub(crate) unsafe fn map_copies_registered(
         .then(|| sh.staging.at(copies.file))
         .flatten();
     let staged = match from_area {
-        Some(area) => Staged::InArea(area + copies.offset()),
+        Some((area, held)) => Staged::InArea {
+            at: area + copies.offset(),
+            _held: held,
+        },
         None => Staged::map(sh, copies)?,
     };
     if let Staged::Own { addr: at, .. } = staged {
@@ -197,8 +200,11 @@ unsafe fn map_in_place(addr: usize, copies: Copies<'_>) -> io::Result<()> {
 
 /// Copies staged to be moved into place.
 enum Staged<'a> {
-    /// In the staging area, at this address.
-    InArea(usize),
+    /// In the staging area, at `at`; the area is not released meanwhile.
+    InArea {
+        at: usize,
+        _held: MutexGuard<'a, Option<Area>>,
+    },
     /// In a mapping of their own, unregistered and unmapped when dropped.
     Own {
         sh: &'a Shared,
@@ -220,7 +226,7 @@ impl<'a> Staged<'a> {
 
     fn addr(&self) -> usize {
         match *self {
-            Staged::InArea(a) | Staged::Own { addr: a, .. } => a,
+            Staged::InArea { at: a, .. } | Staged::Own { addr: a, .. } => a,
         }
     }
 }
@@ -290,17 +296,20 @@ impl StagingArea {
     }
 
     /// The address of the staging area of `file`, if it has one (and the kernel keeps the place
-    /// of a mapping moved out of it).
-    fn at(&self, file: &Arc<StoreFile>) -> Option<usize> {
+    /// of a mapping moved out of it), and the area held until the copies are moved out of it.
+    fn at(&self, file: &Arc<StoreFile>) -> Option<(usize, MutexGuard<'_, Option<Area>>)> {
         if !KEEPING_WORKS.load(Ordering::Relaxed) {
             return None;
         }
         let area = lock(&self.0);
         let a = area.as_ref().filter(|a| Arc::ptr_eq(&a.file, file))?;
-        (a.addr != 0).then_some(a.addr)
+        let addr = a.addr;
+        (addr != 0).then_some((addr, area))
     }
 
-    /// Unmaps the staging area, if any (once the committer is done).
+    /// Unmaps the staging area, if any: when the engine stops, and when its store is replaced
+    /// (the area would keep the old file mapped; the next commit makes one of the new). Waits
+    /// for a move out of it under way.
     pub(crate) fn release(&self, sh: &Shared) {
         if let Some(old) = lock(&self.0).take() {
             release_area(sh, old);
