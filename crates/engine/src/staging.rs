@@ -264,6 +264,11 @@ fn unmap_unreported(sh: &Shared, addr: usize, len: usize) {
 /// The staging area: a private read/write mapping of a whole store file, registered with the
 /// store mappings' context. Used by the committer alone.
 ///
+/// It is made inaccessible and unlocked before it is given read and write access: a process
+/// that locks its future mappings (`mlockall(MCL_FUTURE)`) would otherwise have the whole store
+/// copied into it privately, as large as the memory (found so: the program was killed for
+/// memory).
+///
 /// A mapping moved out of it keeps its flags: so the area is inherited by children like any
 /// mapping (merged pages must be), and it charges no commit (`MAP_NORESERVE`), nor then do merged
 /// pages. That only matters under strict overcommit (`vm.overcommit_memory=2`), where the area

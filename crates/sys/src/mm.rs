@@ -115,6 +115,32 @@ fn mmap_anywhere(
     unsafe { mmap_at(std::ptr::null_mut(), len, prot, flags, fd, offset) }
 }
 
+/// [`mmap_anywhere`] with nothing populated, whatever the process asked for its future mappings:
+/// mapped inaccessible, unlocked, then given `prot`. (After `mlockall(MCL_FUTURE)`, a mapping
+/// is locked as it is made, which fills it in full: for the engine's views of a store, as large
+/// as the memory, every page of the file, or a private copy of each.)
+fn mmap_anywhere_unpopulated(
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: RawFd,
+    offset: u64,
+) -> io::Result<*mut u8> {
+    let p = mmap_anywhere(len, libc::PROT_NONE, flags, fd, offset)?;
+    // SAFETY: the fresh mapping is the caller's alone; unlocking and protecting it change no
+    // contents (it holds none yet).
+    let ready = unsafe {
+        libc::syscall(libc::SYS_munlock, p, len) == 0 && raw_mprotect(p.cast(), len, prot) == 0
+    };
+    if !ready {
+        let e = io::Error::last_os_error();
+        // SAFETY: as above; nothing refers to it.
+        unsafe { raw_munmap(p.cast(), len) };
+        return Err(e);
+    }
+    Ok(p)
+}
+
 const RW: libc::c_int = libc::PROT_READ | libc::PROT_WRITE;
 
 /// Maps `len` bytes of fresh private anonymous memory (read/write) anywhere.
@@ -124,16 +150,16 @@ pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
 }
 
 /// Maps `len` bytes of `fd` at `offset` shared and read/write anywhere (the engine's view of its
-/// stable store).
+/// stable store), never populated nor locked.
 pub fn mmap_shared(fd: RawFd, len: usize, offset: u64) -> io::Result<*mut u8> {
-    mmap_anywhere(len, RW, libc::MAP_SHARED | libc::MAP_NORESERVE, fd, offset)
+    mmap_anywhere_unpopulated(len, RW, libc::MAP_SHARED | libc::MAP_NORESERVE, fd, offset)
 }
 
 /// Maps `len` bytes of `fd` shared and read-only anywhere (a client's view of a daemon's store,
-/// whose descriptor it holds read-only).
+/// whose descriptor it holds read-only), never populated nor locked.
 pub fn mmap_shared_readonly(fd: RawFd, len: usize) -> io::Result<*const u8> {
     let flags = libc::MAP_SHARED | libc::MAP_NORESERVE;
-    mmap_anywhere(len, libc::PROT_READ, flags, fd, 0).map(<*mut u8>::cast_const)
+    mmap_anywhere_unpopulated(len, libc::PROT_READ, flags, fd, 0).map(<*mut u8>::cast_const)
 }
 
 /// Maps `len` bytes of `fd` at `offset` privately (copy-on-write) with protection `prot`, at an
@@ -143,9 +169,10 @@ pub fn mmap_private(fd: RawFd, len: usize, offset: u64, prot: libc::c_int) -> io
 }
 
 /// Maps the first `len` bytes of `fd` privately (copy-on-write) and read/write at an address
-/// the kernel picks, reserving no commit charge (`MAP_NORESERVE`) for pages never written.
+/// the kernel picks, reserving no commit charge (`MAP_NORESERVE`) for pages never written,
+/// never populated nor locked.
 pub fn mmap_private_unreserved(fd: RawFd, len: usize) -> io::Result<*mut u8> {
-    mmap_anywhere(len, RW, libc::MAP_PRIVATE | libc::MAP_NORESERVE, fd, 0)
+    mmap_anywhere_unpopulated(len, RW, libc::MAP_PRIVATE | libc::MAP_NORESERVE, fd, 0)
 }
 
 /// Maps `len` bytes of `fd` at `offset` privately with protection `prot` at `addr`, only if
