@@ -86,7 +86,7 @@ pub(crate) unsafe fn map_copies_registered(
             drop(staged);
             // SAFETY: the caller's contract.
             unsafe { map_in_place(addr, copies) }?;
-            return Ok(u.register(addr, copies.len(), STORE_MODE).is_ok());
+            return Ok(register_in_place(sh, addr, copies.len()));
         }
     }
     // SAFETY: the staged copies are the engine's, which nothing refers to; the destination is
@@ -171,11 +171,7 @@ unsafe fn map_after_failed_move(
     match sys::mmap_private_where_free(addr, len, fd, off, copies.prot) {
         Ok(()) => {
             tracing::warn!(error = %e, "moving copies into place failed after their destination was unmapped; mapped them there directly");
-            let registered = sh
-                .store_uffd
-                .as_ref()
-                .is_some_and(|u| u.register(addr, len, STORE_MODE).is_ok());
-            Ok(registered)
+            Ok(register_in_place(sh, addr, len))
         }
         Err(_) => {
             // Still mapped: the unmapping announced did not happen.
@@ -186,6 +182,14 @@ unsafe fn map_after_failed_move(
             Err(e)
         }
     }
+}
+
+/// Registers copies mapped in place at `addr` (the fallbacks: a drop before this is not
+/// reported); returns whether they are.
+fn register_in_place(sh: &Shared, addr: usize, len: usize) -> bool {
+    sh.store_uffd
+        .as_ref()
+        .is_some_and(|u| u.register(addr, len, STORE_MODE).is_ok())
 }
 
 /// Maps `copies` over the pages at `addr` in one `mmap(MAP_FIXED)`.

@@ -234,21 +234,9 @@ pub unsafe fn mmap_private_fixed_with(
 /// The range must belong to the caller (no live Rust references into it), and its previous contents
 /// are discarded: the caller must have moved out anything it still needs.
 pub unsafe fn mmap_anonymous_fixed(addr: *mut u8, len: usize, prot: libc::c_int) -> io::Result<()> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED;
     // SAFETY: the caller owns the range (see the function's contract).
-    let p = unsafe {
-        raw_mmap(
-            addr.cast(),
-            len,
-            prot,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    unsafe { mmap_at(addr, len, prot, flags, -1, 0) }.map(drop)
 }
 
 /// Moves the mapping `[old, old+len)` (one whole VMA) to `new`, replacing whatever was mapped
