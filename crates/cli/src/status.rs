@@ -122,6 +122,9 @@ fn print_text(v: &Value) {
             if let Some(line) = ksm_note(st) {
                 println!("    {line}");
             }
+            if let Some(line) = refused_note(st) {
+                println!("    {line}");
+            }
         }
     }
 }
@@ -153,6 +156,14 @@ fn ksm_note(st: &Value) -> Option<String> {
     ))
 }
 
+/// What a client's report says about pages the kernel would not freeze, if any.
+fn refused_note(st: &Value) -> Option<String> {
+    let n = st["pages_refused"].as_u64().filter(|&n| n > 0)?;
+    Some(format!(
+        "{n} pages are not merged: the program locked them (mlock, mlockall) or they are not          read/write"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,5 +186,14 @@ mod tests {
         assert!(ksm_note(&st).unwrap().starts_with("2 regions"));
         assert_eq!(ksm_note(&serde_json::json!({"regions_to_ksm": 0})), None);
         assert_eq!(ksm_note(&serde_json::json!({})), None);
+    }
+
+    #[test]
+    fn pages_the_kernel_would_not_freeze_are_named() {
+        let st = serde_json::json!({"pages_refused": 512});
+        assert!(refused_note(&st)
+            .unwrap()
+            .starts_with("512 pages are not merged"));
+        assert_eq!(refused_note(&serde_json::json!({"pages_refused": 0})), None);
     }
 }

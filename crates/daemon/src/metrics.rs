@@ -93,6 +93,10 @@ const CLIENT_GAUGES: &[(&str, &str)] = &[
         "Pages that would merge but wait for room under the mapping limit (vm.max_map_count)",
     ),
     (
+        "pages_refused",
+        "Unchanged pages the kernel would not freeze (locked, or not read/write): not merged",
+    ),
+    (
         "regions_to_ksm",
         "Regions handed to the kernel's KSM, their merges costing a mapping per page beyond the \
          mapping limit",

@@ -92,6 +92,7 @@ struct RunState<'s> {
     store: &'s mut Store,
     vmas: &'s mut usize,
     zero: &'s mut u64,
+    refusals: &'s mut crate::refusals::Refusals,
 }
 
 impl<'s> RunState<'s> {
@@ -102,6 +103,7 @@ impl<'s> RunState<'s> {
             store,
             vmas,
             zero,
+            refusals,
             ..
         } = st;
         Some(RunState {
@@ -109,6 +111,7 @@ impl<'s> RunState<'s> {
             store,
             vmas,
             zero,
+            refusals,
         })
     }
 }
@@ -543,6 +546,8 @@ struct Outcome {
     map_error: Option<std::io::Error>,
     /// Pages the freeze could not put back, to log after the wake.
     restore: RestoreReport,
+    /// Pages the kernel would not move out (see the `refusals` module).
+    refused: [bool; MAX_RUN],
 }
 
 impl Outcome {
@@ -565,6 +570,7 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
         mismatches: 0,
         map_error: None,
         restore: RestoreReport::default(),
+        refused: [false; MAX_RUN],
     };
     let log = lock(&cx.sh.changes);
     if log.touches(run.start..run.start + run.n * PAGE) {
@@ -580,6 +586,7 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
     drop(log);
     for k in 0..run.n {
         let Some(page) = frozen.frozen_page(k) else {
+            out.refused[k] = frozen.refused(k);
             continue;
         };
         // `page` is a scratch page holding the page moved out, which only the engine knows;
@@ -850,6 +857,11 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
                 p.unchanged = 0;
                 p.kind = PageKind::Anon;
             }
+        }
+        if out.refused[k] && matches!(plan.acts[k], Some(Action::Merge(_) | Action::Zero)) {
+            // It waits until written, or until refused pages are tried again.
+            p.kind = PageKind::Refused;
+            rs.refusals.pages += 1;
         }
         if let Some(Action::Recycle(slot)) = out.verdict[k] {
             lock(&sh.recycled_slots).push(slot);

@@ -148,8 +148,11 @@ impl Engine {
         let config_workers = config.workers;
         let (store, daemon_unreachable) = open_store(&config)?;
         // The scratch area receives frozen pages; UFFDIO_MOVE needs its destination registered
-        // with the same context and the same protections as the source (a frozen run).
-        let scratch = sys::mmap_anonymous(SCRATCH_SLOTS * PAGE).map_err(EngineError::Map)? as usize;
+        // with the same context and the same protections as the source (a frozen run), and an
+        // empty destination: never populated, even after `mlockall(MCL_FUTURE)` (locked memory
+        // is refused instead: see the `refusals` module).
+        let scratch =
+            sys::mmap_anonymous_unlocked(SCRATCH_SLOTS * PAGE).map_err(EngineError::Map)? as usize;
         uffd.register(
             scratch,
             SCRATCH_SLOTS * PAGE,

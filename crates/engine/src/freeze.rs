@@ -246,6 +246,9 @@ pub(crate) struct FrozenRun<'a> {
     start: usize,
     n: usize,
     moved: [bool; MAX_RUN],
+    /// Pages the kernel would not move at all: their mapping is not alike the scratch area's in
+    /// protection or locking (`EINVAL`; see the `refusals` module).
+    refused: [bool; MAX_RUN],
     consumed: [bool; MAX_RUN],
     /// Consumed pages whose address now maps a copy (a mapping of its own, not the run's).
     mapped: [bool; MAX_RUN],
@@ -294,6 +297,7 @@ impl<'a> FrozenRun<'a> {
             start,
             n,
             moved: [false; MAX_RUN],
+            refused: [false; MAX_RUN],
             consumed: [false; MAX_RUN],
             mapped: [false; MAX_RUN],
             moved_to: [0; MAX_RUN],
@@ -315,15 +319,19 @@ impl<'a> FrozenRun<'a> {
     fn move_out(&mut self, pagemap: &sys::Pagemap) {
         let (start, n, scratch) = (self.start, self.n, self.scratch);
         let mut failed = false;
+        // Pages per call: the rest of the run, or one at a time once a call was refused (a run
+        // spanning two mappings is refused whole: the kernel moves within one mapping a call).
+        let mut one_by_one = false;
         let mut off = 0;
         while off < n {
+            let len = if one_by_one { 1 } else { n - off };
             // SAFETY: the run is registered memory the engine froze (no reference to it exists in
             // the engine) and the scratch slots [off, n) are empty (`freeze`'s contract).
             let r = unsafe {
                 self.uffd.move_pages(
                     scratch + off * PAGE,
                     start + off * PAGE,
-                    (n - off) * PAGE,
+                    len * PAGE,
                     UFFDIO_MOVE_MODE_DONTWAKE,
                 )
             };
@@ -332,6 +340,13 @@ impl<'a> FrozenRun<'a> {
                     let k = bytes / PAGE;
                     self.moved[off..off + k].fill(true);
                     off += k;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) && len > 1 => one_by_one = true,
+                // A mapping unlike the scratch area's (locked, or not read/write): refused.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.refused[off] = true;
+                    off += 1;
+                    failed = true;
                 }
                 // A hole, a page shared with a child, or a page busy in the kernel: skip it.
                 _ => {
@@ -355,6 +370,12 @@ impl<'a> FrozenRun<'a> {
     /// the scratch area, so nobody writes them while the run is frozen.
     pub(crate) fn frozen_page(&self, k: usize) -> Option<usize> {
         self.moved[k].then(|| self.scratch + k * PAGE)
+    }
+
+    /// Whether page `k` stayed in place because the kernel refused to move it from its mapping
+    /// (see the `refusals` module), rather than for a hole or a passing reason.
+    pub(crate) fn refused(&self, k: usize) -> bool {
+        self.refused[k] && !self.moved[k]
     }
 
     /// Marks moved page `k` consumed: merged (its address maps a copy now) or released (its
@@ -737,6 +758,9 @@ pub(crate) mod tests {
         }
 
         fn registered(n: usize, rearm: Option<Rearm>) -> Self {
+            // Before the pages exist: a child forked while they do shares them, and shared
+            // pages cannot move.
+            let forks_wait = NO_FORK.read().unwrap_or_else(|e| e.into_inner());
             let uffd = sys::Uffd::open(UFFD_FEATURE_MOVE).unwrap();
             assert_ne!(
                 uffd.features() & UFFD_FEATURE_MOVE,
@@ -757,7 +781,7 @@ pub(crate) mod tests {
             uffd.register(scratch, SCRATCH_SLOTS * PAGE, scratch_mode)
                 .unwrap();
             Frozen {
-                _forks_wait: Some(NO_FORK.read().unwrap_or_else(|e| e.into_inner())),
+                _forks_wait: Some(forks_wait),
                 uffd,
                 range: FrozenRange::default(),
                 changes: Mutex::default(),
@@ -840,6 +864,53 @@ pub(crate) mod tests {
             assert!(Instant::now() < deadline, "the writer never faulted");
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// A run over two mappings (split here by advice that changes nothing a move checks) moves
+    /// whole: the kernel refuses a move across mappings, so the pages move one by one after such
+    /// a refusal, and none counts as refused (which would keep it from merging for a while).
+    #[test]
+    fn a_run_over_two_mappings_moves_whole() {
+        let t = Frozen::new(4);
+        // SAFETY: advice on this test's own region; it changes no contents.
+        unsafe {
+            sys::madvise(
+                (t.region + 2 * PAGE) as *mut u8,
+                2 * PAGE,
+                libc::MADV_NOHUGEPAGE,
+            )
+        }
+        .unwrap();
+        let run = t.freeze();
+        assert!((0..4).all(|k| run.frozen_page(k).is_some() && !run.refused(k)));
+        assert_eq!(t.present(t.region, 4), [false; 4]);
+        drop(run);
+        assert!((0..4).all(|k| t.intact(k, k as u8 + 1)));
+    }
+
+    /// A page the program locked cannot move to the unlocked scratch area: it stays in place,
+    /// refused, and the others move.
+    #[test]
+    fn a_locked_page_is_refused_and_the_others_move() {
+        let t = Frozen::new(3);
+        // SAFETY: locks a page of this test's own region; it changes no contents.
+        if unsafe { libc::mlock((t.region + PAGE) as *const libc::c_void, PAGE) } != 0 {
+            eprintln!(
+                "skipped: mlock refused ({})",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        let run = t.freeze();
+        assert!(run.refused(1) && run.frozen_page(1).is_none());
+        let moved = (0..3).map(|k| (run.frozen_page(k).is_some(), run.refused(k)));
+        assert_eq!(
+            moved.collect::<Vec<_>>(),
+            [(true, false), (false, true), (true, false)]
+        );
+        assert_eq!(t.present(t.region, 3), [false, true, false]);
+        drop(run);
+        assert!((0..3).all(|k| t.intact(k, k as u8 + 1)));
     }
 
     #[test]

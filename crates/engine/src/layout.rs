@@ -189,7 +189,11 @@ pub(crate) fn forget_pages(st: &mut State, piece: &RegionState) {
             PageKind::Merged => st.store.drop_ref(p.sid),
             PageKind::Zero => st.zero -= 1,
             PageKind::Unique => st.stale_sightings += 1,
-            PageKind::Anon | PageKind::Broken | PageKind::Foreign | PageKind::Parked => {}
+            PageKind::Anon
+            | PageKind::Broken
+            | PageKind::Foreign
+            | PageKind::Parked
+            | PageKind::Refused => {}
         }
     }
 }
@@ -277,7 +281,7 @@ fn dropped(st: &mut State, range: Range<usize>) {
     } = st;
     for p in pages_in_mut(regions, range) {
         match p.kind {
-            PageKind::Anon | PageKind::Unique | PageKind::Parked => {
+            PageKind::Anon | PageKind::Unique | PageKind::Parked | PageKind::Refused => {
                 if p.kind == PageKind::Unique {
                     *stale_sightings += 1;
                 }

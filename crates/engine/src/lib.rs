@@ -102,6 +102,7 @@ mod parking;
 mod period;
 mod pool;
 mod read_ahead;
+mod refusals;
 mod registry;
 mod rejoin;
 mod remote;

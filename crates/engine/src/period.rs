@@ -452,6 +452,7 @@ fn observe(
 ) -> io::Result<Watched> {
     let mut st = lock(&cx.sh.state);
     unpark_if_room(cx, &mut st);
+    crate::refusals::retry_if_due(&mut st, period, cx.config.merge_periods);
     let Watch {
         mut candidates,
         mut zero_probes,

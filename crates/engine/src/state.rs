@@ -51,6 +51,12 @@ pub(crate) enum PageKind {
     /// period, until the budget has room again (the limit was raised, or mappings went away), or
     /// until it is written.
     Parked,
+    /// An unchanged page the kernel would not freeze (its mapping is locked, or not read/write):
+    /// it waits, at no cost per period, until the engine tries refused pages again (see the
+    /// `refusals` module), or until it is dropped. Writes do not end the wait: after a freeze
+    /// that could not move it, the page reads as written to the watch (see `freeze::Rearm`), and
+    /// a merge is decided on the bytes frozen at the next try anyway.
+    Refused,
 }
 
 impl PageKind {
@@ -174,6 +180,8 @@ pub(crate) struct State {
     pub(crate) unshared: u64,
     /// Pages parked on the VMA budget at the last watch.
     pub(crate) parked: u64,
+    /// Pages the kernel would not freeze, and when they are tried again.
+    pub(crate) refusals: crate::refusals::Refusals,
     pub(crate) volatile: u64,
     /// Anonymous pages written since the period before the last watch.
     pub(crate) written: u64,
@@ -220,6 +228,7 @@ impl State {
             pagemap: Arc::new(pagemap),
             unshared: 0,
             parked: 0,
+            refusals: Default::default(),
             volatile: 0,
             written: 0,
             zero: 0,

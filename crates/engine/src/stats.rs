@@ -50,6 +50,10 @@ pub struct Stats {
     pub pages_waiting_on_limit: u64,
     /// Merges skipped because they would have exceeded the VMA budget.
     pub vma_limited_merges: u64,
+    /// Unchanged pages the kernel would not freeze: memory the program locked (`mlock`,
+    /// `mlockall`), or made read-only where the engine could not see it. Not merged; they cost
+    /// nothing per period and are tried again now and then (after up to 256 periods).
+    pub pages_refused: u64,
     /// Regions handed to the kernel's KSM whole, their merges costing a mapping per page beyond
     /// the VMA budget (see `Config::ksm_when_limited`); KSM's own counters
     /// (`/sys/kernel/mm/ksm`) count what it merged there.
@@ -178,6 +182,7 @@ pub(crate) fn stats_of(sh: &Shared, st: &State) -> Stats {
         vma_limit: c.vma_limit.load(Ordering::Relaxed),
         vma_limited_merges: c.vma_limited.load(Ordering::Relaxed),
         pages_waiting_on_limit: st.parked,
+        pages_refused: st.refusals.pages,
         regions_to_ksm: st.regions.values().filter(|r| r.to_ksm).count() as u64,
         watch_mode: sh.mode,
         worker_cpu_ns: sh.cpu_ns(),

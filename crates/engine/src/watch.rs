@@ -60,6 +60,7 @@ pub(crate) fn watch(
         volatile: 0,
         unique: 0,
         parked: 0,
+        refused: 0,
         all_pages: st.registered_pages(),
     };
     let State {
@@ -107,6 +108,7 @@ pub(crate) fn watch(
     st.written = tally.written;
     st.unshared = tally.unique;
     st.parked = tally.parked;
+    st.refusals.pages = tally.refused;
     // Sized for the largest region (memory a region unregistered since does not keep).
     let largest = st
         .regions
@@ -226,6 +228,8 @@ struct Tally {
     unique: u64,
     /// Pages parked on the VMA budget.
     parked: u64,
+    /// Pages the kernel would not freeze, waiting.
+    refused: u64,
     /// Registered pages: room for every candidate is made at once.
     all_pages: usize,
 }
@@ -263,9 +267,12 @@ impl RegionWatch<'_> {
             let merged_quiet = (p.kind == PageKind::Merged) & (c & 3 != 1);
             let unique_quiet = (p.kind == PageKind::Unique) & (c & 0b1101 == 1) & wp;
             let parked_quiet = (p.kind == PageKind::Parked) & (c & 0b1101 == 1) & wp;
+            // (A refused page reads as written after its freeze: see `PageKind::Refused`.)
+            let refused_quiet = (p.kind == PageKind::Refused) & (c & 0b0101 == 1);
             self.tally.unique += u64::from(unique_quiet);
             self.tally.parked += u64::from(parked_quiet);
-            if merged_quiet | unique_quiet | parked_quiet {
+            self.tally.refused += u64::from(refused_quiet);
+            if merged_quiet | unique_quiet | parked_quiet | refused_quiet {
                 continue;
             }
             self.page(self.start + i * PAGE, p, sum, c);
@@ -332,6 +339,14 @@ impl RegionWatch<'_> {
                 let present = c & 1 != 0;
                 if present && c & 4 == 0 && !self.written(addr, sum, c) {
                     self.tally.parked += 1;
+                    return;
+                }
+                p.kind = PageKind::Anon;
+                self.anonymous(addr, p, sum, c);
+            }
+            PageKind::Refused => {
+                if c & 0b0101 == 1 {
+                    self.tally.refused += 1;
                     return;
                 }
                 p.kind = PageKind::Anon;

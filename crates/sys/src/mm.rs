@@ -149,6 +149,13 @@ pub fn mmap_anonymous(len: usize) -> io::Result<*mut u8> {
     mmap_anywhere(len, RW, flags, -1, 0)
 }
 
+/// [`mmap_anonymous`], never populated nor locked whatever the process asked for its future
+/// mappings (the engine's scratch memory: `UFFDIO_MOVE` moves pages only into empty places).
+pub fn mmap_anonymous_unlocked(len: usize) -> io::Result<*mut u8> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    mmap_anywhere_unpopulated(len, RW, flags, -1, 0)
+}
+
 /// Maps `len` bytes of `fd` at `offset` shared and read/write anywhere (the engine's view of its
 /// stable store), never populated nor locked.
 pub fn mmap_shared(fd: RawFd, len: usize, offset: u64) -> io::Result<*mut u8> {
