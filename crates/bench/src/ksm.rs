@@ -13,7 +13,7 @@ pub fn read(name: &str) -> io::Result<u64> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("bad value in {name}")))
 }
 
-fn write(name: &str, v: u64) -> io::Result<()> {
+pub(crate) fn write(name: &str, v: u64) -> io::Result<()> {
     std::fs::write(Path::new(KSM).join(name), format!("{v}\n"))
 }
 

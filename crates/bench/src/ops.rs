@@ -35,6 +35,10 @@ pub enum Op {
     ReadMerged,
     /// The first write to each page of a merged region (copy-on-write break).
     WriteMerged,
+    /// The same while another thread of the program runs on another CPU: replacing the merged
+    /// page's entry then costs a TLB shootdown there, whoever merged it (as it does while an
+    /// engine thread of pageone's runs).
+    WriteMergedBusy,
     /// `munmap` of a whole merged region.
     Munmap,
     /// `MADV_DONTNEED` of a few pages of a merged region, at spread places.
@@ -58,11 +62,12 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 12] = [
+    pub const ALL: [Op; 13] = [
         Op::FirstTouch,
         Op::FirstTouchBusy,
         Op::ReadMerged,
         Op::WriteMerged,
+        Op::WriteMergedBusy,
         Op::Munmap,
         Op::Dontneed,
         Op::Free,
@@ -79,6 +84,7 @@ impl Op {
             Op::FirstTouchBusy => "first-touch-busy",
             Op::ReadMerged => "read-merged",
             Op::WriteMerged => "write-merged",
+            Op::WriteMergedBusy => "write-merged-busy",
             Op::Munmap => "munmap",
             Op::Dontneed => "dontneed",
             Op::Free => "free",
@@ -333,23 +339,7 @@ pub fn child(s: &OpSpec) -> std::io::Result<()> {
     if s.op == Op::FirstTouch {
         first_touch(s, &mut out, &mut per_page)?;
     } else if s.op == Op::FirstTouchBusy {
-        // A thread of the program spinning meanwhile (on the other CPU, as the scheduler places
-        // it), stopped once the touches are timed.
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let spinner = {
-            let stop = stop.clone();
-            // Relaxed: a stop flag only.
-            std::thread::spawn(move || {
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        };
-        std::thread::sleep(Duration::from_millis(50));
-        let r = first_touch(s, &mut out, &mut per_page);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        spinner.join().expect("the spinning thread");
-        r?;
+        with_a_busy_thread(|| first_touch(s, &mut out, &mut per_page))?;
     } else if s.op == Op::HugeRead {
         huge_read(s, &mut out, &mut per_page)?;
     } else {
@@ -357,6 +347,13 @@ pub fn child(s: &OpSpec) -> std::io::Result<()> {
         (out.merged_pages, out.merge_seconds) = (m.merged, m.seconds);
         match s.op {
             Op::ReadMerged | Op::WriteMerged => touch_merged(s, m, &mut out, &mut per_page),
+            Op::WriteMergedBusy => {
+                // ksmd at its fastest keeps the other CPU busy in the kernel, where the busy
+                // thread would run: paused while the writes are timed (merged pages stay merged),
+                // so that the thread runs there as it does on the other sides.
+                let _paused = (s.side == Side::Ksm).then(KsmPaused::new).transpose()?;
+                with_a_busy_thread(|| touch_merged(s, m, &mut out, &mut per_page));
+            }
             Op::WriteStall => stall(s, m, &mut out, &mut per_page),
             Op::Exit => {
                 m.forget(); // the exit takes it down
@@ -372,6 +369,42 @@ pub fn child(s: &OpSpec) -> std::io::Result<()> {
         out.per_call = Some(per_call.to_sparse());
     }
     emit(&out)
+}
+
+/// `ksmd` paused (`run` = 0, which leaves merged pages merged) until dropped.
+struct KsmPaused;
+
+impl KsmPaused {
+    fn new() -> std::io::Result<Self> {
+        crate::ksm::write("run", 0)?;
+        Ok(KsmPaused)
+    }
+}
+
+impl Drop for KsmPaused {
+    fn drop(&mut self) {
+        let _ = crate::ksm::write("run", 1);
+    }
+}
+
+/// Runs `f` while a thread of the program spins (on the other CPU, as the scheduler places it),
+/// stopped once `f` returns.
+fn with_a_busy_thread<T>(f: impl FnOnce() -> T) -> T {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spinner = {
+        let stop = stop.clone();
+        // Relaxed: a stop flag only.
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let r = f();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    spinner.join().expect("the spinning thread");
+    r
 }
 
 fn emit(out: &OpOutput) -> std::io::Result<()> {
@@ -459,7 +492,7 @@ fn huge_read(s: &OpSpec, out: &mut OpOutput, h: &mut Histogram) -> std::io::Resu
 }
 
 fn touch_merged(s: &OpSpec, m: Merged, out: &mut OpOutput, h: &mut Histogram) {
-    let write = s.op == Op::WriteMerged;
+    let write = s.op != Op::ReadMerged;
     let mut sink = 0u64;
     for i in 0..s.pages {
         let at = m.page(i).wrapping_add(MARK_WORD).cast::<u64>();

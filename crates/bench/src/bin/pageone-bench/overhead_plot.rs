@@ -38,11 +38,12 @@ const SIDES: [(&str, &str); 3] = [("pageone", "pageone"), ("ksm", "KSM"), ("plai
 /// The sides of the merging benchmark, in the order (and so the colours) of its bar panels.
 const MERGING_SIDES: [(&str, &str); 3] =
     [("pageone", "pageone"), ("hybrid", "hybrid"), ("ksm", "KSM")];
-const TOUCHES: [&str; 5] = [
+const TOUCHES: [&str; 6] = [
     "first-touch",
     "first-touch-busy",
     "read-merged",
     "write-merged",
+    "write-merged-busy",
     "huge-read",
 ];
 const CALLS: [&str; 6] = ["munmap", "dontneed", "free", "mprotect", "fork", "exit"];
@@ -53,6 +54,7 @@ fn label(op: &str) -> String {
         "first-touch-busy" => "first touch, a thread busy".into(),
         "read-merged" => "read".into(),
         "write-merged" => "write (CoW)".into(),
+        "write-merged-busy" => "write (CoW), a thread busy".into(),
         "huge-read" => "random read (THP)".into(),
         o => o.into(),
     }
