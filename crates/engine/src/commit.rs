@@ -859,7 +859,7 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
             }
         }
         if out.refused[k] && matches!(plan.acts[k], Some(Action::Merge(_) | Action::Zero)) {
-            // It waits until written, or until refused pages are tried again.
+            // It waits until refused pages are tried again, or until it is dropped.
             p.kind = PageKind::Refused;
             rs.refusals.pages += 1;
         }

@@ -8,7 +8,7 @@
 //!
 //! Such a page used to be a candidate again two periods later, with a copy made for it each
 //! time: an engine serving locked memory made and dropped copies without end. Now a refused page
-//! waits ([`PageKind::Refused`]) at no cost per period until the program writes it, or until the
+//! waits ([`PageKind::Refused`]) at no cost per period until the program drops it, or until the
 //! engine tries the refused pages again; the wait doubles while they keep being refused (the
 //! program may unlock its memory) and starts over once a whole wait passed with none refused.
 
