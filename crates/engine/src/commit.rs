@@ -546,8 +546,9 @@ struct Outcome {
     map_error: Option<std::io::Error>,
     /// Pages the freeze could not put back, to log after the wake.
     restore: RestoreReport,
-    /// Pages the kernel would not move out (see the `refusals` module).
+    /// Pages the kernel would not move out (see the `refusals` module), and those it moved.
     refused: [bool; MAX_RUN],
+    moved: [bool; MAX_RUN],
 }
 
 impl Outcome {
@@ -571,6 +572,7 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
         map_error: None,
         restore: RestoreReport::default(),
         refused: [false; MAX_RUN],
+        moved: [false; MAX_RUN],
     };
     let log = lock(&cx.sh.changes);
     if log.touches(run.start..run.start + run.n * PAGE) {
@@ -589,6 +591,7 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
             out.refused[k] = frozen.refused(k);
             continue;
         };
+        out.moved[k] = true;
         // `page` is a scratch page holding the page moved out, which only the engine knows;
         // copies held by the plan stay allocated and unchanged.
         out.verdict[k] = match plan.acts[k] {
@@ -862,6 +865,8 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
             // It waits until refused pages are tried again, or until it is dropped.
             p.kind = PageKind::Refused;
             rs.refusals.pages += 1;
+        } else if out.moved[k] {
+            rs.refusals.moved_out(run.start + k * PAGE);
         }
         if let Some(Action::Recycle(slot)) = out.verdict[k] {
             lock(&sh.recycled_slots).push(slot);

@@ -9,15 +9,37 @@
 //! Such a page used to be a candidate again two periods later, with a copy made for it each
 //! time: an engine serving locked memory made and dropped copies without end. Now a refused page
 //! waits ([`PageKind::Refused`]) at no cost per period until the program drops it, or until the
-//! engine tries the refused pages again; the wait doubles while they keep being refused (the
-//! program may unlock its memory) and starts over once a whole wait passed with none refused.
+//! engine tries refused pages again; the wait doubles while they keep being refused (the program
+//! may unlock its memory) and starts over once a whole wait passed with none refused.
+//!
+//! A try makes copies for the pages that pair up, as any merge does, so it would briefly take as
+//! much memory again as the locked memory's duplicates. So a try takes a batch of
+//! [`RETRY_PAGES`] refused pages at most, the next batch at the next try; a page of the batch
+//! that moves out shows that its mapping refuses no longer, and then every refused page is tried
+//! at the next period.
 
+use std::ops::Range;
+
+use crate::access::PAGE;
 use crate::state::{PageKind, State};
 
 /// Periods refused pages wait before they are tried again, at first.
 pub(crate) const FIRST_WAIT: u64 = 8;
 /// The longest wait, in periods (51 s at the default period).
 pub(crate) const LONGEST_WAIT: u64 = 256;
+/// Refused pages tried at once (4 MiB), unless one of the last batch moved.
+pub(crate) const RETRY_PAGES: usize = 1024;
+
+/// What a period's try takes.
+#[derive(Debug, PartialEq, Eq)]
+enum Retry {
+    /// Nothing: the wait is not over.
+    Nothing,
+    /// The next batch of refused pages.
+    Batch,
+    /// Every refused page: a page of the last batch moved out.
+    All,
+}
 
 /// Pages refused and when they are tried again (kept in [`State`]).
 #[derive(Debug)]
@@ -28,6 +50,12 @@ pub(crate) struct Refusals {
     retry_at: Option<u64>,
     /// The wait after the next retry, in periods.
     wait: u64,
+    /// The addresses of the last batch tried, sorted.
+    tried: Vec<usize>,
+    /// Where the next batch starts (it wraps around).
+    next_from: usize,
+    /// Whether a page of the last batch moved out since it was tried.
+    moved: bool,
 }
 
 impl Default for Refusals {
@@ -36,47 +64,125 @@ impl Default for Refusals {
             pages: 0,
             retry_at: None,
             wait: FIRST_WAIT,
+            tried: Vec::new(),
+            next_from: 0,
+            moved: false,
         }
     }
 }
 
 impl Refusals {
-    /// Whether the refused pages are to be tried again in `period` (called once per period,
-    /// before the watch counts them).
-    fn retry_due(&mut self, period: u64) -> bool {
+    /// What the refused pages get in `period` (called once per period, before the watch counts
+    /// them).
+    fn retry_due(&mut self, period: u64) -> Retry {
+        if std::mem::take(&mut self.moved) && self.pages > 0 {
+            self.wait = FIRST_WAIT;
+            self.retry_at = Some(period + self.wait);
+            self.pages = 0;
+            return Retry::All;
+        }
         match self.retry_at {
             // None refused for a whole wait: the next refusal waits the first wait again.
             Some(at) if self.pages == 0 && period >= at => {
                 self.wait = FIRST_WAIT;
                 self.retry_at = None;
-                false
+                Retry::Nothing
             }
-            _ if self.pages == 0 => false,
+            _ if self.pages == 0 => Retry::Nothing,
             None => {
                 self.retry_at = Some(period + self.wait);
-                false
+                Retry::Nothing
             }
             Some(at) if period >= at => {
                 self.wait = (self.wait * 2).min(LONGEST_WAIT);
                 self.retry_at = Some(period + self.wait);
                 self.pages = 0;
-                true
+                Retry::Batch
             }
-            Some(_) => false,
+            Some(_) => Retry::Nothing,
+        }
+    }
+
+    /// Notes that the page at `addr` moved out (was frozen): if it was tried in the last batch,
+    /// its mapping refuses no longer.
+    pub(crate) fn moved_out(&mut self, addr: usize) {
+        if !self.tried.is_empty() && self.tried.binary_search(&addr).is_ok() {
+            self.moved = true;
+            self.tried.clear();
         }
     }
 }
 
-/// Makes the refused pages candidates again in `period` if their wait is over; they are
-/// unchanged long enough already (`merge_periods`).
+/// Makes refused pages candidates again in `period` if their wait is over (a batch), or all of
+/// them if a page of the last batch moved out; they are unchanged long enough already
+/// (`merge_periods`).
 pub(crate) fn retry_if_due(st: &mut State, period: u64, merge_periods: u8) {
-    if !st.refusals.retry_due(period) {
+    let retry = st.refusals.retry_due(period);
+    if retry == Retry::Nothing {
         return;
     }
-    for r in st.regions.values_mut() {
-        for p in r.pages.iter_mut().filter(|p| p.kind == PageKind::Refused) {
-            p.kind = PageKind::Anon;
-            p.unchanged = merge_periods;
+    let mut batch = Batch {
+        max: if retry == Retry::All {
+            usize::MAX
+        } else {
+            RETRY_PAGES
+        },
+        merge_periods,
+        taken: 0,
+        last: None,
+        tried: Vec::new(),
+    };
+    // From where the last batch ended to the end, then from the start.
+    let from = st.refusals.next_from;
+    for range in [from..usize::MAX, 0..from] {
+        batch.take(st, range, retry == Retry::Batch);
+    }
+    let r = &mut st.refusals;
+    r.next_from = batch.last.map_or(0, |a| a + PAGE);
+    batch.tried.sort_unstable();
+    r.tried = batch.tried;
+}
+
+/// The refused pages one try takes.
+struct Batch {
+    /// Pages it takes at most.
+    max: usize,
+    merge_periods: u8,
+    taken: usize,
+    /// The address of the last page taken.
+    last: Option<usize>,
+    /// The addresses of the pages taken, if kept (a batch, not all of them).
+    tried: Vec<usize>,
+}
+
+impl Batch {
+    /// Makes the refused pages of `range` candidates again, in address order, until `max` are
+    /// taken; keeps their addresses if `keep`.
+    fn take(&mut self, st: &mut State, range: Range<usize>, keep: bool) {
+        for (&start, r) in &mut st.regions {
+            if self.taken >= self.max {
+                return;
+            }
+            let end = start + r.len();
+            if end <= range.start || start >= range.end {
+                continue;
+            }
+            let first = range.start.saturating_sub(start) / PAGE;
+            for (i, p) in r.pages.iter_mut().enumerate().skip(first) {
+                let addr = start + i * PAGE;
+                if self.taken >= self.max || addr >= range.end {
+                    break;
+                }
+                if p.kind == PageKind::Refused {
+                    p.kind = PageKind::Anon;
+                    p.unchanged = self.merge_periods;
+                    self.taken += 1;
+                    self.last = Some(addr);
+                    if keep {
+                        self.tried.push(addr);
+                    }
+                }
+            }
         }
     }
 }
@@ -93,7 +199,7 @@ mod tests {
         };
         let mut at = Vec::new();
         for period in 0..until {
-            if r.retry_due(period) {
+            if r.retry_due(period) == Retry::Batch {
                 at.push(period);
                 // Refused again by the commit that tries them.
                 r.pages = 5;
@@ -125,7 +231,7 @@ mod tests {
         let mut period = 0;
         // Three retries: the wait grew to 8 times the first.
         for _ in 0..3 {
-            while !r.retry_due(period) {
+            while r.retry_due(period) != Retry::Batch {
                 period += 1;
             }
             r.pages = 1;
@@ -134,22 +240,52 @@ mod tests {
         // The program unlocked its memory: the last retry merged everything.
         r.pages = 0;
         while r.retry_at.is_some() {
-            assert!(!r.retry_due(period));
+            assert_eq!(r.retry_due(period), Retry::Nothing);
             period += 1;
         }
         assert_eq!(r.wait, FIRST_WAIT);
         // Refused again later: tried again after the first wait.
         r.pages = 1;
         let refused_at = period;
-        while !r.retry_due(period) {
+        while r.retry_due(period) != Retry::Batch {
             period += 1;
         }
         assert_eq!(period - refused_at, FIRST_WAIT);
     }
 
+    /// A page of the last batch that moved out (its mapping no longer refuses) has every refused
+    /// page tried at the next period, and the waits start over; a page outside the batch does
+    /// not count.
+    #[test]
+    fn a_batch_page_that_moved_out_has_every_refused_page_tried() {
+        let mut r = Refusals {
+            pages: 100,
+            ..Refusals::default()
+        };
+        let mut period = 0;
+        while r.retry_due(period) != Retry::Batch {
+            period += 1;
+        }
+        r.tried = vec![0x1000, 0x3000];
+        r.pages = 98;
+        r.moved_out(0x2000);
+        assert_eq!(r.retry_due(period + 1), Retry::Nothing);
+        r.moved_out(0x3000);
+        assert_eq!(r.retry_due(period + 2), Retry::All);
+        assert_eq!(r.wait, FIRST_WAIT);
+        assert!(r.tried.is_empty());
+        // Refused again (the program locked its memory anew): waits the first wait.
+        r.pages = 98;
+        let mut waited = 0;
+        while r.retry_due(period + 3 + waited) != Retry::Batch {
+            waited += 1;
+        }
+        assert_eq!(waited, FIRST_WAIT - 1);
+    }
+
     #[test]
     fn nothing_is_retried_while_nothing_is_refused() {
         let mut r = Refusals::default();
-        assert!((0..1000).all(|p| !r.retry_due(p)));
+        assert!((0..1000).all(|p| r.retry_due(p) == Retry::Nothing));
     }
 }
