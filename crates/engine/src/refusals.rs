@@ -222,6 +222,11 @@ mod tests {
         assert_eq!(*gaps.last().unwrap(), LONGEST_WAIT);
     }
 
+    /// The first period from `from` in which a batch is tried.
+    fn next_batch(r: &mut Refusals, from: u64) -> u64 {
+        (from..).find(|&p| r.retry_due(p) == Retry::Batch).unwrap()
+    }
+
     #[test]
     fn the_wait_starts_over_once_a_whole_wait_passed_with_none_refused() {
         let mut r = Refusals {
@@ -231,9 +236,7 @@ mod tests {
         let mut period = 0;
         // Three retries: the wait grew to 8 times the first.
         for _ in 0..3 {
-            while r.retry_due(period) != Retry::Batch {
-                period += 1;
-            }
+            period = next_batch(&mut r, period);
             r.pages = 1;
         }
         assert_eq!(r.wait, 8 * FIRST_WAIT);
@@ -246,11 +249,7 @@ mod tests {
         assert_eq!(r.wait, FIRST_WAIT);
         // Refused again later: tried again after the first wait.
         r.pages = 1;
-        let refused_at = period;
-        while r.retry_due(period) != Retry::Batch {
-            period += 1;
-        }
-        assert_eq!(period - refused_at, FIRST_WAIT);
+        assert_eq!(next_batch(&mut r, period) - period, FIRST_WAIT);
     }
 
     /// A page of the last batch that moved out (its mapping no longer refuses) has every refused
@@ -262,10 +261,7 @@ mod tests {
             pages: 100,
             ..Refusals::default()
         };
-        let mut period = 0;
-        while r.retry_due(period) != Retry::Batch {
-            period += 1;
-        }
+        let period = next_batch(&mut r, 0);
         r.tried = vec![0x1000, 0x3000];
         r.pages = 98;
         r.moved_out(0x2000);
@@ -276,11 +272,7 @@ mod tests {
         assert!(r.tried.is_empty());
         // Refused again (the program locked its memory anew): waits the first wait.
         r.pages = 98;
-        let mut waited = 0;
-        while r.retry_due(period + 3 + waited) != Retry::Batch {
-            waited += 1;
-        }
-        assert_eq!(waited, FIRST_WAIT - 1);
+        assert_eq!(next_batch(&mut r, period + 3), period + 2 + FIRST_WAIT);
     }
 
     #[test]
