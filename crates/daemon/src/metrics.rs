@@ -98,8 +98,8 @@ const CLIENT_GAUGES: &[(&str, &str)] = &[
     ),
     (
         "regions_to_ksm",
-        "Regions handed to the kernel's KSM, their merges costing a mapping per page beyond the \
-         mapping limit",
+        "Regions handed to the kernel's KSM, their pages locked or their merges costing a mapping \
+         per page beyond the mapping limit",
     ),
 ];
 

@@ -69,7 +69,7 @@ impl CommitCtx<'_> {
         if self.config.ksm_when_limited
             && self.sh.mode == WatchMode::UffdWp
             && !region.wants_ksm
-            && crate::ksm::better_with_ksm(region, refused)
+            && (crate::ksm::better_with_ksm(region, refused) || crate::ksm::refuses_pageone(region))
             && *self.ksm_running.get_or_insert_with(crate::ksm::running)
         {
             region.wants_ksm = true;
@@ -819,7 +819,7 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
         }
         return;
     };
-    let mut merged = 0;
+    let (mut merged, mut refused) = (0, 0);
     for k in 0..run.n {
         let Some(p) = rs.region.pages.get_mut(run.first_index + k) else {
             // The region shrank meanwhile: the page is gone.
@@ -865,6 +865,7 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
             // It waits until refused pages are tried again, or until it is dropped.
             p.kind = PageKind::Refused;
             rs.refusals.pages += 1;
+            refused += 1;
         } else if out.moved[k] {
             rs.refusals.moved_out(run.start + k * PAGE);
         }
@@ -876,6 +877,11 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
     if merged > 0 {
         rs.region.merged_ever = true;
         sh.counters.merges.fetch_add(merged, Ordering::Relaxed);
+    }
+    if refused > 0 {
+        // Locked memory, which the kernel's KSM merges where it runs.
+        rs.region.spending.refused += refused;
+        cx.judge_for_ksm(rs.region, false);
     }
 }
 

@@ -5,7 +5,8 @@
 //! mapping at all, faster and with less CPU. So a region whose merges so far cost half a mapping
 //! per page or more is handed to KSM whole, where the host runs it (`/sys/kernel/mm/ksm/run` =
 //! 1): its merged pages become private again, the engine stops watching it, and it is marked
-//! `MADV_MERGEABLE` for `ksmd`. Regions whose pages merge in runs stay pageone's. See
+//! `MADV_MERGEABLE` for `ksmd`. Regions whose pages merge in runs stay pageone's. So is a region
+//! pageone cannot merge at all, locked (see the `refusals` module): KSM merges locked pages. See
 //! `Config::ksm_when_limited` and `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
 
 use pageone_sync::lock;
@@ -36,6 +37,18 @@ pub(crate) fn better_with_ksm(region: &RegionState, refused: bool) -> bool {
         SAMPLE_PAGES
     };
     !region.to_ksm && s.pages >= sample && 2 * s.vmas >= s.pages
+}
+
+/// Refused pages (see the `refusals` module) a region is judged from at the least.
+const REFUSED_PAGES: u64 = 64;
+
+/// Whether `region` is memory pageone cannot merge that the kernel's KSM merges: the kernel
+/// refused to freeze [`REFUSED_PAGES`] of its pages or more (locked, or not read/write), half of
+/// the merges planned there or more. (A region with a few pages locked among many merged
+/// stays.)
+pub(crate) fn refuses_pageone(region: &RegionState) -> bool {
+    let s = region.spending;
+    !region.to_ksm && s.refused >= REFUSED_PAGES && 2 * s.refused >= s.pages
 }
 
 /// Whether the kernel's KSM is running (`ksmd` scans what is marked mergeable).
@@ -71,7 +84,8 @@ pub(crate) fn hand_over_wanted(sh: &Shared) {
             tracing::info!(
                 start = format_args!("{start:#x}"),
                 pages = len / PAGE,
-                "a region whose merges cost a mapping per page is handed to the kernel's KSM"
+                "a region pageone merges at a mapping per page, or cannot merge (locked), is handed to \
+                 the kernel's KSM"
             );
         }
     }
@@ -106,6 +120,7 @@ mod tests {
             spending: Spending {
                 pages: merged,
                 vmas,
+                refused: 0,
             },
             ..RegionState::new(0, vec![Page::default(); pages])
         }
@@ -128,5 +143,23 @@ mod tests {
         let mut handed = region(131_072, 2000, 4000);
         handed.to_ksm = true;
         assert!(!better_with_ksm(&handed, true));
+    }
+
+    #[test]
+    fn a_region_whose_pages_the_kernel_refuses_goes_to_ksm() {
+        // Merges planned there, and pages refused.
+        let refused = |planned: u64, refused: u64| {
+            let mut r = region(16_384, planned, planned);
+            r.spending.refused = refused;
+            refuses_pageone(&r)
+        };
+        assert!(refused(0, 64) && refused(128, 64) && refused(1536, 1024));
+        // Too few to judge from, or fewer than half of the merges planned (a few pages locked
+        // among many merged).
+        assert!(!refused(0, 63) && !refused(4096, 100) && !refused(200, 99));
+        let mut handed = region(16_384, 0, 0);
+        handed.spending.refused = 1000;
+        handed.to_ksm = true;
+        assert!(!refuses_pageone(&handed));
     }
 }

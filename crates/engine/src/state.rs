@@ -113,11 +113,13 @@ pub(crate) struct RegionState {
 }
 
 /// Pages merged in a region and the mappings (VMAs) counted for them (see
-/// `ksm::better_with_ksm`).
+/// `ksm::better_with_ksm`), and pages the kernel refused to freeze there (see
+/// `ksm::refuses_pageone`).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Spending {
     pub(crate) pages: u64,
     pub(crate) vmas: u64,
+    pub(crate) refused: u64,
 }
 
 impl RegionState {

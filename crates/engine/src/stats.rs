@@ -55,7 +55,7 @@ pub struct Stats {
     /// nothing per period and are tried again now and then (after up to 256 periods).
     pub pages_refused: u64,
     /// Regions handed to the kernel's KSM whole, their merges costing a mapping per page beyond
-    /// the VMA budget (see `Config::ksm_when_limited`); KSM's own counters
+    /// the VMA budget, or their pages locked (see `Config::ksm_when_limited`); KSM's own counters
     /// (`/sys/kernel/mm/ksm`) count what it merged there.
     pub regions_to_ksm: u64,
     /// How writes are detected: [`WatchMode::UffdWp`] or [`WatchMode::Checksum`] (serialised as

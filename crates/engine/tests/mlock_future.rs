@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use pageone_engine::Engine;
 
 mod common;
-use common::{check, fill, wait_for, PAGE};
+use common::{check, fill, lock_all_memory, wait_for, PAGE};
 
 /// The store's size here: a failure fills this much, not the machine's memory.
 const STORE_PAGES: u32 = 65_536;
@@ -20,12 +20,7 @@ fn status_kib(field: &str) -> u64 {
 
 #[test]
 fn a_process_locking_its_future_mappings_gets_no_view_filled() {
-    // SAFETY: locks this test process's memory; no memory-safety preconditions.
-    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) } != 0 {
-        eprintln!(
-            "skipped: mlockall refused ({}); it needs root or a memlock limit",
-            std::io::Error::last_os_error()
-        );
+    if !lock_all_memory() {
         return;
     }
     let e = Engine::builder()

@@ -7,7 +7,7 @@ use pageone_engine::{DropAdvice, Engine, Region};
 use pageone_sys as sys;
 
 mod common;
-use common::{check, fill, filled, wait_for, PAGE};
+use common::{check, fill, filled, wait_for, KsmRunning, PAGE};
 
 /// Restores `vm.max_map_count` when dropped, even if the test fails.
 struct MapCountGuard(usize);
@@ -460,54 +460,6 @@ fn a_written_merged_page_the_budget_refuses_reads_zeros_once_dropped() {
         );
     }
     drop(r);
-}
-
-/// The kernel's KSM running, as fast as it goes, for one test: every knob it changed is restored
-/// when dropped, and `run` is left as it was (never 1: 2 if it was running, after unmerging).
-struct KsmRunning(Vec<(&'static str, String)>);
-
-const KSM: &str = "/sys/kernel/mm/ksm";
-
-impl KsmRunning {
-    /// `None` where KSM is not there or its knobs are not writable (not root).
-    fn start() -> Option<Self> {
-        let read = |k: &str| std::fs::read_to_string(format!("{KSM}/{k}")).ok();
-        let saved: Vec<_> = ["run", "pages_to_scan", "sleep_millisecs"]
-            .into_iter()
-            .map(|k| Some((k, read(k)?.trim().to_string())))
-            .collect::<Option<_>>()?;
-        let guard = Self(saved);
-        for (k, v) in [
-            ("run", "2"),
-            ("pages_to_scan", "100000"),
-            ("sleep_millisecs", "0"),
-        ] {
-            std::fs::write(format!("{KSM}/{k}"), v).ok()?;
-        }
-        std::fs::write(format!("{KSM}/run"), "1").ok()?;
-        Some(guard)
-    }
-
-    fn sharing() -> u64 {
-        let v = std::fs::read_to_string(format!("{KSM}/pages_sharing")).unwrap();
-        v.trim().parse().unwrap()
-    }
-}
-
-impl Drop for KsmRunning {
-    fn drop(&mut self) {
-        let _ = std::fs::write(format!("{KSM}/run"), "2");
-        for (k, v) in self.0.iter().filter(|(k, _)| *k != "run") {
-            let _ = std::fs::write(format!("{KSM}/{k}"), v);
-        }
-        let run = self.0.iter().find(|(k, _)| *k == "run").map(|(_, v)| v);
-        let run = if run.is_some_and(|v| v == "1") {
-            "2"
-        } else {
-            run.map_or("0", |v| v)
-        };
-        let _ = std::fs::write(format!("{KSM}/run"), run);
-    }
 }
 
 /// With the kernel's KSM running, a region whose merges cost a mapping per page, more than the

@@ -135,6 +135,12 @@ impl Reserve {
                 pageone_sys::raw_mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0)
             };
             if p != libc::MAP_FAILED {
+                // Unlocked, whatever the program asked for its future mappings
+                // (`mlockall(MCL_FUTURE)`): else the whole reservation counts as locked memory,
+                // and every part made read/write is filled as it is.
+                // SAFETY: the mapping just made, which holds nothing; unlocking changes no
+                // contents.
+                unsafe { libc::syscall(libc::SYS_munlock, p, len) };
                 let (base, len) = (p as usize, len);
                 // Kept apart for the life of the process (the guard is leaked).
                 match pageone_engine::keep_apart(base..base + len) {

@@ -47,3 +47,65 @@ pub fn wait_for(e: &Engine, what: impl Fn(&Stats) -> bool) -> Stats {
         }
     }
 }
+
+/// The kernel's KSM running, as fast as it goes, for one test: every knob it changed is restored
+/// when dropped, and `run` is left as it was (never 1: 2 if it was running, after unmerging).
+pub struct KsmRunning(Vec<(&'static str, String)>);
+
+const KSM: &str = "/sys/kernel/mm/ksm";
+
+impl KsmRunning {
+    /// `None` where KSM is not there or its knobs are not writable (not root).
+    pub fn start() -> Option<Self> {
+        let read = |k: &str| std::fs::read_to_string(format!("{KSM}/{k}")).ok();
+        let saved: Vec<_> = ["run", "pages_to_scan", "sleep_millisecs"]
+            .into_iter()
+            .map(|k| Some((k, read(k)?.trim().to_string())))
+            .collect::<Option<_>>()?;
+        let guard = Self(saved);
+        for (k, v) in [
+            ("run", "2"),
+            ("pages_to_scan", "100000"),
+            ("sleep_millisecs", "0"),
+        ] {
+            std::fs::write(format!("{KSM}/{k}"), v).ok()?;
+        }
+        std::fs::write(format!("{KSM}/run"), "1").ok()?;
+        Some(guard)
+    }
+
+    pub fn sharing() -> u64 {
+        let v = std::fs::read_to_string(format!("{KSM}/pages_sharing")).unwrap();
+        v.trim().parse().unwrap()
+    }
+}
+
+impl Drop for KsmRunning {
+    fn drop(&mut self) {
+        let _ = std::fs::write(format!("{KSM}/run"), "2");
+        for (k, v) in self.0.iter().filter(|(k, _)| *k != "run") {
+            let _ = std::fs::write(format!("{KSM}/{k}"), v);
+        }
+        let run = self.0.iter().find(|(k, _)| *k == "run").map(|(_, v)| v);
+        let run = if run.is_some_and(|v| v == "1") {
+            "2"
+        } else {
+            run.map_or("0", |v| v)
+        };
+        let _ = std::fs::write(format!("{KSM}/run"), run);
+    }
+}
+
+/// Locks this process's memory, now and to come (`mlockall`); false (the test is skipped, and
+/// says so) where the kernel refuses: it needs root or a memlock limit.
+pub fn lock_all_memory() -> bool {
+    // SAFETY: locks this test process's memory; no memory-safety preconditions.
+    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) } != 0 {
+        eprintln!(
+            "skipped: mlockall refused ({}); it needs root or a memlock limit",
+            std::io::Error::last_os_error()
+        );
+        return false;
+    }
+    true
+}
