@@ -38,6 +38,8 @@ pub struct Setup {
     /// Writer threads per process.
     pub writers: usize,
     pub write_pause_us: u64,
+    /// The regions are locked (`mlock`) before they are merged.
+    pub locked: bool,
     pub seed: u64,
     /// One process per region (pageone through a daemon) instead of one process for all.
     pub processes: bool,
@@ -65,6 +67,7 @@ impl Setup {
             regions,
             writers: self.writers,
             write_pause_us: self.write_pause_us,
+            locked: self.locked,
             workers: self.params.workers,
             period_ms: self.params.merge_period.as_millis() as u64,
         };

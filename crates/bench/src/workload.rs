@@ -76,6 +76,9 @@ pub struct Spec {
     pub writers: usize,
     /// Pause of each writer between two writes, in microseconds (0: none).
     pub write_pause_us: u64,
+    /// Lock the regions (`mlock`) once filled.
+    #[serde(default)]
+    pub locked: bool,
     pub workers: usize,
     pub period_ms: u64,
 }
@@ -123,6 +126,10 @@ impl Regions {
             for (i, &content) in c.iter().enumerate() {
                 // SAFETY: page i of a fresh private mapping owned here, zero as fill_page wants.
                 unsafe { fill_page(p.add(i * PAGE), r.data, content as u64) };
+            }
+            // SAFETY: locking the mapping just made changes no contents.
+            if s.locked && unsafe { libc::mlock(p.cast(), s.region_pages * PAGE) } != 0 {
+                return Err(std::io::Error::last_os_error());
             }
             r.base.push(p);
             r.contents.push(c);

@@ -151,8 +151,8 @@ fn limit_advice(st: &Value) -> Option<String> {
 fn ksm_note(st: &Value) -> Option<String> {
     let k = st["regions_to_ksm"].as_u64().filter(|&k| k > 0)?;
     Some(format!(
-        "{k} regions whose merges cost a mapping per page, or whose pages are locked, are merged \
-         by the kernel's KSM (see /sys/kernel/mm/ksm)"
+        "{k} regions whose merges cost a mapping per page, or whose pages are not read/write, are \
+         merged by the kernel's KSM (see /sys/kernel/mm/ksm)"
     ))
 }
 
@@ -160,8 +160,8 @@ fn ksm_note(st: &Value) -> Option<String> {
 fn refused_note(st: &Value) -> Option<String> {
     let n = st["pages_refused"].as_u64().filter(|&n| n > 0)?;
     Some(format!(
-        "{n} pages are not merged: the program locked them (mlock, mlockall) or they are not \
-         read/write"
+        "{n} pages are not merged: they are not read/write (or locked, where the engine could not \
+         lock memory of its own)"
     ))
 }
 

@@ -94,7 +94,7 @@ const CLIENT_GAUGES: &[(&str, &str)] = &[
     ),
     (
         "pages_refused",
-        "Unchanged pages the kernel would not freeze (locked, or not read/write): not merged",
+        "Unchanged pages the kernel would not freeze (not read/write): not merged",
     ),
     (
         "regions_to_ksm",

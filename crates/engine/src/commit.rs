@@ -221,6 +221,7 @@ fn commit_run(
         uffd: &sh.uffd,
         range: &sh.frozen,
         scratch: cx.scratch.take(run.n),
+        locked: sh.locked_scratch.as_ref(),
         pagemap: &pagemap,
         changes: &sh.changes,
         parking: &sh.parking,
@@ -549,6 +550,8 @@ struct Outcome {
     /// Pages the kernel would not move out (see the `refusals` module), and those it moved.
     refused: [bool; MAX_RUN],
     moved: [bool; MAX_RUN],
+    /// Pages frozen out of locked memory (see the `locking` module).
+    locked: [bool; MAX_RUN],
 }
 
 impl Outcome {
@@ -573,6 +576,7 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
         restore: RestoreReport::default(),
         refused: [false; MAX_RUN],
         moved: [false; MAX_RUN],
+        locked: [false; MAX_RUN],
     };
     let log = lock(&cx.sh.changes);
     if log.touches(run.start..run.start + run.n * PAGE) {
@@ -592,6 +596,7 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
             continue;
         };
         out.moved[k] = true;
+        out.locked[k] = frozen.locked(k);
         // `page` is a scratch page holding the page moved out, which only the engine knows;
         // copies held by the plan stay allocated and unchanged.
         out.verdict[k] = match plan.acts[k] {
@@ -684,6 +689,14 @@ fn replace_frozen(
                     map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
                     map_copies_over_the_rest(cx.sh, run.start, k..k + m, &plan.holes);
                 }
+                // Over locked pages, locked (their entries are mapped now: see `locking`).
+                for_each_stretch(
+                    k..k + m,
+                    |q| out.locked[q],
+                    |q, mq| {
+                        let _ = crate::locking::lock_on_fault(run.start + q * PAGE, mq * PAGE);
+                    },
+                );
             }
             Err(e) => {
                 lock(&cx.sh.changes).unexpect(mapping_change(addr, m));
@@ -832,6 +845,10 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
             (_, Some(Action::Merge(sid))) => {
                 settle(p, rs.store, sid, true, cx.config.max_backoff);
                 merged += 1;
+                if out.locked[k] {
+                    let at = (run.first_index + k) * PAGE;
+                    rs.region.locked.add(at..at + PAGE);
+                }
             }
             (Some(Action::Merge(sid)), _) => {
                 rs.store.undo_ref(sid);
@@ -879,7 +896,8 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
         sh.counters.merges.fetch_add(merged, Ordering::Relaxed);
     }
     if refused > 0 {
-        // Locked memory, which the kernel's KSM merges where it runs.
+        // Memory that is not read/write (or locked, where the locked area could not be
+        // locked), which the kernel's KSM merges where it runs.
         rs.region.spending.refused += refused;
         cx.judge_for_ksm(rs.region, false);
     }
@@ -1081,6 +1099,7 @@ unsafe fn map_copies(
                 if registered {
                     map_cached_unless_dropped(sh, addr, 0..m, |_| true);
                 }
+                rs.region.relock(addr, m * PAGE);
                 Ok(true)
             }
             Err(e) => {
@@ -1180,10 +1199,11 @@ unsafe fn release_zeroed(
     }
     // The store mapping replaced is reported by its context: the engine's own change.
     lock(&sh.changes).expect(mapping_change(addr, m));
+    let (locked, base) = (&rs.region.locked, rs.region.start);
     // SAFETY: the pages are held still and hold only zeros (this function's contract); the
     // mapping replaces them, as a whole, by an empty private anonymous mapping of the same
-    // protection.
-    let mapped = unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, prot) };
+    // protection (locked where they were: see `locking`).
+    let mapped = unsafe { crate::locking::map_empty(locked, base, (addr, len), prot) };
     if let Err(e) = mapped {
         lock(&sh.changes).unexpect(mapping_change(addr, m));
         return Err(e);

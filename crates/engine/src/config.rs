@@ -83,9 +83,9 @@ pub struct Config {
     /// kernel's KSM whole, where the host runs it: its pages
     /// become private again, the engine stops watching it, and it is marked
     /// `madvise(MADV_MERGEABLE)` for `ksmd`, which merges single pages without a mapping each.
-    /// Regions whose pages merge in runs stay the engine's. So is a region most of whose
-    /// pages the kernel refuses to freeze (locked memory, which KSM merges: see
-    /// `ksm::refuses_pageone`). On by default; nothing is handed over where KSM does not run.
+    /// Regions whose pages merge in runs stay the engine's. A region most of whose pages the
+    /// kernel refuses to freeze (not read/write, which KSM merges: see `ksm::refuses_pageone`)
+    /// is handed over too. On by default; nothing is handed over where KSM does not run.
     /// See the `ksm` module and `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
     pub ksm_when_limited: bool,
     /// The `pageone daemon` socket to join (its scope's store is shared with the scope's other

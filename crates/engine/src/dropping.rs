@@ -14,7 +14,7 @@ use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings};
 use crate::registry::{checked_range, dropped_pages, overlapping, store_pieces, StorePiece};
-use crate::state::{pages_in_mut, PageKind, Shared, State};
+use crate::state::{pages_in_mut, region_at, PageKind, Shared, State};
 use crate::store::is_store_mapping;
 use crate::stranded;
 
@@ -216,7 +216,7 @@ fn empty_pieces(sh: &Shared, mut unreported: Unreported<'_>) -> Result<(), Engin
     // Pieces left mappings of the store, registered there again when `unreported` is dropped.
     let mut kept = Vec::new();
     while let Some((piece, out)) = unreported.pieces.pop() {
-        if let Err(e) = empty_store_piece(sh, &piece) {
+        if let Err(e) = empty_store_piece(sh, &st, &piece) {
             let zeroed = zero_in_place(&mut st, &piece);
             kept.push((piece, out));
             if zeroed.is_err() {
@@ -266,7 +266,7 @@ fn zero_in_place(st: &mut State, piece: &StorePiece) -> Result<(), EngineError> 
 /// write to the old mapping meanwhile is dropped with it, as if made before the program's
 /// `MADV_DONTNEED` (it is concurrent with the call); one after the replacement lands in the new
 /// mapping.
-fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError> {
+fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), EngineError> {
     let (s, len) = (piece.start, piece.end - piece.start);
     // Announced all the same, for a context still registered there: its report is the engine's
     // own.
@@ -275,9 +275,11 @@ fn empty_store_piece(sh: &Shared, piece: &StorePiece) -> Result<(), EngineError>
         end: s + len,
     };
     lock(&sh.changes).expect(change);
+    let none = crate::locking::LockedRanges::default();
+    let (locked, base) = region_at(&st.regions, s).map_or((&none, s), |r| (&r.locked, r.start));
     // SAFETY: the range is a mapping of the store the program asked to drop; it is replaced, as a
-    // whole, by an empty private anonymous mapping.
-    let mapped = unsafe { sys::mmap_anonymous_fixed(s as *mut u8, len, piece.prot) };
+    // whole, by an empty private anonymous mapping (locked where it was: see `locking`).
+    let mapped = unsafe { crate::locking::map_empty(locked, base, (s, len), piece.prot) };
     // A report was read before the call returned (the kernel waits for that), and the fault
     // thread records what it reads before it lets go of the log: an announcement still there
     // now had no report, and must not swallow a later one.

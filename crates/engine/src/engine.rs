@@ -14,7 +14,8 @@ use crate::changes::ChangeLog;
 use crate::dropping::{self, DropAdvice};
 use crate::error::Chain;
 use crate::faults::fault_loop;
-use crate::freeze::{FrozenRange, SCRATCH_SLOTS};
+use crate::freeze::{FrozenRange, MAX_RUN, SCRATCH_SLOTS};
+use crate::locking::LockedScratch;
 use crate::parking::Parking;
 use crate::period::{commit_loop, engine_loop};
 use crate::pool::Pool;
@@ -149,8 +150,8 @@ impl Engine {
         let (store, daemon_unreachable) = open_store(&config)?;
         // The scratch area receives frozen pages; UFFDIO_MOVE needs its destination registered
         // with the same context and the same protections as the source (a frozen run), and an
-        // empty destination: never populated, even after `mlockall(MCL_FUTURE)` (locked memory
-        // is refused instead: see the `refusals` module).
+        // empty destination: never populated, even after `mlockall(MCL_FUTURE)` (locked pages
+        // move to the locked area instead: see the `locking` module).
         let scratch =
             sys::mmap_anonymous_unlocked(SCRATCH_SLOTS * PAGE).map_err(EngineError::Map)? as usize;
         uffd.register(
@@ -170,6 +171,7 @@ impl Engine {
             )
         }
         .map_err(EngineError::Map)?;
+        let locked_scratch = LockedScratch::new(&uffd, freeze_mode.unwrap_or(reg_mode), MAX_RUN);
         // A second context, without async write-protection: its write faults block until the
         // engine un-protects, which is how a COW-broken page is held still while compared. It
         // reports changes to the store mappings it holds (merged pages) like the first.
@@ -199,6 +201,7 @@ impl Engine {
             parking: Parking::new().map_err(EngineError::Map)?,
             changes: Mutex::new(ChangeLog::with_room()),
             staging: Default::default(),
+            locked_scratch,
             stop: AtomicBool::new(false),
             faults_done: AtomicBool::new(false),
             fault_thread_id: AtomicI32::new(0),
@@ -295,6 +298,26 @@ impl Engine {
             .next_back()
             .is_some_and(|(_, r)| r.start + r.len() > a)
             || st.regions.range(a..end).next().is_some()
+    }
+
+    /// The program locked (`locked`) or unlocked `[addr, addr + len)` (`mlock`, `munlock`, or
+    /// everything with `len` of `usize::MAX`): where the engine maps something over registered
+    /// pages there later, it locks it or leaves it unlocked alike (see the crate doc).
+    pub fn locking_changed(&self, addr: *mut u8, len: usize, locked: bool) {
+        let (a, end) = (addr as usize, (addr as usize).saturating_add(len));
+        let mut st = lock(&self.shared.state);
+        for r in st.regions.values_mut() {
+            let (s, e) = (a.max(r.start), end.min(r.start + r.len()));
+            if s >= e {
+                continue;
+            }
+            let at = s - r.start..e - r.start;
+            if locked {
+                r.locked.add(at);
+            } else {
+                r.locked.remove(at);
+            }
+        }
     }
 
     /// Writes the registered ranges, `(start, end)` in address order with adjacent regions joined,

@@ -21,6 +21,7 @@ use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
 use crate::changes::{Change, ChangeLog, Fate};
+use crate::locking::LockedScratch;
 use crate::parking::Parking;
 
 /// How store mappings (merged pages) are registered with the store mappings' context: for missing
@@ -199,6 +200,8 @@ pub(crate) struct Freezer<'a> {
     pub(crate) range: &'a FrozenRange,
     /// The first of the run's empty scratch slots.
     pub(crate) scratch: usize,
+    /// Where locked pages are frozen into (see the `locking` module), if it could be made.
+    pub(crate) locked: Option<&'a LockedScratch>,
     pub(crate) pagemap: &'a sys::Pagemap,
     /// The changes the kernel reported (see the `changes` module): consulted before pages go
     /// back.
@@ -243,6 +246,9 @@ pub(crate) struct FrozenRun<'a> {
     /// The change log's mark at the freeze.
     mark: usize,
     scratch: usize,
+    /// The locked area (see the `locking` module) and, per page, whether it moved there.
+    locked: Option<&'a LockedScratch>,
+    in_locked: [bool; MAX_RUN],
     start: usize,
     n: usize,
     moved: [bool; MAX_RUN],
@@ -294,6 +300,8 @@ impl<'a> FrozenRun<'a> {
             parked: [false; MAX_RUN],
             mark,
             scratch: f.scratch,
+            locked: f.locked,
+            in_locked: [false; MAX_RUN],
             start,
             n,
             moved: [false; MAX_RUN],
@@ -317,19 +325,29 @@ impl<'a> FrozenRun<'a> {
     }
 
     fn move_out(&mut self, pagemap: &sys::Pagemap) {
-        let (start, n, scratch) = (self.start, self.n, self.scratch);
+        let (start, n) = (self.start, self.n);
         let mut failed = false;
         // Pages per call: the rest of the run, or one at a time once a call was refused (a run
         // spanning two mappings is refused whole: the kernel moves within one mapping a call).
         let mut one_by_one = false;
+        // Into the scratch area, or the locked area (see the `locking` module): where the last
+        // move went. A page the kernel refuses to move into one (`EINVAL`) is tried in the other
+        // before it is refused; once it moves, the rest of the run is tried whole there.
+        let mut into_locked = false;
+        let mut switched = false;
         let mut off = 0;
         while off < n {
             let len = if one_by_one { 1 } else { n - off };
+            let Some(area) = self.area(into_locked) else {
+                into_locked = false;
+                continue;
+            };
             // SAFETY: the run is registered memory the engine froze (no reference to it exists in
-            // the engine) and the scratch slots [off, n) are empty (`freeze`'s contract).
+            // the engine) and the slots [off, n) of either area are empty (`freeze`'s contract;
+            // the locked area is emptied after every run that used it).
             let r = unsafe {
                 self.uffd.move_pages(
-                    scratch + off * PAGE,
+                    area + off * PAGE,
                     start + off * PAGE,
                     len * PAGE,
                     UFFDIO_MOVE_MODE_DONTWAKE,
@@ -339,19 +357,33 @@ impl<'a> FrozenRun<'a> {
                 Ok(bytes) if bytes >= PAGE => {
                     let k = bytes / PAGE;
                     self.moved[off..off + k].fill(true);
+                    self.in_locked[off..off + k].fill(into_locked);
                     off += k;
+                    one_by_one &= !switched;
+                    switched = false;
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) && len > 1 => one_by_one = true,
-                // A mapping unlike the scratch area's (locked, or not read/write): refused.
+                // A mapping unlike this area's in locking: the other one.
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EINVAL)
+                        && !switched
+                        && self.area(!into_locked).is_some() =>
+                {
+                    into_locked = !into_locked;
+                    switched = true;
+                }
+                // A mapping unlike either area's (not read/write): refused.
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     self.refused[off] = true;
                     off += 1;
                     failed = true;
+                    switched = false;
                 }
                 // A hole, a page shared with a child, or a page busy in the kernel: skip it.
                 _ => {
                     off += 1;
                     failed = true;
+                    switched = false;
                 }
             }
         }
@@ -360,16 +392,43 @@ impl<'a> FrozenRun<'a> {
             // of pages, meet a concurrent writer, retry from the batch's start and report
             // EEXIST (its destination is now taken) without counting what it moved. A page left
             // in scratch and thought unmoved would be discarded with it, losing its writes. So
-            // the page tables say what moved: a page in scratch whose address is empty (frozen
+            // the page tables say what moved: a page in a slot whose address is empty (frozen
             // addresses stay empty until the wake).
-            reconcile_moved(pagemap, start, scratch, &mut self.moved[..n]);
+            let areas = (
+                self.scratch,
+                self.locked.and_then(LockedScratch::slots_if_locked),
+            );
+            let (moved, in_locked) = (&mut self.moved[..n], &mut self.in_locked[..n]);
+            reconcile_moved(pagemap, start, areas, moved, in_locked);
         }
+    }
+
+    /// The first slot of the run's scratch slots, or of the locked area's (locked on the first
+    /// call), if it could be locked.
+    fn area(&self, locked: bool) -> Option<usize> {
+        if locked {
+            self.locked.and_then(LockedScratch::slots)
+        } else {
+            Some(self.scratch)
+        }
+    }
+
+    /// Page `k`'s slot (where it is frozen, if it moved).
+    fn slot(&self, k: usize) -> usize {
+        let locked = self.in_locked[k];
+        self.area(locked).unwrap_or(self.scratch) + k * PAGE
     }
 
     /// Where page `k`'s frozen bytes are, if it moved: its scratch slot. Only the engine knows
     /// the scratch area, so nobody writes them while the run is frozen.
     pub(crate) fn frozen_page(&self, k: usize) -> Option<usize> {
-        self.moved[k].then(|| self.scratch + k * PAGE)
+        self.moved[k].then(|| self.slot(k))
+    }
+
+    /// Whether page `k` was frozen into the locked area (its mapping is locked: see the
+    /// `locking` module).
+    pub(crate) fn locked(&self, k: usize) -> bool {
+        self.moved[k] && self.in_locked[k]
     }
 
     /// Whether page `k` stayed in place because the kernel refused to move it from its mapping
@@ -444,7 +503,7 @@ impl<'a> FrozenRun<'a> {
         self.restored = true;
         let mut log = lock(self.changes);
         for k in (0..self.n).filter(|&k| self.moved[k] && !self.consumed[k]) {
-            let slot = self.scratch + k * PAGE;
+            let slot = self.slot(k);
             loop {
                 let to = match self.fate(&log, k) {
                     Fate::Gone => {
@@ -462,7 +521,7 @@ impl<'a> FrozenRun<'a> {
                         to
                     }
                 };
-                let again = match self.put_back(to, slot) {
+                let again = match self.put_back(to, k) {
                     PutBack::Moved => false,
                     PutBack::Copied => {
                         report.copied += 1;
@@ -515,15 +574,13 @@ impl<'a> FrozenRun<'a> {
         self.restore()
     }
 
-    /// [`put_back`], but for the failures a test asks for.
-    fn put_back(&self, to: usize, slot: usize) -> PutBack {
+    /// [`put_back`] of page `k` to `to`, but for the failures a test asks for.
+    fn put_back(&self, to: usize, k: usize) -> PutBack {
         #[cfg(test)]
-        if (slot - self.scratch) / PAGE < 64
-            && self.fail_pages & 1 << ((slot - self.scratch) / PAGE) != 0
-        {
+        if k < 64 && self.fail_pages & 1 << k != 0 {
             return PutBack::Failed(std::io::Error::from_raw_os_error(libc::ENOMEM));
         }
-        put_back(self.uffd, to, slot)
+        put_back(self.uffd, to, self.slot(k))
     }
 }
 
@@ -536,6 +593,14 @@ impl Drop for FrozenRun<'_> {
         let _ = self.uffd.wake(self.start, self.n * PAGE);
         for &to in self.moved_to.iter().take(self.n).filter(|&&to| to != 0) {
             let _ = self.uffd.wake(to, PAGE);
+        }
+        // The next run freezes into the same locked slots: emptied now (pages put back left
+        // theirs empty already).
+        if let Some(l) = self
+            .locked
+            .filter(|_| self.in_locked[..self.n].contains(&true))
+        {
+            l.discard(self.changes, self.n);
         }
         report.log();
     }
@@ -632,10 +697,17 @@ impl Drop for NormalPriority {
     }
 }
 
-/// Sets `moved[k]` to whether page `k` of the run at `start` moved to scratch slot `k`: the slot
-/// holds a page and the run's address none (see the failed-move note in `move_out`). If a scan
-/// fails, `moved` stays as the moves reported it.
-fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: &mut [bool]) {
+/// Sets `moved[k]` to whether page `k` of the run at `start` moved to its slot `k` in the
+/// scratch area or the locked area (`in_locked[k]`: the latter): the slot holds a page and the
+/// run's address none (see the failed-move note in `move_out`). If a scan fails, both stay as the
+/// moves reported them.
+fn reconcile_moved(
+    pagemap: &sys::Pagemap,
+    start: usize,
+    (scratch, locked): (usize, Option<usize>),
+    moved: &mut [bool],
+    in_locked: &mut [bool],
+) {
     let n = moved.len();
     let (Ok(slots), Ok(live)) = (
         pagemap.pages_with(scratch, n, PAGE_IS_PRESENT),
@@ -643,8 +715,14 @@ fn reconcile_moved(pagemap: &sys::Pagemap, start: usize, scratch: usize, moved: 
     ) else {
         return;
     };
-    for (k, m) in moved.iter_mut().enumerate() {
-        *m = slots[k] && !live[k];
+    let locked_slots = match locked.map(|l| pagemap.pages_with(l, n, PAGE_IS_PRESENT)) {
+        Some(Ok(l)) => Some(l),
+        Some(Err(_)) => return,
+        None => None,
+    };
+    for k in 0..n {
+        in_locked[k] = locked_slots.as_ref().is_some_and(|l| l[k]);
+        moved[k] = (slots[k] || in_locked[k]) && !live[k];
     }
 }
 
@@ -731,6 +809,7 @@ pub(crate) mod tests {
         pagemap: sys::Pagemap,
         region: usize,
         scratch: usize,
+        locked: Option<LockedScratch>,
         n: usize,
         rearm: Option<Rearm>,
     }
@@ -780,6 +859,7 @@ pub(crate) mod tests {
             uffd.register(region, n * PAGE, region_mode).unwrap();
             uffd.register(scratch, SCRATCH_SLOTS * PAGE, scratch_mode)
                 .unwrap();
+            let locked = LockedScratch::new(&uffd, scratch_mode, MAX_RUN);
             Frozen {
                 _forks_wait: Some(forks_wait),
                 uffd,
@@ -789,6 +869,7 @@ pub(crate) mod tests {
                 pagemap: sys::Pagemap::open().unwrap(),
                 region,
                 scratch,
+                locked,
                 n,
                 rearm,
             }
@@ -804,6 +885,7 @@ pub(crate) mod tests {
                 uffd: &self.uffd,
                 range: &self.range,
                 scratch: slots,
+                locked: self.locked.as_ref(),
                 pagemap: &self.pagemap,
                 changes: &self.changes,
                 parking: &self.parking,
@@ -888,19 +970,14 @@ pub(crate) mod tests {
         assert!((0..4).all(|k| t.intact(k, k as u8 + 1)));
     }
 
-    /// A page the program locked cannot move to the unlocked scratch area: it stays in place,
+    /// A page the program made read-only cannot move to either area: it stays in place,
     /// refused, and the others move.
     #[test]
-    fn a_locked_page_is_refused_and_the_others_move() {
+    fn a_read_only_page_is_refused_and_the_others_move() {
         let t = Frozen::new(3);
-        // SAFETY: locks a page of this test's own region; it changes no contents.
-        if unsafe { libc::mlock((t.region + PAGE) as *const libc::c_void, PAGE) } != 0 {
-            eprintln!(
-                "skipped: mlock refused ({})",
-                std::io::Error::last_os_error()
-            );
-            return;
-        }
+        // SAFETY: a page of this test's own region, which nothing writes meanwhile.
+        let r = unsafe { sys::raw_mprotect((t.region + PAGE) as *mut _, PAGE, libc::PROT_READ) };
+        assert_eq!(r, 0);
         let run = t.freeze();
         assert!(run.refused(1) && run.frozen_page(1).is_none());
         let moved = (0..3).map(|k| (run.frozen_page(k).is_some(), run.refused(k)));
@@ -911,6 +988,58 @@ pub(crate) mod tests {
         assert_eq!(t.present(t.region, 3), [false, true, false]);
         drop(run);
         assert!((0..3).all(|k| t.intact(k, k as u8 + 1)));
+    }
+
+    /// A page the program locked moves to the locked area (see the `locking` module), the others
+    /// to the scratch area; all go back where they were, the locked one still locked, and the
+    /// locked area is emptied.
+    #[test]
+    fn a_locked_page_moves_to_the_locked_area_and_back() {
+        let t = Frozen::new(3);
+        // SAFETY: locks a page of this test's own region; it changes no contents.
+        if unsafe { libc::mlock((t.region + PAGE) as *const libc::c_void, PAGE) } != 0 {
+            eprintln!(
+                "skipped: mlock refused ({})",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        let run = t.freeze();
+        let Some(area) = t.locked.as_ref().and_then(LockedScratch::slots_if_locked) else {
+            panic!("the locked area was not locked");
+        };
+        assert_eq!(run.frozen_page(1), Some(area + PAGE));
+        assert!(run.locked(1) && !run.locked(0) && !run.locked(2));
+        assert_eq!(run.frozen_page(2), Some(t.scratch + 2 * PAGE));
+        assert_eq!(t.present(t.region, 3), [false; 3]);
+        drop(run);
+        assert!((0..3).all(|k| t.intact(k, k as u8 + 1)));
+        assert_eq!(t.present(area, 3), [false; 3]);
+        assert!(crate::locking::tests::is_locked(t.region + PAGE));
+    }
+
+    /// A whole locked run moves to the locked area in one call once its first page did, and a
+    /// page consumed there is emptied from it when the run is woken.
+    #[test]
+    fn a_locked_run_moves_whole_and_its_consumed_slot_is_emptied() {
+        let t = Frozen::new(8);
+        // SAFETY: locks this test's own region; it changes no contents.
+        if unsafe { libc::mlock(t.region as *const libc::c_void, 8 * PAGE) } != 0 {
+            eprintln!(
+                "skipped: mlock refused ({})",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        let mut run = t.freeze();
+        assert!((0..8).all(|k| run.locked(k)));
+        let area = run.frozen_page(0).unwrap();
+        run.consume(3);
+        drop(run);
+        assert_eq!(t.present(area, 8), [false; 8]);
+        let back = t.present(t.region, 8);
+        assert_eq!(back, [true, true, true, false, true, true, true, true]);
+        assert!((0..8).filter(|&k| k != 3).all(|k| t.intact(k, k as u8 + 1)));
     }
 
     #[test]

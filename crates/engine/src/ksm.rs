@@ -6,7 +6,7 @@
 //! per page or more is handed to KSM whole, where the host runs it (`/sys/kernel/mm/ksm/run` =
 //! 1): its merged pages become private again, the engine stops watching it, and it is marked
 //! `MADV_MERGEABLE` for `ksmd`. Regions whose pages merge in runs stay pageone's. So is a region
-//! pageone cannot merge at all, locked (see the `refusals` module): KSM merges locked pages. See
+//! pageone cannot merge at all, not read/write (see the `refusals` module), which KSM merges. See
 //! `Config::ksm_when_limited` and `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
 
 use pageone_sync::lock;
@@ -43,9 +43,9 @@ pub(crate) fn better_with_ksm(region: &RegionState, refused: bool) -> bool {
 const REFUSED_PAGES: u64 = 64;
 
 /// Whether `region` is memory pageone cannot merge that the kernel's KSM merges: the kernel
-/// refused to freeze [`REFUSED_PAGES`] of its pages or more (locked, or not read/write), half of
-/// the merges planned there or more. (A region with a few pages locked among many merged
-/// stays.)
+/// refused to freeze [`REFUSED_PAGES`] of its pages or more (not read/write, or locked where
+/// the engine could not lock memory of its own), half of the merges planned there or more. (A
+/// region with a few such pages among many merged stays.)
 pub(crate) fn refuses_pageone(region: &RegionState) -> bool {
     let s = region.spending;
     !region.to_ksm && s.refused >= REFUSED_PAGES && 2 * s.refused >= s.pages
@@ -84,8 +84,8 @@ pub(crate) fn hand_over_wanted(sh: &Shared) {
             tracing::info!(
                 start = format_args!("{start:#x}"),
                 pages = len / PAGE,
-                "a region pageone merges at a mapping per page, or cannot merge (locked), is handed to \
-                 the kernel's KSM"
+                "a region pageone merges at a mapping per page, or cannot merge (not read/write), is \
+                 handed to the kernel's KSM"
             );
         }
     }
@@ -154,7 +154,7 @@ mod tests {
             refuses_pageone(&r)
         };
         assert!(refused(0, 64) && refused(128, 64) && refused(1536, 1024));
-        // Too few to judge from, or fewer than half of the merges planned (a few pages locked
+        // Too few to judge from, or fewer than half of the merges planned (a few pages read-only
         // among many merged).
         assert!(!refused(0, 63) && !refused(4096, 100) && !refused(200, 99));
         let mut handed = region(16_384, 0, 0);

@@ -171,6 +171,7 @@ fn split_off(r: &mut RegionState, at: usize) -> RegionState {
     RegionState {
         start: at,
         pages: r.pages.split_off(i),
+        locked: r.locked.split_off(at - r.start),
         merged_ever: r.merged_ever,
         armed_at: r.armed_at,
         sums: r.sums.split_off(i.min(r.sums.len())),

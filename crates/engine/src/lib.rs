@@ -71,6 +71,7 @@
 //! * `changes`: changes to registered memory the kernel reports; `layout`: the regions cut and
 //!   moved by them, and the lock that holds mapping changes and `fork` off a frozen run.
 //! * `candidates`: the pages a period may merge, and their order into batches by content.
+//! * `locking`: locked memory, frozen into a locked area and locked again once merged.
 //! * `freeze`: the guards that hold a run of pages still for a merge, and let it go on drop.
 //! * `state`: per-page and per-region bookkeeping, the state lock's contents, what the threads
 //!   share.
@@ -98,6 +99,7 @@ mod held;
 mod huge;
 mod ksm;
 mod layout;
+mod locking;
 mod parking;
 mod period;
 mod pool;

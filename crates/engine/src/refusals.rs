@@ -1,10 +1,9 @@
 //! Pages the kernel would not freeze.
 //!
-//! `UFFDIO_MOVE` moves a page only between mappings alike in protection and locking. Registered
-//! memory that the program locked (`mlock`, `mlockall(MCL_FUTURE)` before the engine started) or
-//! made read-only with a call the engine never saw cannot move to the engine's read/write,
-//! unlocked scratch area, so it is not merged. (Merging it would leave its pages in an unlocked
-//! mapping of the store: see `docs/DESIGN.md`, "Locked memory".)
+//! `UFFDIO_MOVE` moves writable pages only, between mappings alike in protection and locking.
+//! Registered memory that the program made read-only with a call the engine never saw cannot
+//! move to the engine's read/write scratch area, so it is not merged; nor can locked memory
+//! where the engine's locked area could not be locked (see the `locking` module).
 //!
 //! Such a page used to be a candidate again two periods later, with a copy made for it each
 //! time: an engine serving locked memory made and dropped copies without end. Now a refused page
@@ -13,7 +12,7 @@
 //! may unlock its memory) and starts over once a whole wait passed with none refused.
 //!
 //! A try makes copies for the pages that pair up, as any merge does, so it would briefly take as
-//! much memory again as the locked memory's duplicates. So a try takes a batch of
+//! much memory again as the refused memory's duplicates. So a try takes a batch of
 //! [`RETRY_PAGES`] refused pages at most, the next batch at the next try; a page of the batch
 //! that moves out shows that its mapping refuses no longer, and then every refused page is tried
 //! at the next period.

@@ -375,7 +375,10 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     // could not be held still to be copied.
     let mut stranded = Vec::new();
     for p in store_pieces(sh, st, start..end) {
-        if !anonymize(sh, p.start, p.end, p.prot) {
+        if anonymize(sh, p.start, p.end, p.prot) {
+            // Locked again where the engine's mapping was (see `locking`).
+            r.relock(p.start, p.end - p.start);
+        } else {
             stranded.push(Stranded {
                 range: p.start..p.end,
                 copies: Vec::new(),

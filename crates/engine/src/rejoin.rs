@@ -141,6 +141,8 @@ fn leave_replaced_stores(sh: &Shared, st: &mut State) -> bool {
             left = true;
             continue;
         }
+        // Locked again where the engine's mapping was (see `locking`).
+        r.relock(s, e - s);
         // The anonymous mapping moved in carries no registration: watch it as the region's.
         if let Err(err) = sh.uffd.register(s, e - s, sh.reg_mode) {
             tracing::warn!(error = %err, "a range left unwatched after leaving a replaced store");

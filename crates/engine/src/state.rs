@@ -51,7 +51,8 @@ pub(crate) enum PageKind {
     /// period, until the budget has room again (the limit was raised, or mappings went away), or
     /// until it is written.
     Parked,
-    /// An unchanged page the kernel would not freeze (its mapping is locked, or not read/write):
+    /// An unchanged page the kernel would not freeze (its mapping is not read/write, or locked
+    /// where the engine's locked area could not be locked: see the `locking` module):
     /// it waits, at no cost per period, until the engine tries refused pages again (see the
     /// `refusals` module), or until it is dropped. Writes do not end the wait: after a freeze
     /// that could not move it, the page reads as written to the watch (see `freeze::Rearm`), and
@@ -91,6 +92,9 @@ impl Page {
 pub(crate) struct RegionState {
     pub(crate) start: usize,
     pub(crate) pages: Vec<Page>,
+    /// Where the engine's mappings over the region's pages are locked (see the `locking`
+    /// module): offsets from `start`.
+    pub(crate) locked: crate::locking::LockedRanges,
     /// Whether any page was ever merged: only then does the region contain mappings of the store
     /// that the watch must scan separately (write-protect scans skip them).
     pub(crate) merged_ever: bool,
@@ -129,6 +133,7 @@ impl RegionState {
         Self {
             start,
             pages,
+            locked: Default::default(),
             merged_ever: false,
             armed_at: None,
             sums: Vec::new(),
@@ -142,6 +147,21 @@ impl RegionState {
     pub(crate) fn len(&self) -> usize {
         self.pages.len() * PAGE
     }
+
+    /// Locks what the engine just mapped over `[addr, addr + len)` where it replaced locked
+    /// pages (see the `locking` module).
+    pub(crate) fn relock(&self, addr: usize, len: usize) {
+        crate::locking::relock(&self.locked, self.start, addr, len);
+    }
+}
+
+/// The region holding `addr`, if any.
+pub(crate) fn region_at(
+    regions: &BTreeMap<usize, RegionState>,
+    addr: usize,
+) -> Option<&RegionState> {
+    let (_, r) = regions.range(..=addr).next_back()?;
+    (addr < r.start + r.len()).then_some(r)
 }
 
 /// The region (its start), index and state of the registered page holding `addr`.
@@ -283,6 +303,9 @@ pub(crate) struct Shared {
     pub(crate) changes: Mutex<ChangeLog>,
     /// Where copies are moved into place from (see the `staging` module).
     pub(crate) staging: crate::staging::StagingArea,
+    /// Where frozen locked pages are moved into (see the `locking` module); `None` where it could
+    /// not be made.
+    pub(crate) locked_scratch: Option<crate::locking::LockedScratch>,
     pub(crate) stop: AtomicBool,
     /// Set once every region is unregistered at the stop: the fault thread ends then (it must
     /// answer faults and read events until then).

@@ -1,17 +1,14 @@
 //! A process that locks its future mappings (`mlockall(MCL_FUTURE)`, as QEMU's `mem-lock=on`
 //! and databases do) before the engine starts: the engine's views of its store (as large as the
-//! memory by default) and its scratch area are not filled, merging keeps every byte, locked
-//! pages are refused at no cost per period, and they merge once the program unlocks them. Its
-//! own test binary: the lock covers the whole process.
+//! memory by default) and its scratch area are not filled, locked pages merge, keeping every
+//! byte, and stay locked. Its own test binary: the lock covers the whole process.
 
 use std::time::{Duration, Instant};
 
-use pageone_engine::Engine;
-
 mod common;
-use common::{check, fill, lock_all_memory, wait_for, PAGE};
+use common::{check, fill, halves, lock_all_memory, small_engine, wait_for, PAGE};
 
-/// The store's size here: a failure fills this much, not the machine's memory.
+/// The store's size (`small_engine`).
 const STORE_PAGES: u32 = 65_536;
 
 fn status_kib(field: &str) -> u64 {
@@ -23,20 +20,11 @@ fn a_process_locking_its_future_mappings_gets_no_view_filled() {
     if !lock_all_memory() {
         return;
     }
-    // (Kept pageone's where the host runs KSM, which takes locked memory: `tests/mlock_ksm.rs`.)
-    let e = Engine::builder()
-        .merge_period(Duration::from_millis(20))
-        .store_pages(STORE_PAGES)
-        .ksm_when_limited(false)
-        .build()
-        .expect("the engine starts on this kernel");
+    let e = small_engine(false);
     let n = 2048;
-    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
-    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
-        fill(p, (i % n) as u64 + 1);
-    }
-    // Merged or not (locked memory is not merged), periods commit, and a commit makes the
-    // staging area: a private mapping of the whole store.
+    let mut r = halves(&e, n);
+    // Periods commit, and a commit makes the staging area: a private mapping of the whole
+    // store.
     let store_bytes = STORE_PAGES as usize * PAGE;
     let area_made = || {
         pageone_sys::self_mappings().unwrap().iter().any(|m| {
@@ -68,41 +56,18 @@ fn a_process_locking_its_future_mappings_gets_no_view_filled() {
         }
     };
     intact(&r);
-    // Locked pages cannot move to the engine's unlocked scratch area: refused, they wait at no
-    // cost per period instead of being copied and tried again every few periods. (That kept
-    // the engine's threads 27% busy for these 16 MiB at these periods; the watch and the
-    // retries in batches cost 0.47-0.54% here.)
-    let s = wait_for(&e, |s| s.pages_refused == 2 * n as u64);
-    assert_eq!(s.pages_sharing, 0, "locked memory merged: {s:?}");
-    let (cpu0, t1) = (s.worker_cpu_ns, Instant::now());
-    // (Slept through: waiting for periods runs them back to back.) A try makes copies for a
-    // batch of refused pages at most (their pairs), not for all of them: held a second after
-    // the try fails, they show how many a try made.
-    let mut most_held = 0;
-    while t1.elapsed() < Duration::from_secs(3) {
-        std::thread::sleep(Duration::from_millis(50));
-        if t1.elapsed() > Duration::from_millis(1500) {
-            most_held = most_held.max(e.stats().copies_held);
-        }
-    }
-    let s = e.stats();
-    assert!(
-        most_held <= 1024,
-        "a try made copies for more than a batch of refused pages: {most_held} held ({s:?})"
-    );
-    let busy = (s.worker_cpu_ns - cpu0) as f64 / t1.elapsed().as_nanos() as f64;
-    eprintln!("refused pages cost {:.2}% of a CPU", busy * 100.0);
-    assert!(
-        busy < 0.08,
-        "refused pages cost {:.1}% of a CPU ({s:?})",
-        busy * 100.0
-    );
-    // Unlocked, they are tried again (after a wait of 256 periods at most) and merge.
-    // SAFETY: undoes the lock above.
-    unsafe { libc::munlockall() };
-    let s = wait_for(&e, |s| s.pages_sharing > 0 && s.pages_refused == 0);
-    assert!(s.pages_sharing > 0 && s.pages_refused == 0, "{s:?}");
+    // Locked pages are frozen into a locked area, merged, and their copies locked.
+    let s = wait_for(&e, |s| s.pages_sharing == n as u64);
+    assert_eq!((s.pages_sharing, s.pages_refused), (n as u64, 0), "{s:?}");
     intact(&r);
+    let base = r.as_ptr() as usize;
+    let unlocked = common::unlocked_pages(base, 2 * n);
+    assert_eq!(unlocked, 0, "merged pages left unlocked ({s:?})");
+    // Written, a merged page is the program's own again, locked as the kernel faults it in.
+    let w = 5;
+    fill(&mut r.as_mut_slice()[w * PAGE..(w + 1) * PAGE], 0xdead);
+    assert!(check(&r.as_slice()[w * PAGE..(w + 1) * PAGE], 0xdead));
+    assert_eq!(common::unlocked_pages(base + w * PAGE, 1), 0);
     drop(r);
     drop(e);
 }

@@ -216,7 +216,7 @@ pub unsafe extern "C" fn pageone_config_set_restore_huge_pages(
 }
 
 /// Sets whether a region whose merges cost a mapping per page, beyond the mapping limit, or
-/// whose pages are locked, is handed to the kernel's KSM where it runs (the default;
+/// whose pages are not read/write, is handed to the kernel's KSM where it runs (the default;
 /// `ksm_when_limited` in the Rust API).
 ///
 /// # Safety

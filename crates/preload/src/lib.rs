@@ -15,7 +15,9 @@
 //!   [`pageone_engine::changing_mappings`]: a change waits for the run of pages the engine holds
 //!   still at that moment, if any, and no run starts while it is under way. The engine learns what
 //!   changed from the kernel itself (userfaultfd events), so only the pages changed are touched and
-//!   nothing is copied back: unmapping merged memory costs what it costs the kernel.
+//!   nothing is copied back: unmapping merged memory costs what it costs the kernel. After a
+//!   successful `mlock`, `mlock2`, `mlockall(MCL_CURRENT)`, `munlock` or `munlockall`, the engine
+//!   is told, so that what it maps over registered pages there is locked or not alike.
 //! * **Dropped pages.** Merged pages are private mappings of a store file, which
 //!   `MADV_DONTNEED` would read back as their copy: after the kernel dropped a range, the engine
 //!   makes the merged pages in it empty anonymous memory ([`Engine::discard`]), so they read
@@ -1375,7 +1377,12 @@ fn covered_syscall(nr: libc::c_long, a: usize, b: usize, c: usize) -> c_int {
 /// As `mlock(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn mlock(addr: *const c_void, len: size_t) -> c_int {
-    covered_syscall(libc::SYS_mlock, addr as usize, len, 0)
+    locking_done(
+        covered_syscall(libc::SYS_mlock, addr as usize, len, 0),
+        addr,
+        len,
+        true,
+    )
 }
 
 /// `mlock2(2)`: a change of mappings (see the crate doc).
@@ -1384,7 +1391,8 @@ pub unsafe extern "C" fn mlock(addr: *const c_void, len: size_t) -> c_int {
 /// As `mlock2(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn mlock2(addr: *const c_void, len: size_t, flags: libc::c_uint) -> c_int {
-    covered_syscall(libc::SYS_mlock2, addr as usize, len, flags as usize)
+    let r = covered_syscall(libc::SYS_mlock2, addr as usize, len, flags as usize);
+    locking_done(r, addr, len, true)
 }
 
 /// `munlock(2)`: a change of mappings (see the crate doc).
@@ -1393,7 +1401,21 @@ pub unsafe extern "C" fn mlock2(addr: *const c_void, len: size_t, flags: libc::c
 /// As `munlock(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn munlock(addr: *const c_void, len: size_t) -> c_int {
-    covered_syscall(libc::SYS_munlock, addr as usize, len, 0)
+    locking_done(
+        covered_syscall(libc::SYS_munlock, addr as usize, len, 0),
+        addr,
+        len,
+        false,
+    )
+}
+
+/// After `mlock`/`munlock` returned `r`: if it succeeded, the engine locks what it maps over
+/// registered pages there from now on, or not (see `Engine::locking_changed`). Returns `r`.
+fn locking_done(r: c_int, addr: *const c_void, len: size_t, locked: bool) -> c_int {
+    if r == 0 {
+        guarded(|| running().map(|eng| eng.locking_changed(addr as *mut u8, len, locked)));
+    }
+    r
 }
 
 /// `mlockall(2)`: a change of mappings (see the crate doc).
@@ -1402,7 +1424,21 @@ pub unsafe extern "C" fn munlock(addr: *const c_void, len: size_t) -> c_int {
 /// As `mlockall(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn mlockall(flags: c_int) -> c_int {
-    covered_syscall(libc::SYS_mlockall, flags as usize, 0, 0)
+    let r = covered_syscall(libc::SYS_mlockall, flags as usize, 0, 0);
+    if flags & libc::MCL_CURRENT != 0 {
+        locking_done(r, std::ptr::null(), usize::MAX, true);
+    }
+    r
+}
+
+/// `munlockall(2)`: a change of mappings (see the crate doc).
+///
+/// # Safety
+/// As `munlockall(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn munlockall() -> c_int {
+    let r = covered_syscall(libc::SYS_munlockall, 0, 0, 0);
+    locking_done(r, std::ptr::null(), usize::MAX, false)
 }
 
 /// `ioctl(2)`: a userfaultfd registration of mergeable memory by the program takes that range

@@ -284,6 +284,13 @@ fn prot_none_mergeable_memory_merges_once_made_read_write() {
     behaves("protnone");
 }
 
+/// A program that locks all its memory (`mlockall`, as QEMU's `mem-lock=on`) gets it merged,
+/// and locked still.
+#[test]
+fn locked_memory_merges_and_stays_locked() {
+    behaves("mlockall");
+}
+
 /// A `PROT_NONE` guard page inside a mergeable range: the rest merges, the call answers 0, and the
 /// guard page merges once made read/write.
 #[test]

@@ -109,3 +109,39 @@ pub fn lock_all_memory() -> bool {
     }
     true
 }
+
+/// How many of the `n` pages from `addr` lie in mappings that are not locked.
+pub fn unlocked_pages(addr: usize, n: usize) -> usize {
+    let locked = pageone_sys::self_locked_mappings().unwrap();
+    (0..n)
+        .map(|i| addr + i * PAGE)
+        .filter(|a| !locked.iter().any(|m| m.contains(a)))
+        .count()
+}
+
+/// Makes the region read-only (`mprotect`, past the engine: as a program's own raw call).
+pub fn make_read_only(r: &pageone_engine::Region) {
+    // SAFETY: the test's own region, which no live reference writes.
+    let done = unsafe { libc::mprotect(r.as_ptr().cast(), r.len(), libc::PROT_READ) };
+    assert_eq!(done, 0, "{}", std::io::Error::last_os_error());
+}
+
+/// An engine merging every 20 ms with a store of 65,536 pages (a failure fills that much, not
+/// the machine's memory), handing regions to the kernel's KSM or not.
+pub fn small_engine(ksm_when_limited: bool) -> pageone_engine::Engine {
+    pageone_engine::Engine::builder()
+        .merge_period(std::time::Duration::from_millis(20))
+        .store_pages(65_536)
+        .ksm_when_limited(ksm_when_limited)
+        .build()
+        .expect("the engine starts on this kernel")
+}
+
+/// A region of two identical halves of `n` pages each (page `i` holds `i % n + 1`).
+pub fn halves(e: &pageone_engine::Engine, n: usize) -> pageone_engine::Region<'_> {
+    let mut r = e.alloc_region(2 * n * PAGE).unwrap();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, (i % n) as u64 + 1);
+    }
+    r
+}

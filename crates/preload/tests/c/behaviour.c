@@ -4,7 +4,7 @@
  *
  *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
  *                              protnone | guard | protnone-forgotten | protnone-remap |
- *                              protnone-ksm)
+ *                              protnone-ksm | mlockall)
  *
  * protnone-ksm alone runs with the kernel's KSM running (the caller starts it).
  */
@@ -392,6 +392,46 @@ static void protnone_ksm(void) {
     check(n[0] == 7 && n[(PAGES - 1) * PAGE] == 7, "they take writes");
 }
 
+/* Pages of [p, p+pages) in locked mappings ("lo" among the VmFlags of /proc/self/smaps). */
+static size_t locked_pages(const unsigned char *p, size_t pages) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    char line[1024];
+    uintptr_t a = 0, b = 0, lo = (uintptr_t)p, hi = lo + pages * PAGE;
+    size_t n = 0;
+    while (f && fgets(line, sizeof line, f)) {
+        uintptr_t x, y;
+        if (sscanf(line, "%lx-%lx ", &x, &y) == 2 && strchr(line, '-') < strchr(line, ' ')) {
+            a = x, b = y;
+            continue;
+        }
+        if (!strncmp(line, "VmFlags:", 8) && strstr(line, " lo") && b > lo && a < hi)
+            n += ((b < hi ? b : hi) - (a > lo ? a : lo)) / PAGE;
+    }
+    if (f) fclose(f);
+    return n;
+}
+
+/* A program that locks all its memory, now and future (QEMU's mem-lock=on): its mergeable memory
+ * merges, stays locked and keeps its bytes; a merged page takes writes. */
+static void locked_all(void) {
+    if (mlockall(MCL_CURRENT | MCL_FUTURE) != 0) {
+        printf("skipped: mlockall refused (%s)\n", strerror(errno));
+        return;
+    }
+    unsigned char *p = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    check(p != MAP_FAILED, "mmap");
+    fill(p, PAGES);
+    check(locked_pages(p, PAGES) == PAGES, "the memory is locked");
+    check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE");
+    check(merges(p, PAGES, PAGES * 9 / 10), "the locked memory merges");
+    check(intact(p, 0, PAGES), "its pages keep their bytes");
+    check(locked_pages(p, PAGES) == PAGES, "it stays locked");
+    p[5 * PAGE] = 9;
+    check(p[5 * PAGE] == 9 && holds(p, 9, 2), "a merged page takes a write, its twin unchanged");
+    check(munlockall() == 0, "munlockall");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -415,6 +455,8 @@ int main(int argc, char **argv) {
         protnone_remap();
     else if (!strcmp(argv[1], "protnone-ksm"))
         protnone_ksm();
+    else if (!strcmp(argv[1], "mlockall"))
+        locked_all();
     else
         return 2;
     printf("OK\n");

@@ -39,6 +39,10 @@ pub struct MoreArgs {
     /// Each writer's pause between two writes, in microseconds.
     #[arg(long, default_value_t = 100)]
     pub write_pause_us: u64,
+    /// Lock the regions (`mlock`) before they are merged, on both sides, as a program locking
+    /// its memory (QEMU's `mem-lock=on`) does.
+    #[arg(long)]
+    pub locked: bool,
     /// The data sets to run.
     #[arg(long, value_enum, default_value_t = DataSets::Both)]
     pub data: DataSets,
@@ -120,6 +124,7 @@ fn setup(o: &Options) -> Result<Setup> {
         layout: m.layout,
         writers: m.writers,
         write_pause_us: m.write_pause_us,
+        locked: m.locked,
         seed: m.seed,
         processes: o.processes,
         settle_window: Duration::from_secs_f64(m.settle_s.unwrap_or(if o.quick {
@@ -173,11 +178,12 @@ pub fn run(o: &Options) -> Result<()> {
     }
     println!(
         "engine vs KSM: {} regions x {} MiB, {} layout, identical across regions, unique within; \
-         {} writers per process; pageone {}{} workers, {} ms periods; KSM sleep_millisecs=0 \
+         {}{} writers per process; pageone {}{} workers, {} ms periods; KSM sleep_millisecs=0 \
          pages_to_scan=100000; {} runs; vm.max_map_count {}",
         p.regions,
         p.region_mib,
         setup.layout,
+        if setup.locked { "locked; " } else { "" },
         setup.writers,
         if o.processes {
             "one process per region through the daemon, "
@@ -222,7 +228,7 @@ pub fn run(o: &Options) -> Result<()> {
                 "regions": p.regions, "region_mib": p.region_mib, "workers": p.workers,
                 "period_ms": p.merge_period.as_millis() as u64, "runs": o.runs,
                 "processes": o.processes, "layout": setup.layout, "writers": setup.writers,
-                "write_pause_us": setup.write_pause_us, "seed": setup.seed,
+                "write_pause_us": setup.write_pause_us, "locked": setup.locked, "seed": setup.seed,
                 "settle_seconds": setup.settle_window.as_secs_f64(),
                 "timeout_seconds": p.timeout.as_secs(),
                 "max_map_count": pageone_sys::max_map_count().ok(),

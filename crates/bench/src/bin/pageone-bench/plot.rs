@@ -158,6 +158,9 @@ struct KsmParams {
     period_ms: u64,
     runs: u64,
     processes: bool,
+    /// The regions were locked (`--locked`); absent in older files.
+    #[serde(default)]
+    locked: bool,
 }
 
 #[derive(Deserialize)]
@@ -191,9 +194,10 @@ fn ksm(f: KsmFile) -> Result<Figure> {
     };
     let mut title = match &f.params {
         Some(p) => format!(
-            "pageone vs KSM: {} x {} MiB, {}{} ms periods, medians of {} runs",
+            "pageone vs KSM: {} x {} MiB{}, {}{} ms periods, medians of {} runs",
             p.regions,
             p.region_mib,
+            if p.locked { " locked" } else { "" },
             if p.processes {
                 "one process each through the daemon, "
             } else {
