@@ -57,9 +57,14 @@ const REFUSED: u8 = 2;
 
 impl LockedScratch {
     /// Makes the area and registers it with `uffd` in `mode` (the scratch area's), not inherited
-    /// by a child (`MADV_DONTFORK`, as the scratch area). `None` where it cannot be made: locked
-    /// pages are then refused (see the `refusals` module).
+    /// by a child (`MADV_DONTFORK`, as the scratch area). `None` where it cannot be made, and
+    /// where the process may lock only so much memory (`RLIMIT_MEMLOCK`, without
+    /// `CAP_IPC_LOCK`): the area would take that from the program, whose own `mlock` could then
+    /// fail. Locked pages are then refused (see the `refusals` module).
     pub(crate) fn new(uffd: &sys::Uffd, mode: u64, pages: usize) -> Option<Self> {
+        if !sys::may_lock_without_limit() {
+            return None;
+        }
         let len = pages * PAGE;
         let base = sys::mmap_anonymous_unlocked(len).ok()? as usize;
         // SAFETY: MADV_DONTFORK changes no contents of the engine's own, empty area.

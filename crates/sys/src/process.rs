@@ -300,6 +300,85 @@ pub fn thread_stack(thread: libc::pthread_t) -> io::Result<std::ops::Range<usize
     }
 }
 
+/// Whether this process may lock memory without a limit: `RLIMIT_MEMLOCK` is unlimited, or it
+/// has `CAP_IPC_LOCK` (which bypasses the limit), by `/proc/self/status`.
+pub fn may_lock_without_limit() -> bool {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit for the kernel to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0
+        && lim.rlim_cur == libc::RLIM_INFINITY
+    {
+        return true;
+    }
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_owned();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        .is_some_and(|caps| caps & 1 << CAP_IPC_LOCK != 0)
+}
+
+#[cfg(test)]
+mod lock_limit_tests {
+    use std::os::unix::process::CommandExt;
+
+    /// Set in the test binary run again as another user (see below).
+    const AS_NOBODY: &str = "PAGEONE_TEST_AS_NOBODY";
+
+    /// A process with a limit on locked memory and no `CAP_IPC_LOCK` may not lock without one;
+    /// root may. Run again as `nobody` with an 8 MiB limit (root only).
+    #[test]
+    fn a_limited_unprivileged_process_may_not_lock_without_limit() {
+        if std::env::var_os(AS_NOBODY).is_some() {
+            assert!(!super::may_lock_without_limit());
+            return;
+        }
+        // SAFETY: getuid has no preconditions.
+        if unsafe { libc::getuid() } != 0 {
+            eprintln!("skipped: needs root to run as another user");
+            return;
+        }
+        assert!(super::may_lock_without_limit(), "root has CAP_IPC_LOCK");
+        let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+        c.args([
+            "--exact",
+            "process::lock_limit_tests::a_limited_unprivileged_process_may_not_lock_without_limit",
+        ]);
+        c.env(AS_NOBODY, "1");
+        // SAFETY: only system calls between fork and exec.
+        unsafe {
+            c.pre_exec(|| {
+                let lim = libc::rlimit {
+                    rlim_cur: 8 << 20,
+                    rlim_max: 8 << 20,
+                };
+                if libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) != 0
+                    || libc::setgid(65534) != 0
+                    || libc::setuid(65534) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let out = c.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{text}{out:?}"
+        );
+    }
+}
+
 #[cfg(test)]
 mod fault_tests {
     #[test]
