@@ -203,9 +203,10 @@ pub(crate) fn relock(locked: &LockedRanges, base: usize, addr: usize, len: usize
 }
 
 /// Maps an empty private anonymous mapping with protection `prot` over `[addr, addr + len)`,
-/// the parts of it that `locked` holds (offsets from `base`) locked on fault. Where some are,
-/// it is made inaccessible first and given `prot` after: locked in full as it is made (after
-/// `mlockall(MCL_FUTURE)`), a read/write mapping would be filled.
+/// the parts of it that `locked` holds (offsets from `base`) locked on fault. (Never
+/// inaccessible meanwhile: the program may read the pages replaced while they are held still.
+/// After `mlockall(MCL_FUTURE)` the kernel locks and fills the new mapping as it makes it: the
+/// pages hold zeros all the same, and are released again as zero pages later.)
 ///
 /// # Safety
 /// As [`sys::mmap_anonymous_fixed`]: whatever was mapped there is discarded.
@@ -215,23 +216,10 @@ pub(crate) unsafe fn map_empty(
     (addr, len): (usize, usize),
     prot: libc::c_int,
 ) -> io::Result<()> {
-    let at = addr - base..addr - base + len;
-    if locked.within(at.clone()).next().is_none() {
-        // SAFETY: the caller's contract.
-        return unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, prot) };
-    }
     // SAFETY: the caller's contract.
-    unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, libc::PROT_NONE) }?;
-    for r in locked.within(at) {
-        let _ = lock_on_fault(base + r.start, r.len());
-    }
-    // SAFETY: the mapping just made, empty.
-    if unsafe { sys::raw_mprotect(addr as *mut _, len, prot) } == 0 {
-        return Ok(());
-    }
-    // (Out of mappings to split it into locked and unlocked parts, say.) Empty all the same.
-    // SAFETY: the caller's contract.
-    unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, prot) }
+    unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, prot) }?;
+    relock(locked, base, addr, len);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -3,6 +3,8 @@
 //! dropped, and the anonymous memory given back when it is unregistered. Unlocked, what the
 //! engine maps there later is not locked.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use pageone_engine::{DropAdvice, Engine, Region};
 
 mod common;
@@ -57,9 +59,22 @@ fn locked_pages_merge_and_stay_locked_through_every_mapping_over_them() {
         0,
         "the merge again left pages unlocked"
     );
-    // A merged page zeroed (as a guest frees memory): released, and still locked.
+    // A merged page zeroed (as a guest frees memory): released, and still locked. Another
+    // thread reads it throughout: it stays readable while it is held and replaced.
     fill(&mut r.as_mut_slice()[3 * PAGE..4 * PAGE], 0);
-    let s = wait_for(&e, |s| s.pages_sharing < n as u64 && s.zero_pages >= 1);
+    let done = AtomicBool::new(false);
+    let at = base + 3 * PAGE;
+    let s = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                // SAFETY: a page of the test's region, read only, as the engine replaces it.
+                unsafe { std::ptr::read_volatile((at + 100) as *const u8) };
+            }
+        });
+        let s = wait_for(&e, |s| s.pages_sharing < n as u64 && s.zero_pages >= 1);
+        done.store(true, Ordering::Relaxed);
+        s
+    });
     assert!(s.zero_pages >= 1, "{s:?}");
     assert!(holds(&r, 3, 0));
     // Locked pages are dropped with `MADV_DONTNEED_LOCKED` (the kernel refuses `MADV_DONTNEED`).
