@@ -13,6 +13,9 @@ once its data has merged, and the guest reports the freed pages, which QEMU drop
 `madvise(MADV_DONTNEED)` on merged guest RAM. Asserts that the host got that memory back, that the
 merged pages stayed merged and that the data is intact.
 
+A fourth boot under `pageone run` locks the guests' memory (`-overcommit mem-lock=on`: QEMU calls
+mlockall): asserts that their data merges and that their memory stays locked.
+
 Asserts: every checksum is the expected one (before and after merging), and host memory was saved
 (the QEMU processes' Pss and the daemon's stats; MemAvailable is reported next to them). Prints the saving with pageone
 next to KSM's for the same guests and data. Needs root (KSM knobs), qemu-system-x86,
@@ -424,6 +427,48 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     return pss, used, merging_cpu, pss_settled
 
 
+def unlocked_private_rss_kib(pid):
+    """Resident memory of a process's private mappings that are not locked (no `lo` among their
+    VmFlags in smaps): under `mem-lock=on` QEMU locks all its memory, so what is left there is
+    the engine's own areas, nearly empty (its views of the store are shared mappings)."""
+    total, rss, private = 0, 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    private = line.split()[1].endswith("p")
+                elif head == "Rss:":
+                    rss = int(line.split()[1])
+                elif head == "VmFlags:" and private and " lo" not in line:
+                    total += rss
+    except OSError:
+        pass
+    return total
+
+
+def locked_side(launcher, initrd, env, expected, scope_saved):
+    """Guests that lock their memory (`-overcommit mem-lock=on`: mlockall) under pageone: their
+    data merges and their memory stays locked. Returns (bytes the daemon saved, the largest
+    unlocked private Rss of a QEMU process in KiB)."""
+    name = "pageone with mem-lock=on"
+    log(f"{name}: booting {GUESTS} guests of {GUEST_MIB} MiB")
+    guests = Guests(launcher, initrd, env, extra=["-overcommit", "mem-lock=on"])
+    try:
+        check_sums(name, "at boot", guests.wait_for("CHECKSUM", 240), expected)
+        pss, _, secs, _ = settle(guests, scope_saved)
+        saved = scope_saved()
+        unlocked = max(unlocked_private_rss_kib(p) for p in guests.pids())
+        log(f"{name}: settled after {secs:.0f} s: QEMU Pss {pss / 1024:.0f} MiB, daemon saved "
+            f"{saved / 1048576:.0f} MiB, unlocked private Rss {unlocked / 1024:.1f} MiB at most")
+        guests.go()
+        check_sums(name, "after merging", guests.wait_for("CHECK2", 240), expected)
+        log(f"{name}: every guest's data is still intact")
+    finally:
+        guests.finish()
+    return saved, unlocked
+
+
 def balloon_side(launcher, initrd, env, expected, scope_saved):
     """Guests with a free-page-reporting balloon under pageone: each frees JUNK_MIB once its data
     merged. Returns (Pss KiB with the junk, Pss KiB after it was freed, bytes saved by the
@@ -586,6 +631,18 @@ def main():
                 [PAGEONE, "run", "--scope", "balloon", "--daemon", sock, "--"],
                 balloon_initrd, env, expected, balloon_saved,
             )
+
+            def locked_saved():
+                status()
+                s = next(
+                    (s for s in last_status.get("scopes", []) if s["scope"] == "locked"), None
+                )
+                return s["saved_bytes"] if s else 0
+
+            l_saved, l_unlocked = locked_side(
+                [PAGEONE, "run", "--scope", "locked", "--daemon", sock, "--"],
+                initrd, env, expected, locked_saved,
+            )
         finally:
             daemon.kill()
             daemon.wait()
@@ -601,6 +658,15 @@ def main():
             raise SystemExit(
                 f"freeing guest memory unmerged the rest: saved {b_saved_full / 1048576:.0f} MiB "
                 f"before, {b_saved_freed / 1048576:.0f} MiB after"
+            )
+
+        # Locked guests merge as the others do, and stay locked: merged pages left unlocked
+        # would show as tens of MiB of unlocked private memory.
+        if l_saved < DATA_MIB * 0.8 * 1048576:
+            raise SystemExit(f"guests with mem-lock=on saved {l_saved / 1048576:.0f} MiB")
+        if l_unlocked > DATA_MIB * 1024 // 4:
+            raise SystemExit(
+                f"guests with mem-lock=on have {l_unlocked / 1024:.0f} MiB of private memory unlocked"
             )
 
         ksm_counters = {}
@@ -632,7 +698,9 @@ def main():
             f"KSM {k_cpu:.1f} s (ksmd)\n"
             f"  Pss settled (within 1%) after the boot: pageone {p_settled:.1f} s, KSM {k_settled:.1f} s\n"
             f"  balloon guests freeing {GUESTS} x {JUNK_MIB} MiB under pageone: {back:.0f} MiB back "
-            f"to the host, saving {b_saved_full / 1048576:.0f} -> {b_saved_freed / 1048576:.0f} MiB"
+            f"to the host, saving {b_saved_full / 1048576:.0f} -> {b_saved_freed / 1048576:.0f} MiB\n"
+            f"  guests with mem-lock=on under pageone: {l_saved / 1048576:.0f} MiB saved, "
+            f"{l_unlocked / 1024:.1f} MiB of private memory unlocked at most"
         )
         # The guests' data is identical: one guest's copy of it must be saved at least.
         want = DATA_MIB * 0.8

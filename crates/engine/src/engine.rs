@@ -300,6 +300,29 @@ impl Engine {
             || st.regions.range(a..end).next().is_some()
     }
 
+    /// Locks every current mapping of the process as `mlockall(MCL_CURRENT)` does (on fault only
+    /// with `on_fault`, as `MCL_ONFAULT`), but for the engine's own memory: its views of the
+    /// store, staging, scratch and locked areas stay unlocked and empty (the kernel would fill
+    /// them, a view of the store as large as the memory), its threads' stacks and allocator
+    /// unlocked, and merged pages are locked as they stand (locked in full, each would be
+    /// copied). What it maps over registered memory later is locked too. For the shim's
+    /// `mlockall`, in place of the kernel's `MCL_CURRENT` (the caller sets or clears
+    /// `MCL_FUTURE` with the kernel's call).
+    pub fn lock_current(&self, on_fault: bool) -> Result<(), EngineError> {
+        crate::lock_all::lock_current(&self.shared, on_fault)?;
+        self.locking_changed(std::ptr::null_mut(), usize::MAX, true);
+        Ok(())
+    }
+
+    /// The program unlocked all its memory (`munlockall`), the engine's locked area with it:
+    /// that is locked again, and what the engine maps later is not locked.
+    pub fn unlocked_all(&self) {
+        if let Some(l) = &self.shared.locked_scratch {
+            l.lock_again();
+        }
+        self.locking_changed(std::ptr::null_mut(), usize::MAX, false);
+    }
+
     /// The program locked (`locked`) or unlocked `[addr, addr + len)` (`mlock`, `munlock`, or
     /// everything with `len` of `usize::MAX`): where the engine maps something over registered
     /// pages there later, it locks it or leaves it unlocked alike (see the crate doc).

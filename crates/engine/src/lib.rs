@@ -78,6 +78,8 @@
 //! * `sightings`: the first-sighting map. `watch`: written and unchanged pages. `read_ahead`:
 //!   reading newly registered pages while they wait. `registry`: registering and unregistering.
 //! * `classify` → `commit`: what to do with each candidate, then doing it.
+//! * `lock_all`: locking the whole process (`mlockall(MCL_CURRENT)`) but the engine's own
+//!   memory.
 //! * `stats`: the counters. `rejoin`: joining a daemon again. `period`: the engine and committer
 //!   threads, running watch, classify and commit. `faults`: the fault thread.
 //! * `engine`: the [`Engine`] handle that starts and stops it all.
@@ -99,6 +101,7 @@ mod held;
 mod huge;
 mod ksm;
 mod layout;
+mod lock_all;
 mod locking;
 mod parking;
 mod period;

@@ -30,8 +30,14 @@ use crate::changes::{Change, ChangeLog};
 /// Pages locked by `mlock2(MLOCK_ONFAULT)`: pages mapped now are locked as they are, the rest as
 /// they fault in.
 pub(crate) fn lock_on_fault(addr: usize, len: usize) -> io::Result<()> {
+    lock_range(addr..addr + len, true)
+}
+
+/// Locks `range` (`mlock2`): on fault only (`MLOCK_ONFAULT`), or filled now.
+pub(crate) fn lock_range(range: Range<usize>, on_fault: bool) -> io::Result<()> {
+    let flags = if on_fault { libc::MLOCK_ONFAULT } else { 0 };
     // SAFETY: locking changes no contents and no mapping's extent; the range is page-aligned.
-    let r = unsafe { libc::syscall(libc::SYS_mlock2, addr, len, libc::MLOCK_ONFAULT) };
+    let r = unsafe { libc::syscall(libc::SYS_mlock2, range.start, range.len(), flags) };
     if r == 0 {
         Ok(())
     } else {
@@ -94,6 +100,21 @@ impl LockedScratch {
                 self.state.store(state, Ordering::Relaxed);
                 locked.then_some(self.base)
             }
+        }
+    }
+
+    /// Where the area lies.
+    pub(crate) fn range(&self) -> Range<usize> {
+        self.base..self.base + self.len
+    }
+
+    /// Locks the area again if it was locked (after `munlockall`, which unlocks every mapping of
+    /// the process); if that fails, it is not used again.
+    pub(crate) fn lock_again(&self) {
+        if self.state.load(Ordering::Relaxed) == LOCKED
+            && lock_on_fault(self.base, self.len).is_err()
+        {
+            self.state.store(REFUSED, Ordering::Relaxed);
         }
     }
 

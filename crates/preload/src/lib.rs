@@ -1424,11 +1424,54 @@ fn locking_done(r: c_int, addr: *const c_void, len: size_t, locked: bool) -> c_i
 /// As `mlockall(2)`.
 #[no_mangle]
 pub unsafe extern "C" fn mlockall(flags: c_int) -> c_int {
+    let valid = flags & !(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) == 0
+        && flags & (libc::MCL_CURRENT | libc::MCL_FUTURE) != 0;
+    if valid && flags & libc::MCL_CURRENT != 0 {
+        // The kernel's `MCL_CURRENT` would fill the engine's views of its store (as large as the
+        // memory) and undo every merge: the engine locks the mappings one by one instead (see
+        // `Engine::lock_current`). Under a limit on locked memory the kernel refuses before
+        // filling anything, and answers as before.
+        let by_engine = covered(|| {
+            guarded(|| {
+                running()
+                    .filter(|_| sys::may_lock_without_limit())
+                    .map(|eng| lock_all_but_the_engine(eng, flags))
+            })
+            .flatten()
+        });
+        if let Some(r) = by_engine {
+            return r;
+        }
+    }
     let r = covered_syscall(libc::SYS_mlockall, flags as usize, 0, 0);
     if flags & libc::MCL_CURRENT != 0 {
         locking_done(r, std::ptr::null(), usize::MAX, true);
     }
     r
+}
+
+/// `mlockall(flags)` (with `MCL_CURRENT`) with the engine's memory left out: the kernel sets
+/// what future mappings get (`MCL_FUTURE`, or nothing: `MCL_CURRENT` alone clears it, as
+/// `munlockall` does), the engine locks the current mappings. Returns what `mlockall` returns.
+fn lock_all_but_the_engine(eng: &Engine, flags: c_int) -> c_int {
+    // SAFETY: the calls the program asked for, in part: they change no contents.
+    let r = unsafe {
+        if flags & libc::MCL_FUTURE != 0 {
+            libc::syscall(libc::SYS_mlockall, flags & !libc::MCL_CURRENT)
+        } else {
+            libc::syscall(libc::SYS_munlockall)
+        }
+    };
+    if r != 0 {
+        return -1;
+    }
+    if flags & libc::MCL_FUTURE == 0 {
+        eng.unlocked_all();
+    }
+    match eng.lock_current(flags & libc::MCL_ONFAULT != 0) {
+        Ok(()) => 0,
+        Err(_) => set_errno(&std::io::Error::from_raw_os_error(libc::ENOMEM)),
+    }
 }
 
 /// `munlockall(2)`: a change of mappings (see the crate doc).
@@ -1438,7 +1481,11 @@ pub unsafe extern "C" fn mlockall(flags: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn munlockall() -> c_int {
     let r = covered_syscall(libc::SYS_munlockall, 0, 0, 0);
-    locking_done(r, std::ptr::null(), usize::MAX, false)
+    if r == 0 {
+        // The engine's locked area was unlocked with the rest: it is locked again.
+        guarded(|| running().map(Engine::unlocked_all));
+    }
+    r
 }
 
 /// `ioctl(2)`: a userfaultfd registration of mergeable memory by the program takes that range

@@ -291,6 +291,14 @@ fn locked_memory_merges_and_stays_locked() {
     behaves("mlockall");
 }
 
+/// A program that locks all its memory once pageone runs: the engine's views of its store are not
+/// filled (the kernel's `MCL_CURRENT` would fill them, as large as the memory by default), merged
+/// pages stay merged, locked, and memory mapped later merges.
+#[test]
+fn locking_all_memory_after_merging_fills_nothing_of_the_engines() {
+    behaves("mlockall-after");
+}
+
 /// A `PROT_NONE` guard page inside a mergeable range: the rest merges, the call answers 0, and the
 /// guard page merges once made read/write.
 #[test]

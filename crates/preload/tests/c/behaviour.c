@@ -4,7 +4,7 @@
  *
  *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
  *                              protnone | guard | protnone-forgotten | protnone-remap |
- *                              protnone-ksm | mlockall)
+ *                              protnone-ksm | mlockall | mlockall-after)
  *
  * protnone-ksm alone runs with the kernel's KSM running (the caller starts it).
  */
@@ -432,6 +432,47 @@ static void locked_all(void) {
     check(munlockall() == 0, "munlockall");
 }
 
+/* The kB of a field of /proc/self/status, or -1. */
+static long status_kib(const char *field) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long v = -1;
+    size_t n = strlen(field);
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, field, n) && line[n] == ':') {
+            v = atol(line + n + 1);
+            break;
+        }
+    if (f) fclose(f);
+    return v;
+}
+
+/* A program that locks all its memory once pageone runs (merged pages, the engine's views of its
+ * store): the views are not filled (the store is 256 MiB here; by default it is as large as the
+ * memory), the merged pages stay merged and get locked, and memory mapped later merges locked. */
+static void locked_all_after(void) {
+    setenv("PAGEONE_STORE_PAGES", "65536", 1);
+    unsigned char *p = merged_region();
+    if (mlockall(MCL_CURRENT | MCL_FUTURE) != 0) {
+        printf("skipped: mlockall refused (%s)\n", strerror(errno));
+        return;
+    }
+    long shmem = status_kib("RssShmem");
+    printf("RssShmem %ld kB after mlockall\n", shmem);
+    check(shmem >= 0 && shmem < 64 * 1024, "the store's views are not filled");
+    check(file_pages(p, PAGES) > PAGES * 9 / 10, "merged pages stay merged");
+    check(locked_pages(p, PAGES) == PAGES, "and are locked");
+    check(intact(p, 0, PAGES), "their bytes are kept");
+    unsigned char *q = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    check(q != MAP_FAILED, "mmap after mlockall");
+    fill(q, PAGES);
+    check(madvise(q, PAGES * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE");
+    check(merges(q, PAGES, PAGES * 9 / 10), "memory mapped after mlockall merges");
+    check(locked_pages(q, PAGES) == PAGES && intact(q, 0, PAGES), "locked, its bytes kept");
+    check(munlockall() == 0, "munlockall");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -457,6 +498,8 @@ int main(int argc, char **argv) {
         protnone_ksm();
     else if (!strcmp(argv[1], "mlockall"))
         locked_all();
+    else if (!strcmp(argv[1], "mlockall-after"))
+        locked_all_after();
     else
         return 2;
     printf("OK\n");
