@@ -6,7 +6,7 @@
  * Writer threads keep writing pages (shared contents, zero pages, unique pages); the main thread
  * maps, unmaps (also through free() of large malloc blocks, which glibc unmaps internally),
  * mremaps, madvises (DONTNEED, FREE, MERGEABLE, UNMERGEABLE) parts of regions, mprotects and
- * mlocks them, forks (children check what they inherited, write, exec or exit, or live on a while
+ * mlocks them (or all memory: mlockall(MCL_CURRENT), munlockall), forks (children check what they inherited, write, exec or exit, or live on a while
  * with an engine of their own) and signals itself (the handler writes registered memory). Every
  * page must read what the shadow says: the last bytes written, zeros after DONTNEED, zeros or the
  * old bytes after FREE.
@@ -450,8 +450,22 @@ static void op_protect(uint64_t *rng, int k) {
         r->flag[i] = ro ? (r->flag[i] | F_RO) : (r->flag[i] & ~F_RO);
 }
 
+/* mlockall(MCL_CURRENT) or munlockall(): every page of every region locked, or none. */
+static void lock_all(int lock) {
+    TRACE("step %ld %s\n", step, lock ? "mlockall(MCL_CURRENT)" : "munlockall");
+    if ((lock ? mlockall(MCL_CURRENT) : munlockall()) != 0)
+        return;
+    for (int k = 0; k < MAXREG; k++)
+        for (size_t i = 0; R[k].used && i < R[k].pages; i++)
+            R[k].flag[i] = lock ? (R[k].flag[i] | F_LOCKED) : (R[k].flag[i] & ~F_LOCKED);
+}
+
 static void op_lock(uint64_t *rng, int k) {
     size_t a, n;
+    if (next(rng) % 8 == 0) {
+        lock_all(next(rng) % 2);
+        return;
+    }
     subrange(rng, k, &a, &n);
     struct region *r = &R[k];
     int lock = next(rng) % 2;
