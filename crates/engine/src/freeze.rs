@@ -415,8 +415,8 @@ impl<'a> FrozenRun<'a> {
 
     /// Page `k`'s slot (where it is frozen, if it moved).
     fn slot(&self, k: usize) -> usize {
-        let locked = self.in_locked[k];
-        self.area(locked).unwrap_or(self.scratch) + k * PAGE
+        let locked = self.locked.filter(|_| self.in_locked[k]);
+        locked.map_or(self.scratch, |l| l.range().start) + k * PAGE
     }
 
     /// Where page `k`'s frozen bytes are, if it moved: its scratch slot. Only the engine knows
