@@ -234,8 +234,15 @@ fn threads_of(pid: u32) -> String {
 
 /// Runs `tests/c/behaviour.c CHECK` under the shim (KSM off) and fails with its output.
 fn behaves(check: &str) {
+    behaves_with(check, |_| {});
+}
+
+/// [`behaves`], with `setup` applied to the command first.
+fn behaves_with(check: &str, setup: impl FnOnce(&mut Command)) {
     let bin = compile("behaviour");
-    let out = Command::new(&bin)
+    let mut cmd = Command::new(&bin);
+    setup(&mut cmd);
+    let out = cmd
         .arg(check)
         .env("LD_PRELOAD", preload_lib())
         .env("PAGEONE_MERGE_PERIOD_MS", "20")
@@ -289,6 +296,35 @@ fn prot_none_mergeable_memory_merges_once_made_read_write() {
 #[test]
 fn locked_memory_merges_and_stays_locked() {
     behaves("mlockall");
+}
+
+/// An unprivileged program with a limit on locked memory (8 MiB) locks part of its mergeable
+/// memory: the engine takes none of the limit, so the program can still lock up to it.
+#[test]
+fn the_engine_takes_none_of_an_unprivileged_programs_lock_limit() {
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        eprintln!("skipped: needs root to run the program as nobody");
+        return;
+    }
+    behaves_with("mlock-limited", |c| {
+        use std::os::unix::process::CommandExt;
+        c.uid(65534).gid(65534);
+        // SAFETY: only a system call between fork and exec.
+        unsafe {
+            c.pre_exec(|| {
+                let lim = libc::rlimit {
+                    rlim_cur: 8 << 20,
+                    rlim_max: 8 << 20,
+                };
+                if libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+    });
 }
 
 /// A program that locks all its memory once pageone runs: the engine's views of its store are not

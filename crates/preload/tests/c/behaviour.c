@@ -4,7 +4,7 @@
  *
  *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
  *                              protnone | guard | protnone-forgotten | protnone-remap |
- *                              protnone-ksm | mlockall | mlockall-after)
+ *                              protnone-ksm | mlockall | mlockall-after | mlock-limited)
  *
  * protnone-ksm alone runs with the kernel's KSM running (the caller starts it).
  */
@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -473,6 +474,30 @@ static void locked_all_after(void) {
     check(munlockall() == 0, "munlockall");
 }
 
+/* A program with a limit on locked memory (run as nobody, 8 MiB, by the caller) that locks part
+ * of its mergeable memory: pageone takes none of its limit (the engine's locked area is not
+ * made), so the program can lock up to its limit; the locked pages keep their bytes. */
+static void locked_under_a_limit(void) {
+    struct rlimit lim;
+    check(getrlimit(RLIMIT_MEMLOCK, &lim) == 0 && lim.rlim_cur == 8 << 20, "an 8 MiB limit");
+    merged_region(); /* pageone runs here */
+    unsigned char *p = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    check(p != MAP_FAILED, "mmap");
+    fill(p, PAGES);
+    check(mlock(p, PAGES * PAGE) == 0, "mlock 2 MiB");
+    check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE");
+    sleep(2);
+    check(intact(p, 0, PAGES), "the locked pages keep their bytes");
+    check(locked_pages(p, PAGES) == PAGES, "and stay locked");
+    size_t rest = (8 << 20) - PAGES * PAGE - 64 * 1024;
+    unsigned char *q = mmap(NULL, rest, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    check(q != MAP_FAILED, "mmap the rest of the limit");
+    if (mlock(q, rest) != 0)
+        printf("mlock of the rest: %s (VmLck %ld kB)\n", strerror(errno), status_kib("VmLck"));
+    check(mlock(q, rest) == 0, "the program locks up to its limit");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -500,6 +525,8 @@ int main(int argc, char **argv) {
         locked_all();
     else if (!strcmp(argv[1], "mlockall-after"))
         locked_all_after();
+    else if (!strcmp(argv[1], "mlock-limited"))
+        locked_under_a_limit();
     else
         return 2;
     printf("OK\n");
