@@ -41,6 +41,8 @@ pub enum Op {
     WriteMergedBusy,
     /// `munmap` of a whole merged region.
     Munmap,
+    /// `madvise(MADV_UNMERGEABLE)` of a whole merged region: every page private again.
+    Unmerge,
     /// `MADV_DONTNEED` of a few pages of a merged region, at spread places.
     Dontneed,
     /// `MADV_FREE` of the same.
@@ -62,13 +64,14 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 13] = [
+    pub const ALL: [Op; 14] = [
         Op::FirstTouch,
         Op::FirstTouchBusy,
         Op::ReadMerged,
         Op::WriteMerged,
         Op::WriteMergedBusy,
         Op::Munmap,
+        Op::Unmerge,
         Op::Dontneed,
         Op::Free,
         Op::Mprotect,
@@ -86,6 +89,7 @@ impl Op {
             Op::WriteMerged => "write-merged",
             Op::WriteMergedBusy => "write-merged-busy",
             Op::Munmap => "munmap",
+            Op::Unmerge => "unmerge",
             Op::Dontneed => "dontneed",
             Op::Free => "free",
             Op::Mprotect => "mprotect",
@@ -531,6 +535,15 @@ fn calls(
             });
             record(ns, s.pages);
             m.forget();
+            return Ok(());
+        }
+        Op::Unmerge => {
+            // SAFETY: the region's whole mapping; its contents are kept (checked below).
+            let ns = timed(|| unsafe {
+                libc::madvise(m.p.cast(), s.pages * PAGE, libc::MADV_UNMERGEABLE);
+            });
+            record(ns, s.pages);
+            out.wrong_pages = m.wrong(0..s.pages, false);
             return Ok(());
         }
         Op::Fork => {

@@ -249,7 +249,9 @@ fn check_overhead(v: &serde_json::Value, sides: &[&str]) {
         let p = &r["ns_per_page"];
         assert!(p["count"].as_u64().unwrap() > 0, "{op} on {side}");
         assert!(f(&p["p50"]) <= f(&p["p99"]) && f(&p["p99"]) <= f(&p["max"]));
-        let calls = ["munmap", "dontneed", "free", "mprotect", "fork", "exit"];
+        let calls = [
+            "munmap", "unmerge", "dontneed", "free", "mprotect", "fork", "exit",
+        ];
         assert_eq!(r["ns_per_call"].is_object(), calls.contains(&op), "{op}");
         assert_eq!(r["stalls_over"].is_array(), op == "write-stall", "{op}");
         assert_eq!(r["huge_fraction"].is_number(), op == "huge-read", "{op}");

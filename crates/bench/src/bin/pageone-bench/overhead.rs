@@ -35,8 +35,8 @@ pub struct OverheadArgs {
     #[arg(long, value_delimiter = ',', default_value = "plain,ksm,pageone")]
     sides: Vec<String>,
     /// The operations to run, comma-separated [default: all]: first-touch, first-touch-busy,
-    /// read-merged, write-merged, write-merged-busy, munmap, dontneed, free, mprotect, fork,
-    /// exit, write-stall, huge-read.
+    /// read-merged, write-merged, write-merged-busy, munmap, unmerge, dontneed, free, mprotect,
+    /// fork, exit, write-stall, huge-read.
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,
     /// pageone's merge period (PAGEONE_MERGE_PERIOD_MS) in milliseconds.

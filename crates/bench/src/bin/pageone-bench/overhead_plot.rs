@@ -46,7 +46,9 @@ const TOUCHES: [&str; 6] = [
     "write-merged-busy",
     "huge-read",
 ];
-const CALLS: [&str; 6] = ["munmap", "dontneed", "free", "mprotect", "fork", "exit"];
+const CALLS: [&str; 7] = [
+    "munmap", "unmerge", "dontneed", "free", "mprotect", "fork", "exit",
+];
 
 fn label(op: &str) -> String {
     match op {
