@@ -21,8 +21,9 @@ use crate::store::is_store_mapping;
 
 /// Locks the process's current mappings as `mlockall(MCL_CURRENT)` does (on fault only with
 /// `on_fault`, as `MCL_ONFAULT`), but for the engine's own memory, as the module documentation
-/// says; what it maps over registered memory later is locked too. A mapping the kernel refuses
-/// to lock is left as it is (the kernel's `mlockall` goes on past those too).
+/// says (`Engine::lock_current` has what the engine maps over registered memory later locked
+/// too). A mapping the kernel refuses to lock is left as it is (the kernel's `mlockall` goes on
+/// past those too).
 pub(crate) fn lock_current(sh: &Shared, on_fault: bool) -> Result<(), EngineError> {
     let maps = sys::self_mappings().map_err(EngineError::Map)?;
     let own = own_areas(sh);
