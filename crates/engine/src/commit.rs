@@ -1199,15 +1199,16 @@ unsafe fn release_zeroed(
     }
     // The store mapping replaced is reported by its context: the engine's own change.
     lock(&sh.changes).expect(mapping_change(addr, m));
-    let (locked, base) = (&rs.region.locked, rs.region.start);
     // SAFETY: the pages are held still and hold only zeros (this function's contract); the
     // mapping replaces them, as a whole, by an empty private anonymous mapping of the same
-    // protection (locked where they were: see `locking`).
-    let mapped = unsafe { crate::locking::map_empty(locked, base, (addr, len), prot) };
+    // protection (never inaccessible meanwhile: the program may read them while held).
+    let mapped = unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, prot) };
     if let Err(e) = mapped {
         lock(&sh.changes).unexpect(mapping_change(addr, m));
         return Err(e);
     }
+    // Locked where they were (see `locking`).
+    rs.region.relock(addr, len);
     *rs.vmas += COST;
     // Registered like the memory around it; empty, a touch is the kernel's own fault.
     let registered = sh.uffd.register(addr, len, sh.reg_mode);

@@ -275,11 +275,15 @@ fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), 
         end: s + len,
     };
     lock(&sh.changes).expect(change);
-    let none = crate::locking::LockedRanges::default();
-    let (locked, base) = region_at(&st.regions, s).map_or((&none, s), |r| (&r.locked, r.start));
     // SAFETY: the range is a mapping of the store the program asked to drop; it is replaced, as a
-    // whole, by an empty private anonymous mapping (locked where it was: see `locking`).
-    let mapped = unsafe { crate::locking::map_empty(locked, base, (s, len), piece.prot) };
+    // whole, by an empty private anonymous mapping.
+    let mapped = unsafe { sys::mmap_anonymous_fixed(s as *mut u8, len, piece.prot) };
+    if mapped.is_ok() {
+        // Locked where it was (see `locking`).
+        if let Some(r) = region_at(&st.regions, s) {
+            r.relock(s, len);
+        }
+    }
     // A report was read before the call returned (the kernel waits for that), and the fault
     // thread records what it reads before it lets go of the log: an announcement still there
     // now had no report, and must not swallow a later one.

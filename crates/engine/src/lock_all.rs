@@ -26,27 +26,34 @@ use crate::store::is_store_mapping;
 /// past those too).
 pub(crate) fn lock_current(sh: &Shared, on_fault: bool) -> Result<(), EngineError> {
     let maps = sys::self_mappings().map_err(EngineError::Map)?;
-    let own = own_areas(sh);
-    let st = lock(&sh.state);
-    for m in &maps {
-        let r = m.start..m.end;
-        if own.iter().any(|o| o.start < r.end && r.start < o.end) || apart::is_kept_apart(&r) {
-            continue;
-        }
-        let merged = is_store_mapping(m);
-        if merged && region_at(&st.regions, m.start).is_none() {
-            // A view of the store or the staging area.
-            continue;
-        }
-        let _ = locking::lock_range(r, merged || on_fault);
+    // What to lock, and how, decided under the state lock; locked after it, as locking fills
+    // mappings, which takes as long as the memory is large.
+    let to_lock: Vec<(Range<usize>, bool)> = {
+        let st = lock(&sh.state);
+        let own = own_areas(sh, st.scratch);
+        maps.iter()
+            .filter(|m| {
+                let r = m.start..m.end;
+                !own.iter().any(|o| o.start < r.end && r.start < o.end) && !apart::is_kept_apart(&r)
+            })
+            .filter_map(|m| {
+                let merged = is_store_mapping(m);
+                // A store mapping outside registered memory: a view of the store or the staging
+                // area.
+                let theirs = !merged || region_at(&st.regions, m.start).is_some();
+                theirs.then_some((m.start..m.end, merged || on_fault))
+            })
+            .collect()
+    };
+    for (r, lazily) in to_lock {
+        let _ = locking::lock_range(r, lazily);
     }
-    drop(st);
     Ok(())
 }
 
-/// The engine's anonymous areas that must stay empty: the scratch area and the locked area.
-fn own_areas(sh: &Shared) -> Vec<Range<usize>> {
-    let scratch = lock(&sh.state).scratch;
+/// The engine's anonymous areas that must stay empty: the scratch area (at `scratch`) and the
+/// locked area.
+fn own_areas(sh: &Shared, scratch: usize) -> Vec<Range<usize>> {
     let scratch = scratch..scratch + crate::freeze::SCRATCH_SLOTS * crate::access::PAGE;
     let locked = sh
         .locked_scratch

@@ -223,26 +223,6 @@ pub(crate) fn relock(locked: &LockedRanges, base: usize, addr: usize, len: usize
     }
 }
 
-/// Maps an empty private anonymous mapping with protection `prot` over `[addr, addr + len)`,
-/// the parts of it that `locked` holds (offsets from `base`) locked on fault. (Never
-/// inaccessible meanwhile: the program may read the pages replaced while they are held still.
-/// After `mlockall(MCL_FUTURE)` the kernel locks and fills the new mapping as it makes it: the
-/// pages hold zeros all the same, and are released again as zero pages later.)
-///
-/// # Safety
-/// As [`sys::mmap_anonymous_fixed`]: whatever was mapped there is discarded.
-pub(crate) unsafe fn map_empty(
-    locked: &LockedRanges,
-    base: usize,
-    (addr, len): (usize, usize),
-    prot: libc::c_int,
-) -> io::Result<()> {
-    // SAFETY: the caller's contract.
-    unsafe { sys::mmap_anonymous_fixed(addr as *mut u8, len, prot) }?;
-    relock(locked, base, addr, len);
-    Ok(())
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
