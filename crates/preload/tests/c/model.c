@@ -397,10 +397,12 @@ static void drop_raw(int k, size_t a, size_t n) {
             return;
     TRACE("step %ld raw madvise DONTNEED region %d pages %zu+%zu at %p\n", step, k, a, n,
           (void *)(r->addr + a * PAGE));
-    /* (Refused part way, the pages before the refusal may have been dropped: the same.) */
-    syscall(SYS_madvise, r->addr + a * PAGE, n * PAGE, MADV_DONTNEED);
+    /* Refused (a locked mapping the model does not know of: a block malloc placed in heap
+     * memory locked by an earlier mlockall), the pages before the refusal may have been dropped:
+     * zeros or their bytes, as after a refused MADV_DONTNEED through the shim. */
+    int refused = syscall(SYS_madvise, r->addr + a * PAGE, n * PAGE, MADV_DONTNEED) != 0;
     for (size_t i = a; i < a + n; i++)
-        r->flag[i] |= F_RAW;
+        r->flag[i] |= refused ? F_MAYBE_ZERO : F_RAW;
 }
 
 static void op_advise(uint64_t *rng, int k) {
