@@ -43,6 +43,9 @@ pub enum Op {
     Munmap,
     /// `madvise(MADV_UNMERGEABLE)` of a whole merged region: every page private again.
     Unmerge,
+    /// The same where the second half holds the first half's pages in another order, so that
+    /// its pages merge one by one (single pages, as scattered duplicates do).
+    UnmergeScattered,
     /// `MADV_DONTNEED` of a few pages of a merged region, at spread places.
     Dontneed,
     /// `MADV_FREE` of the same.
@@ -64,7 +67,7 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 15] = [
         Op::FirstTouch,
         Op::FirstTouchBusy,
         Op::ReadMerged,
@@ -72,6 +75,7 @@ impl Op {
         Op::WriteMergedBusy,
         Op::Munmap,
         Op::Unmerge,
+        Op::UnmergeScattered,
         Op::Dontneed,
         Op::Free,
         Op::Mprotect,
@@ -90,6 +94,7 @@ impl Op {
             Op::WriteMergedBusy => "write-merged-busy",
             Op::Munmap => "munmap",
             Op::Unmerge => "unmerge",
+            Op::UnmergeScattered => "unmerge-scattered",
             Op::Dontneed => "dontneed",
             Op::Free => "free",
             Op::Mprotect => "mprotect",
@@ -225,15 +230,28 @@ fn merged_pages(p: *mut u8, pages: usize) -> u64 {
     merged + procfs::ksm_merging_pages(std::process::id())
 }
 
-/// The content page `i` of a merged region holds: the two halves are identical.
-fn content(i: usize, pages: usize) -> u64 {
-    (i % (pages / 2).max(1)) as u64
+/// The content page `i` of a merged region holds: the two halves hold the same pages, in the
+/// same order, or (`scattered`) the second in an order of its own, where no two neighbours of
+/// the first half are neighbours.
+fn content(i: usize, pages: usize, scattered: bool) -> u64 {
+    let half = (pages / 2).max(1);
+    let k = i % half;
+    if !scattered || i < half {
+        return k as u64;
+    }
+    // An odd multiplier permutes the residues of a power of two; other halves keep their order
+    // past the largest power of two below them.
+    let pow = 1usize << half.ilog2();
+    if k >= pow {
+        return k as u64;
+    }
+    (k.wrapping_mul(0x9E37) % pow) as u64
 }
 
-fn expected(i: usize, pages: usize, mark: bool) -> [u8; PAGE] {
+fn expected(i: usize, pages: usize, scattered: bool, mark: bool) -> [u8; PAGE] {
     let mut want = [0u8; PAGE];
     // SAFETY: `want` is a local page of zeros.
-    unsafe { fill_page(want.as_mut_ptr(), Data::Easy, content(i, pages)) };
+    unsafe { fill_page(want.as_mut_ptr(), Data::Easy, content(i, pages, scattered)) };
     if mark {
         want[MARK_WORD..MARK_WORD + 8].copy_from_slice(&MARK.to_ne_bytes());
     }
@@ -252,6 +270,7 @@ fn read_page(p: *const u8) -> [u8; PAGE] {
 struct Merged {
     p: *mut u8,
     pages: usize,
+    scattered: bool,
     merged: u64,
     seconds: f64,
 }
@@ -259,15 +278,17 @@ struct Merged {
 impl Merged {
     fn new(s: &OpSpec) -> std::io::Result<Self> {
         let p = map(s.pages)?;
+        let scattered = s.op == Op::UnmergeScattered;
         for i in 0..s.pages {
             // SAFETY: page i of the fresh mapping, zero.
-            unsafe { fill_page(p.add(i * PAGE), Data::Easy, content(i, s.pages)) };
+            unsafe { fill_page(p.add(i * PAGE), Data::Easy, content(i, s.pages, scattered)) };
         }
         advise(p, s.pages, libc::MADV_MERGEABLE)?;
         let t0 = Instant::now();
         let mut m = Self {
             p,
             pages: s.pages,
+            scattered,
             merged: 0,
             seconds: 0.0,
         };
@@ -299,7 +320,7 @@ impl Merged {
     /// Pages not holding their content (with the mark if `mark`), among `range`.
     fn wrong(&self, range: std::ops::Range<usize>, mark: bool) -> u64 {
         range
-            .filter(|&i| read_page(self.page(i)) != expected(i, self.pages, mark))
+            .filter(|&i| read_page(self.page(i)) != expected(i, self.pages, self.scattered, mark))
             .count() as u64
     }
 
@@ -537,7 +558,7 @@ fn calls(
             m.forget();
             return Ok(());
         }
-        Op::Unmerge => {
+        Op::Unmerge | Op::UnmergeScattered => {
             // SAFETY: the region's whole mapping; its contents are kept (checked below).
             let ns = timed(|| unsafe {
                 libc::madvise(m.p.cast(), s.pages * PAGE, libc::MADV_UNMERGEABLE);
@@ -587,8 +608,8 @@ fn calls(
         let got = read_page(m.page(i));
         let ok = match (s.op, hit) {
             (Op::Dontneed, true) => got == zero,
-            (Op::Free, true) => got == zero || got == expected(i, s.pages, false),
-            _ => got == expected(i, s.pages, false),
+            (Op::Free, true) => got == zero || got == expected(i, s.pages, m.scattered, false),
+            _ => got == expected(i, s.pages, m.scattered, false),
         };
         out.wrong_pages += u64::from(!ok);
     }

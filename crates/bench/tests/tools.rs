@@ -250,7 +250,14 @@ fn check_overhead(v: &serde_json::Value, sides: &[&str]) {
         assert!(p["count"].as_u64().unwrap() > 0, "{op} on {side}");
         assert!(f(&p["p50"]) <= f(&p["p99"]) && f(&p["p99"]) <= f(&p["max"]));
         let calls = [
-            "munmap", "unmerge", "dontneed", "free", "mprotect", "fork", "exit",
+            "munmap",
+            "unmerge",
+            "unmerge-scattered",
+            "dontneed",
+            "free",
+            "mprotect",
+            "fork",
+            "exit",
         ];
         assert_eq!(r["ns_per_call"].is_object(), calls.contains(&op), "{op}");
         assert_eq!(r["stalls_over"].is_array(), op == "write-stall", "{op}");

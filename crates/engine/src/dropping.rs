@@ -9,11 +9,12 @@ use std::ops::Range;
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::MADV_DONTNEED_LOCKED};
 
+use crate::anonymize::{store_pieces, StorePiece};
 use crate::changes::Change;
 use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings};
-use crate::registry::{checked_range, dropped_pages, overlapping, store_pieces, StorePiece};
+use crate::registry::{checked_range, dropped_pages, overlapping};
 use crate::state::{pages_in_mut, region_at, PageKind, Shared, State};
 use crate::store::is_store_mapping;
 use crate::stranded;

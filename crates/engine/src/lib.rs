@@ -85,6 +85,7 @@
 //! * `engine`: the [`Engine`] handle that starts and stops it all.
 
 mod access;
+mod anonymize;
 mod apart;
 mod candidates;
 mod changes;

@@ -6,10 +6,10 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use pageone_sync::lock;
-use pageone_sys::{self as sys, uapi::*};
+use pageone_sys as sys;
 
 use crate::access::PAGE;
-use crate::changes::Change;
+use crate::anonymize::{anonymize_pieces, store_pieces, OnFailure};
 use crate::config::WatchMode;
 use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
@@ -17,7 +17,7 @@ use crate::layout::{apply_changes, changing_mappings, cut};
 use crate::pool::Pool;
 use crate::read_ahead::{forget_read_ahead, read_ahead};
 use crate::state::{pages_in_mut, Page, PageKind, RegionState, Shared, State};
-use crate::store::{is_merged_mapping, is_private_store_mapping};
+use crate::store::is_merged_mapping;
 use crate::stranded::Stranded;
 
 /// Registers `[a, a+len)` for merging (see `Engine::register`).
@@ -245,31 +245,6 @@ pub(crate) fn unregister(sh: &Shared, a: usize, len: usize) -> Result<(), Engine
     Ok(())
 }
 
-/// A piece of registered memory that is a mapping of the store (merged pages, and pages written
-/// after their merge), with its protection.
-pub(crate) struct StorePiece {
-    pub(crate) start: usize,
-    pub(crate) end: usize,
-    pub(crate) prot: libc::c_int,
-}
-
-/// The pieces of `range` that are mappings of a store (this engine's, one it replaced, or the one
-/// of the process it was forked from), from the process's mappings there (asked of the kernel for
-/// the range alone).
-pub(crate) fn store_pieces(sh: &Shared, st: &State, range: Range<usize>) -> Vec<StorePiece> {
-    sh.maps
-        .in_range(range.start, range.end)
-        .unwrap_or_default()
-        .iter()
-        .filter(|m| st.store.maps_inode(m.inode) || is_private_store_mapping(m))
-        .map(|m| StorePiece {
-            start: m.start.max(range.start),
-            end: m.end.min(range.end),
-            prot: m.prot(),
-        })
-        .collect()
-}
-
 /// The regions that meet `range`, each with the indices of its pages inside it (regions do not
 /// overlap: those below `range` are not visited).
 pub(crate) fn overlapping(
@@ -373,18 +348,19 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     // First, while the store mappings' context still holds them: before Linux 6.17, unregistering
     // through the main context dropped the other context's registration too, and then the pages
     // could not be held still to be copied.
-    let mut stranded = Vec::new();
-    for p in store_pieces(sh, st, start..end) {
-        if anonymize(sh, p.start, p.end, p.prot) {
-            // Locked again where the engine's mapping was (see `locking`).
-            r.relock(p.start, p.end - p.start);
-        } else {
-            stranded.push(Stranded {
-                range: p.start..p.end,
-                copies: Vec::new(),
-            });
-        }
+    let (anonymous, failed) =
+        anonymize_pieces(sh, store_pieces(sh, st, start..end), OnFailure::TryTheRest);
+    for a in anonymous {
+        // Locked again where the engine's mapping was (see `locking`).
+        r.relock(a.start, a.len());
     }
+    let mut stranded: Vec<Stranded> = failed
+        .into_iter()
+        .map(|p| Stranded {
+            range: p.start..p.end,
+            copies: Vec::new(),
+        })
+        .collect();
     st.huge.forget(start..end);
     // A parked page's waiters are held by the registration: its bytes go back first.
     sh.parking
@@ -411,62 +387,6 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     }
     st.stranded.extend(stranded);
     st.store.punch_pending();
-}
-
-/// Replaces the store mapping `[s, e)` by anonymous memory with the same contents: writers are
-/// held off with write-protection, the pages are copied into a fresh anonymous mapping, and that
-/// mapping is moved over the old one in one step (`mremap`), then writers are woken. Returns false
-/// (changing nothing) if any step is not possible.
-pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> bool {
-    let Some(u2) = &sh.store_uffd else {
-        return false;
-    };
-    let len = e - s;
-    // Registered for write-protection through the store mappings' context, which kernels before
-    // 6.17 dropped when the main context unregistered the range: register again if so.
-    let protected = u2.writeprotect(s, len, true).is_ok()
-        || (u2.register(s, len, UFFDIO_REGISTER_MODE_WP).is_ok()
-            && u2.writeprotect(s, len, true).is_ok());
-    if !protected {
-        let _ = u2.writeprotect(s, len, false);
-        return false;
-    }
-    let ok = match sys::mmap_anonymous(len) {
-        Ok(tmp) => {
-            // The source is held still (writers block on write-protection) and read through the
-            // kernel, as the program's memory; `tmp` is ours alone, `len` bytes long.
-            // SAFETY: `tmp` is writable for `len` bytes.
-            let copied = unsafe { sys::read_own_memory(tmp, &[(s, len)]) }.ok() == Some(len);
-            // With the protection the program gave the pages.
-            let copied = copied
-                && (prot == libc::PROT_READ | libc::PROT_WRITE
-                    // SAFETY: `tmp` is ours alone.
-                    || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
-            // Moving it over the store mapping unmaps that: the engine's own change.
-            let change = Change::Unmap { start: s, end: e };
-            lock(&sh.changes).expect(change);
-            // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
-            // just copied and belongs to the registered region.
-            let moved = copied && unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();
-            // A report was read before the call returned (the kernel waits for that), and the
-            // fault thread records what it reads before it lets go of the log: an announcement
-            // still there now had no report (the range was not registered, or not moved), and
-            // must not swallow a later one.
-            lock(&sh.changes).unexpect(change);
-            if !moved {
-                // SAFETY: `tmp` is ours and nothing refers to it.
-                let _ = unsafe { sys::munmap(tmp, len) };
-            }
-            moved
-        }
-        Err(_) => false,
-    };
-    if !ok {
-        let _ = u2.writeprotect(s, len, false);
-    }
-    // Writers blocked on the old mapping retry their fault in the new one.
-    let _ = u2.wake(s, len);
-    ok
 }
 
 /// Unregisters `[start, start+len)` from `uffd`, piece by piece if the owner unmapped parts of it.

@@ -9,10 +9,10 @@ use pageone_sync::lock;
 use pageone_sys as sys;
 
 use crate::access::PAGE;
+use crate::anonymize::anonymize;
 use crate::config::{Config, WatchMode};
 use crate::error::Chain;
 use crate::read_ahead::forget_read_ahead;
-use crate::registry::anonymize;
 use crate::state::{PageKind, Shared, State};
 use crate::store::Store;
 

@@ -1,6 +1,6 @@
 //! Store mappings left behind where memory stopped being registered at the mapping limit.
 //!
-//! Unregistering makes merged pages anonymous memory again (`registry::anonymize`), through a
+//! Unregistering makes merged pages anonymous memory again (`anonymize`), through a
 //! temporary mapping; at `vm.max_map_count` there is none to spare, and such a piece stays a
 //! private mapping of the store, each page a private copy of its bytes. After a `MADV_DONTNEED`
 //! it would read its copy again, not zeros. So the engine remembers the piece:
@@ -17,9 +17,10 @@ use pageone_index::KeyId;
 use pageone_sync::lock;
 
 use crate::access::PAGE;
+use crate::anonymize::{anonymize_pieces, store_pieces, OnFailure};
 use crate::error::EngineError;
 use crate::layout::{apply_changes, changing_mappings};
-use crate::registry::{anonymize, dropped_pages, overlapping, store_pieces, watch_emptied};
+use crate::registry::{dropped_pages, overlapping, watch_emptied};
 use crate::state::{Shared, State};
 
 /// A piece of memory no longer registered that still maps the store.
@@ -116,11 +117,8 @@ fn repair_piece(sh: &Shared, st: &mut State, piece: Stranded) -> Option<Stranded
         return None;
     }
     let mut left = piece;
-    for m in maps {
-        if !anonymize(sh, m.start, m.end, m.prot) {
-            break;
-        }
-        let range = m.start..m.end;
+    let (anonymous, _) = anonymize_pieces(sh, maps, OnFailure::Stop);
+    for range in anonymous {
         // Registered again by the program meanwhile, its pages there were mappings of the store
         // (COW-broken, or merged since): anonymous now, holding their bytes.
         dropped_pages(st, range.clone());

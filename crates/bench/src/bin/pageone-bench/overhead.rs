@@ -35,7 +35,7 @@ pub struct OverheadArgs {
     #[arg(long, value_delimiter = ',', default_value = "plain,ksm,pageone")]
     sides: Vec<String>,
     /// The operations to run, comma-separated [default: all]: first-touch, first-touch-busy,
-    /// read-merged, write-merged, write-merged-busy, munmap, unmerge, dontneed, free, mprotect,
+    /// read-merged, write-merged, write-merged-busy, munmap, unmerge, unmerge-scattered, dontneed, free, mprotect,
     /// fork, exit, write-stall, huge-read.
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,
@@ -169,7 +169,7 @@ fn row(r: &OpResult) {
         None => stalls,
     };
     println!(
-        "{:<13} {:<8} {:>10} {:>10} {:>10} {:>21} {:>7.1}% {:>6}{stalls}",
+        "{:<17} {:<8} {:>10} {:>10} {:>10} {:>21} {:>7.1}% {:>6}{stalls}",
         r.op.name(),
         r.side.name(),
         ns(r.ns_per_page.p50),
@@ -219,7 +219,7 @@ pub fn run(a: &OverheadArgs) -> Result<()> {
         s.busy_threads
     );
     println!(
-        "{:<13} {:<8} {:>10} {:>10} {:>10} {:>21} {:>8} {:>6}",
+        "{:<17} {:<8} {:>10} {:>10} {:>10} {:>21} {:>8} {:>6}",
         "operation",
         "side",
         "p50/page",

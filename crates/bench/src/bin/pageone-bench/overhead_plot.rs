@@ -46,8 +46,15 @@ const TOUCHES: [&str; 6] = [
     "write-merged-busy",
     "huge-read",
 ];
-const CALLS: [&str; 7] = [
-    "munmap", "unmerge", "dontneed", "free", "mprotect", "fork", "exit",
+const CALLS: [&str; 8] = [
+    "munmap",
+    "unmerge",
+    "unmerge-scattered",
+    "dontneed",
+    "free",
+    "mprotect",
+    "fork",
+    "exit",
 ];
 
 fn label(op: &str) -> String {
