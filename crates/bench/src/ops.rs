@@ -48,6 +48,9 @@ pub enum Op {
     UnmergeScattered,
     /// `MADV_DONTNEED` of a few pages of a merged region, at spread places.
     Dontneed,
+    /// The same on a region whose pages are all different (nothing merged: memory a program
+    /// gives back, as allocators and balloons do), once watched for a while.
+    DontneedUnmerged,
     /// `MADV_FREE` of the same.
     Free,
     /// `mprotect(PROT_READ)` of the same.
@@ -67,7 +70,7 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 15] = [
+    pub const ALL: [Op; 16] = [
         Op::FirstTouch,
         Op::FirstTouchBusy,
         Op::ReadMerged,
@@ -77,6 +80,7 @@ impl Op {
         Op::Unmerge,
         Op::UnmergeScattered,
         Op::Dontneed,
+        Op::DontneedUnmerged,
         Op::Free,
         Op::Mprotect,
         Op::Fork,
@@ -96,6 +100,7 @@ impl Op {
             Op::Unmerge => "unmerge",
             Op::UnmergeScattered => "unmerge-scattered",
             Op::Dontneed => "dontneed",
+            Op::DontneedUnmerged => "dontneed-unmerged",
             Op::Free => "free",
             Op::Mprotect => "mprotect",
             Op::Fork => "fork",
@@ -230,13 +235,36 @@ fn merged_pages(p: *mut u8, pages: usize) -> u64 {
     merged + procfs::ksm_merging_pages(std::process::id())
 }
 
-/// The content page `i` of a merged region holds: the two halves hold the same pages, in the
-/// same order, or (`scattered`) the second in an order of its own, where no two neighbours of
-/// the first half are neighbours.
-fn content(i: usize, pages: usize, scattered: bool) -> u64 {
+/// How the pages of a region repeat.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Two halves holding the same pages in the same order.
+    Halves,
+    /// Two halves holding the same pages, the second in an order of its own, where no two
+    /// neighbours of the first half are neighbours.
+    Scattered,
+    /// Every page different.
+    Distinct,
+}
+
+impl Layout {
+    fn of(op: Op) -> Self {
+        match op {
+            Op::UnmergeScattered => Layout::Scattered,
+            Op::DontneedUnmerged => Layout::Distinct,
+            _ => Layout::Halves,
+        }
+    }
+}
+
+/// The content page `i` of a region of `pages` pages holds.
+fn content(i: usize, pages: usize, layout: Layout) -> u64 {
     let half = (pages / 2).max(1);
     let k = i % half;
-    if !scattered || i < half {
+    if layout == Layout::Distinct {
+        return (pages + i) as u64;
+    }
+    if layout == Layout::Halves || i < half {
         return k as u64;
     }
     // An odd multiplier permutes the residues of a power of two; other halves keep their order
@@ -248,10 +276,10 @@ fn content(i: usize, pages: usize, scattered: bool) -> u64 {
     (k.wrapping_mul(0x9E37) % pow) as u64
 }
 
-fn expected(i: usize, pages: usize, scattered: bool, mark: bool) -> [u8; PAGE] {
+fn expected(i: usize, pages: usize, layout: Layout, mark: bool) -> [u8; PAGE] {
     let mut want = [0u8; PAGE];
     // SAFETY: `want` is a local page of zeros.
-    unsafe { fill_page(want.as_mut_ptr(), Data::Easy, content(i, pages, scattered)) };
+    unsafe { fill_page(want.as_mut_ptr(), Data::Easy, content(i, pages, layout)) };
     if mark {
         want[MARK_WORD..MARK_WORD + 8].copy_from_slice(&MARK.to_ne_bytes());
     }
@@ -270,7 +298,7 @@ fn read_page(p: *const u8) -> [u8; PAGE] {
 struct Merged {
     p: *mut u8,
     pages: usize,
-    scattered: bool,
+    layout: Layout,
     merged: u64,
     seconds: f64,
 }
@@ -278,21 +306,25 @@ struct Merged {
 impl Merged {
     fn new(s: &OpSpec) -> std::io::Result<Self> {
         let p = map(s.pages)?;
-        let scattered = s.op == Op::UnmergeScattered;
+        let layout = Layout::of(s.op);
         for i in 0..s.pages {
             // SAFETY: page i of the fresh mapping, zero.
-            unsafe { fill_page(p.add(i * PAGE), Data::Easy, content(i, s.pages, scattered)) };
+            unsafe { fill_page(p.add(i * PAGE), Data::Easy, content(i, s.pages, layout)) };
         }
         advise(p, s.pages, libc::MADV_MERGEABLE)?;
         let t0 = Instant::now();
         let mut m = Self {
             p,
             pages: s.pages,
-            scattered,
+            layout,
             merged: 0,
             seconds: 0.0,
         };
-        if s.side != Side::Plain {
+        if layout == Layout::Distinct {
+            // Nothing to merge: watched for a while (every side alike), as memory a program
+            // gives back has been.
+            std::thread::sleep(Duration::from_millis(500));
+        } else if s.side != Side::Plain {
             let timeout = Duration::from_millis(s.merge_timeout_ms);
             let (mut best, mut since) = (0, Instant::now());
             while t0.elapsed() < timeout {
@@ -320,7 +352,7 @@ impl Merged {
     /// Pages not holding their content (with the mark if `mark`), among `range`.
     fn wrong(&self, range: std::ops::Range<usize>, mark: bool) -> u64 {
         range
-            .filter(|&i| read_page(self.page(i)) != expected(i, self.pages, self.scattered, mark))
+            .filter(|&i| read_page(self.page(i)) != expected(i, self.pages, self.layout, mark))
             .count() as u64
     }
 
@@ -595,7 +627,9 @@ fn calls(
         // (or, FREE, keep it), mprotect keeps it readable: checked below.
         let r = timed(|| unsafe {
             match s.op {
-                Op::Dontneed => libc::madvise(p.cast(), len, libc::MADV_DONTNEED),
+                Op::Dontneed | Op::DontneedUnmerged => {
+                    libc::madvise(p.cast(), len, libc::MADV_DONTNEED)
+                }
                 Op::Free => libc::madvise(p.cast(), len, libc::MADV_FREE),
                 _ => libc::mprotect(p.cast(), len, libc::PROT_READ),
             };
@@ -607,9 +641,9 @@ fn calls(
         let hit = starts.iter().any(|&k| (k..k + s.call_pages).contains(&i));
         let got = read_page(m.page(i));
         let ok = match (s.op, hit) {
-            (Op::Dontneed, true) => got == zero,
-            (Op::Free, true) => got == zero || got == expected(i, s.pages, m.scattered, false),
-            _ => got == expected(i, s.pages, m.scattered, false),
+            (Op::Dontneed | Op::DontneedUnmerged, true) => got == zero,
+            (Op::Free, true) => got == zero || got == expected(i, s.pages, m.layout, false),
+            _ => got == expected(i, s.pages, m.layout, false),
         };
         out.wrong_pages += u64::from(!ok);
     }

@@ -254,6 +254,7 @@ fn check_overhead(v: &serde_json::Value, sides: &[&str]) {
             "unmerge",
             "unmerge-scattered",
             "dontneed",
+            "dontneed-unmerged",
             "free",
             "mprotect",
             "fork",
@@ -262,8 +263,14 @@ fn check_overhead(v: &serde_json::Value, sides: &[&str]) {
         assert_eq!(r["ns_per_call"].is_object(), calls.contains(&op), "{op}");
         assert_eq!(r["stalls_over"].is_array(), op == "write-stall", "{op}");
         assert_eq!(r["huge_fraction"].is_number(), op == "huge-read", "{op}");
-        // First touches and the huge-page reads are timed on memory with nothing to merge.
-        let unmerged = ["first-touch", "first-touch-busy", "huge-read"];
+        // First touches, the huge-page reads and the drops of unmerged pages are timed on memory
+        // with nothing to merge.
+        let unmerged = [
+            "first-touch",
+            "first-touch-busy",
+            "huge-read",
+            "dontneed-unmerged",
+        ];
         let merging = side != "plain" && !unmerged.contains(&op);
         if merging {
             // Merged before the operation began: what it is timed on.

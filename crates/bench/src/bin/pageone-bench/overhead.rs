@@ -35,7 +35,7 @@ pub struct OverheadArgs {
     #[arg(long, value_delimiter = ',', default_value = "plain,ksm,pageone")]
     sides: Vec<String>,
     /// The operations to run, comma-separated [default: all]: first-touch, first-touch-busy,
-    /// read-merged, write-merged, write-merged-busy, munmap, unmerge, unmerge-scattered, dontneed, free, mprotect,
+    /// read-merged, write-merged, write-merged-busy, munmap, unmerge, unmerge-scattered, dontneed, dontneed-unmerged, free, mprotect,
     /// fork, exit, write-stall, huge-read.
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,

@@ -46,11 +46,12 @@ const TOUCHES: [&str; 6] = [
     "write-merged-busy",
     "huge-read",
 ];
-const CALLS: [&str; 8] = [
+const CALLS: [&str; 9] = [
     "munmap",
     "unmerge",
     "unmerge-scattered",
     "dontneed",
+    "dontneed-unmerged",
     "free",
     "mprotect",
     "fork",
