@@ -386,7 +386,7 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     """Boots the guests, checks their data, lets memory settle; returns (Pss KiB of the QEMU
     processes, host memory used since before the boot in KiB by MemAvailable, CPU-seconds the
     merging used from the boot to the measurement by `cpu()`, seconds from the boot until Pss
-    settled: see `settle`)."""
+    settled: see `settle`, Pss KiB of the `extra` processes at the same time)."""
     log(f"{name}: booting {GUESTS} guests of {GUEST_MIB} MiB")
     avail0 = mem_available_kib()
     parts0 = meminfo_kib(BREAKDOWN)
@@ -400,6 +400,7 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     if len(pids) != GUESTS:
         raise SystemExit(f"{name}: found QEMU pids {pids}")
     pss, avail, secs, pss_settled = settle(guests, status, t0)
+    extra_pss = sum(pss_kib(p) for p in extra)
     used = avail0 - avail
     parts = meminfo_kib(BREAKDOWN)
     merging_cpu = cpu() - cpu0
@@ -424,7 +425,7 @@ def run_side(name, launcher, initrd, env, expected, status=None, cpu=lambda: 0.0
     check_sums(name, "after merging", guests.wait_for("CHECK2", 240), expected)
     log(f"{name}: every guest's data is still intact")
     guests.finish()
-    return pss, used, merging_cpu, pss_settled
+    return pss, used, merging_cpu, pss_settled, extra_pss
 
 
 def unlocked_private_rss_kib(pid):
@@ -573,7 +574,7 @@ def main():
                 time.sleep(0.05)
             env = dict(os.environ)
             env.pop("LD_PRELOAD", None)
-            base_pss, base_used, _, _ = run_side("no merging", [], initrd, env, expected)
+            base_pss, base_used, _, _, _ = run_side("no merging", [], initrd, env, expected)
 
             def pageone_cpu():
                 # The daemon's CPU and the engines' threads in the QEMU processes (from their
@@ -587,7 +588,7 @@ def main():
                     (c.get("stats") or {}).get("worker_cpu_ns", 0) / 1e9 for c in clients
                 )
 
-            p_pss, p_used, p_cpu, p_settled = run_side(
+            p_pss, p_used, p_cpu, p_settled, daemon_pss = run_side(
                 "pageone", [PAGEONE, "run", "--scope", "vms", "--daemon", sock, "--"],
                 initrd, env, expected, status, pageone_cpu, extra=[daemon.pid],
             )
@@ -681,17 +682,28 @@ def main():
                     pass
 
         with KsmKnobs():
-            k_pss, k_used, k_cpu, k_settled = run_side(
+            k_pss, k_used, k_cpu, k_settled, _ = run_side(
                 "ksm", [], initrd, env, expected, ksm_status, cpu=ksmd_cpu_seconds
             )
         log("ksm counters at the measurement: " + ", ".join(f"{k} {v}" for k, v in ksm_counters.items()))
 
         p_saved, k_saved = (base_pss - p_pss) / 1024, (base_pss - k_pss) / 1024
+        # What each one's own bookkeeping takes, outside the QEMU processes' Pss: the daemon's
+        # Pss (its share of the store's pages it maps, its index and heap), and KSM's rmap items
+        # (kernel memory, by the kernel's own account: general_profit is the merged pages less
+        # them).
+        ksm_meta = (
+            (ksm_counters.get("pages_sharing", 0) + ksm_counters.get("ksm_zero_pages", 0)) * 4096
+            - ksm_counters.get("general_profit", 0)
+        ) / 1048576 if "general_profit" in ksm_counters else float("nan")
+        p_net, k_net = p_saved - daemon_pss / 1024, k_saved - ksm_meta
         p_avail, k_avail = (base_used - p_used) / 1024, (base_used - k_used) / 1024
         print(
             f"\nQEMU x{GUESTS} ({GUEST_MIB} MiB guests, {DATA_MIB} MiB identical data each), "
             f"host memory saved against the same guests without merging:\n"
             f"  QEMU processes' Pss: pageone {p_saved:.0f} MiB, KSM {k_saved:.0f} MiB\n"
+            f"  less the merger's own memory (the daemon's Pss {daemon_pss / 1024:.1f} MiB; KSM's "
+            f"rmap items {ksm_meta:.1f} MiB): pageone {p_net:.0f} MiB, KSM {k_net:.0f} MiB\n"
             f"  MemAvailable:        pageone {p_avail:.0f} MiB, KSM {k_avail:.0f} MiB\n"
             f"  pageone daemon: {scope['saved_bytes'] / 1048576:.0f} MiB saved\n"
             f"  CPU of merging (boot to measurement): pageone {p_cpu:.1f} s (engines + daemon), "

@@ -9,13 +9,12 @@ use std::ops::Range;
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::MADV_DONTNEED_LOCKED};
 
-use crate::access::PAGE;
 use crate::anonymize::{store_pieces, StorePiece};
 use crate::changes::Change;
 use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings};
-use crate::registry::{checked_range, dropped_pages, overlapping, watch_emptied};
+use crate::registry::{checked_range, dropped_pages, overlapping};
 use crate::state::{pages_in_mut, region_at, PageKind, Shared, State};
 use crate::store::is_store_mapping;
 use crate::stranded;
@@ -70,119 +69,10 @@ pub(crate) fn drop_pages(
 ) -> Result<(), EngineError> {
     let end = checked_range(a, len)?;
     let _change = changing_mappings();
-    if drop_unreported(sh, a..end, advice) || drop_whole(sh, a..end, advice)? {
+    if drop_whole(sh, a..end, advice)? {
         return Ok(());
     }
     drop_piecewise(sh, a..end, advice)
-}
-
-/// Registered memory holding no store mapping, in one call to the kernel with the range taken out
-/// of the main context meanwhile ([`OutOfMain`]), so that the kernel's drop reports nothing: a
-/// report holds the caller until the fault thread has read it, which cost 13-15 µs of a one-page
-/// drop's 15-17. The engine records the drop itself, as the fault thread records a report. No
-/// run is frozen meanwhile (the caller holds the layout lock), so the report had nothing else to
-/// tell. `false`, with nothing dropped, where the range is not all registered or holds a store
-/// mapping, a page is parked, or the kernel will not take the range out or drop it whole (it
-/// refused a mapping, after dropping those before it: recorded as dropped too, and the other ways
-/// drop the range again, mapping by mapping where need be).
-fn drop_unreported(sh: &Shared, range: Range<usize>, advice: DropAdvice) -> bool {
-    if crate::parking::any_parked() || !registered_without_store_pages(sh, range.clone()) {
-        return false;
-    }
-    let Some(out) = OutOfMain::new(sh, range.clone()) else {
-        return false;
-    };
-    // SAFETY: the program asked for these pages to be dropped.
-    let dropped = unsafe { sys::madvise(range.start as *mut u8, range.len(), advice.raw()) };
-    lock(&sh.changes).record(Change::Remove {
-        start: range.start,
-        end: range.end,
-    });
-    drop(out);
-    dropped.is_ok()
-}
-
-/// Whether every page of `range` lies in a registered region and none in a mapping of the store
-/// (merged, written after a merge, stranded), by the engine's pages.
-fn registered_without_store_pages(sh: &Shared, range: Range<usize>) -> bool {
-    let mut st = lock(&sh.state);
-    apply_changes(sh, &mut st);
-    if stranded::any_in(&st, &range) {
-        return false;
-    }
-    let mut at = range.start;
-    for (r, pages) in overlapping(&st, range.clone()) {
-        let store = r.pages[pages.clone()].iter().any(|p| {
-            matches!(
-                p.kind,
-                PageKind::Merged | PageKind::Broken | PageKind::Foreign
-            )
-        });
-        if store || r.start + pages.start * PAGE != at {
-            return false;
-        }
-        at = r.start + pages.end * PAGE;
-    }
-    at == range.end
-}
-
-/// Registered memory taken out of the main context; registered again, as the regions are, when
-/// dropped.
-struct OutOfMain<'a> {
-    sh: &'a Shared,
-    range: Range<usize>,
-}
-
-impl<'a> OutOfMain<'a> {
-    /// `None` if the kernel would not (at `vm.max_map_count`, taking part of a mapping out splits
-    /// it).
-    fn new(sh: &'a Shared, range: Range<usize>) -> Option<Self> {
-        sh.uffd
-            .unregister(range.start, range.len())
-            .ok()
-            .map(|()| Self { sh, range })
-    }
-}
-
-impl Drop for OutOfMain<'_> {
-    fn drop(&mut self) {
-        // Pages the program wrote meanwhile are present without the write-protect bit: the watch
-        // reads them as written, as it would read a write to a protected page.
-        if watch_emptied(self.sh, self.range.clone()).is_ok() {
-            return;
-        }
-        // Unmapped or moved away in part meanwhile, by a call the engine does not see (the
-        // kernel reported nothing: the range was out): what is left is watched again, the rest
-        // recorded as unmapped.
-        let Ok(maps) = sys::self_mappings_in(self.range.start, self.range.end) else {
-            return;
-        };
-        let mut at = self.range.start;
-        let mut gaps = Vec::new();
-        for m in &maps {
-            let (s, e) = (m.start.max(at), m.end.min(self.range.end));
-            if s >= e {
-                continue;
-            }
-            if s > at {
-                gaps.push(at..s);
-            }
-            if let Err(err) = watch_emptied(self.sh, s..e) {
-                tracing::warn!(error = %err, "dropped pages could not be watched again");
-            }
-            at = e;
-        }
-        if at < self.range.end {
-            gaps.push(at..self.range.end);
-        }
-        let mut log = lock(&self.sh.changes);
-        for g in gaps {
-            log.record(Change::Unmap {
-                start: g.start,
-                end: g.end,
-            });
-        }
-    }
 }
 
 /// The program dropped the pages of `[a, a+len)` itself (`MADV_DONTNEED`; see
