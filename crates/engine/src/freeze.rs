@@ -285,8 +285,9 @@ impl<'a> FrozenRun<'a> {
         assert!(n <= MAX_RUN, "a run of {n} pages exceeds the longest run");
         let mark = log.mark();
         f.range.publish(start, n, mark);
-        // Missing faults first: once a page is out, a touch must wait for it. (Refused where the
-        // program unmapped part of the run meanwhile: then nothing moves.)
+        // Missing faults first: once a page is out, a touch must wait for it. (The kernel
+        // registers over a part the program unmapped meanwhile without a word: the pages there
+        // do not move, and the unmapping was reported.)
         let registered = f
             .rearm
             .is_none_or(|r| f.uffd.register(start, n * PAGE, r.frozen).is_ok());
