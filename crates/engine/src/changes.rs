@@ -152,6 +152,9 @@ pub(crate) struct ChangeLog {
     own: Vec<(Change, Own)>,
     /// Pages of store mappings the program dropped, to read zeros (see the `unfilled` module).
     pub(crate) unfilled: Unfilled,
+    /// Moves of store mappings the program made (`mremap`), ever: the check of held copies
+    /// reads the process's mappings, which such a move may tear (see the `held` module).
+    store_moves: u64,
 }
 
 impl ChangeLog {
@@ -164,7 +167,18 @@ impl ChangeLog {
             overflow: Vec::new(),
             own: Vec::with_capacity(OWN_ROOM),
             unfilled: Unfilled::default(),
+            store_moves: 0,
         }
+    }
+
+    /// Counts a move of store mappings the program made (see `store_moves`).
+    pub(crate) fn note_store_move(&mut self) {
+        self.store_moves += 1;
+    }
+
+    /// How many moves of store mappings the program made so far (see `store_moves`).
+    pub(crate) fn store_moves(&self) -> u64 {
+        self.store_moves
     }
 
     /// Whether no change waits to be taken.

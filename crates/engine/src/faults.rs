@@ -189,6 +189,9 @@ fn follow_dropped_store_pages(sh: &Shared, log: &mut ChangeLog, c: Change, main:
         }
     }
     let own = log.record(c);
+    if !main && own.is_none() && matches!(c, Change::Remap { .. }) {
+        log.note_store_move();
+    }
     log.unfilled.follow(&c, own);
 }
 

@@ -10,6 +10,15 @@
 //! held, never another page's bytes. A store of the engine's own punches it at once: it reads
 //! zeros, as a dropped page of anonymous memory does. A daemon's slot is vacated (the daemon
 //! empties it once no process needs its bytes: zeros too, and its memory back).
+//!
+//! The mappings are read a part at a time, and a store mapping the program moves meanwhile
+//! (`mremap`: glibc's `realloc` of a large block makes such calls where the shim cannot see
+//! them) may be read at neither place. So a copy is given back only once two checks in a row
+//! found it uncovered, with no such move reported from the start of the first read to the end of
+//! the second: a move tearing the first read is reported before the second ends (the kernel
+//! holds the mover until the fault thread has read its report, and the checks are a second
+//! apart), and one tearing the second read, while the first found the copy uncovered, would
+//! have had to move a mapping the first read did not show.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -26,6 +35,10 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 pub(crate) struct Held {
     ids: Vec<KeyId>,
     next_check: Instant,
+    /// The copies the last check found uncovered (sorted), and the program's moves of store
+    /// mappings counted when that check's read began (see the module's comment).
+    uncovered: Vec<KeyId>,
+    uncovered_since: Option<u64>,
 }
 
 impl Default for Held {
@@ -33,6 +46,8 @@ impl Default for Held {
         Self {
             ids: Vec::new(),
             next_check: Instant::now(),
+            uncovered: Vec::new(),
+            uncovered_since: None,
         }
     }
 }
@@ -59,28 +74,40 @@ impl Held {
     }
 
     /// Takes out the copies held at the `checked` snapshot that no range of `covered` (sorted,
-    /// not overlapping, read after the snapshot) contains; the rest stay held until the next
-    /// check, due a while after `now`.
+    /// not overlapping, read after the snapshot) contains and the check before found uncovered
+    /// too, with no move of the program's counted from that check's read to the end of this one
+    /// (`moves`: the count before and after this read; see the module's comment). The rest stay
+    /// held until the next check, due a while after `now`.
     pub(crate) fn clear(
         &mut self,
         covered: &[Range<KeyId>],
         checked: usize,
         now: Instant,
+        moves: Range<u64>,
     ) -> Vec<KeyId> {
         self.next_check = now + CHECK_EVERY;
         let later = self.ids.split_off(checked.min(self.ids.len()));
-        let (mut kept, cleared): (Vec<KeyId>, Vec<KeyId>) =
+        let (mut kept, uncovered): (Vec<KeyId>, Vec<KeyId>) =
             self.ids.iter().partition(|&&id| is_covered(covered, id));
         kept.extend(later);
         kept.sort_unstable();
         kept.dedup();
         // A copy held twice (once before the snapshot, once after) stays held for the later one.
-        let mut cleared: Vec<KeyId> = cleared
+        let mut uncovered: Vec<KeyId> = uncovered
             .into_iter()
             .filter(|id| kept.binary_search(id).is_err())
             .collect();
-        cleared.sort_unstable();
-        cleared.dedup();
+        uncovered.sort_unstable();
+        uncovered.dedup();
+        let confirmed = self.uncovered_since == Some(moves.end) && moves.start == moves.end;
+        let (cleared, waiting): (Vec<KeyId>, Vec<KeyId>) = uncovered
+            .into_iter()
+            .partition(|id| confirmed && self.uncovered.binary_search(id).is_ok());
+        // Found uncovered by this read: given back at the next check, if it finds them so too.
+        kept.extend(&waiting);
+        kept.sort_unstable();
+        self.uncovered = waiting;
+        self.uncovered_since = (moves.start == moves.end).then_some(moves.start);
         self.ids = kept;
         cleared
     }
@@ -159,11 +186,41 @@ mod tests {
         assert_eq!(covered_copies(&maps, 7), vec![10..13, 20..22]);
     }
 
+    /// A copy found uncovered is given back at the next check that finds it uncovered too, and
+    /// only if the program moved no store mapping from the first read to the end of the second.
+    #[test]
+    fn a_copy_is_given_back_after_two_checks_with_no_move_between() {
+        let ms = [mapping(0x10000, 2, 10, "rw-p", 1)];
+        let covered = covered_copies(&ms, 1);
+        let now = Instant::now();
+        let mut h = Held::default();
+        h.hold(3);
+        h.hold(11);
+        assert!(
+            h.clear(&covered, 2, now, 0..0).is_empty(),
+            "one check decides nothing"
+        );
+        // A move reported during the next read, or between the two: nothing is given back,
+        // and the count starts again.
+        assert!(h.clear(&covered, 2, now, 0..1).is_empty());
+        assert!(h.clear(&covered, 2, now, 1..1).is_empty());
+        assert!(h.clear(&covered, 2, now, 2..2).is_empty());
+        assert_eq!(h.clear(&covered, 2, now, 2..2), vec![3]);
+        assert_eq!(h.ids, vec![11]);
+        // Covered at the second check: held on.
+        h.hold(20);
+        assert!(h.clear(&covered, 2, now, 2..2).is_empty());
+        let later = covered_copies(&[mapping(0x10000, 1, 20, "rw-p", 1)], 1);
+        assert!(h.clear(&later, 2, now, 2..2).is_empty());
+        assert_eq!(h.ids, vec![11, 20]);
+    }
+
     proptest! {
         /// A copy held when the mappings were read is cleared exactly when no mapping covers
-        /// it, whatever the order of the mappings and however they overlap; held twice, it is
-        /// cleared once. A copy held after the read began is never cleared by it (a mapping
-        /// over it may be newer than the read), also when it was held before as well.
+        /// it (at this check and the one before, with no move between), whatever the order of
+        /// the mappings and however they overlap; held twice, it is cleared once. A copy held
+        /// after the read began is never cleared by it (a mapping over it may be newer than the
+        /// read), also when it was held before as well.
         #[test]
         fn a_copy_is_cleared_exactly_when_no_mapping_covers_it(
             maps in prop::collection::vec((0u64..200, 1usize..20), 0..30),
@@ -185,7 +242,12 @@ mod tests {
                 h.hold(id);
             }
             let now = Instant::now();
-            let cleared = h.clear(&covered, checked, now);
+            // The same mappings read by a check before (which decides nothing).
+            let mut first = Held { ids: h.ids[..checked].to_vec(), ..Held::default() };
+            prop_assert!(first.clear(&covered, checked, now, 0..0).is_empty());
+            h.uncovered = first.uncovered;
+            h.uncovered_since = first.uncovered_since;
+            let cleared = h.clear(&covered, checked, now, 0..0);
             let covers = |id: u32| maps.iter().any(|&(off, n)| off <= id as u64 && (id as u64) < off + n as u64);
             let mut want: Vec<u32> = held
                 .iter()

@@ -637,9 +637,14 @@ fn finish_tickets(sh: &Shared, pool: &pageone_recycler::Pool, tickets: &Tickets)
 fn tidy_up(sh: &Shared, many: bool, worked: bool, period: u64) {
     // The mappings are read outside the state lock: registrations and stats() do not wait.
     let due = lock(&sh.state).store.held_check();
-    let held = due.map(|held| HeldCheck {
-        held,
-        mappings: sys::self_mappings(),
+    let held = due.map(|held| {
+        let before = lock(&sh.changes).store_moves();
+        let mappings = sys::self_mappings();
+        HeldCheck {
+            held,
+            mappings,
+            moves: before..lock(&sh.changes).store_moves(),
+        }
     });
     let trim = {
         let mut st = lock(&sh.state);

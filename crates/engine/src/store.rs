@@ -77,6 +77,9 @@ pub fn is_store_mapping(m: &sys::Mapping) -> bool {
 pub(crate) struct HeldCheck {
     pub(crate) held: usize,
     pub(crate) mappings: std::io::Result<Vec<sys::Mapping>>,
+    /// The program's moves of store mappings counted before and after the mappings were read
+    /// (`ChangeLog::store_moves`).
+    pub(crate) moves: std::ops::Range<u64>,
 }
 
 /// The memfd and this process's shared view of it.
@@ -436,7 +439,7 @@ impl Store {
         let area = self.file.staging_at.load(Ordering::Relaxed);
         let maps: Vec<_> = maps.into_iter().filter(|m| m.start != area).collect();
         let covered = covered_copies(&maps, self.inode);
-        for id in self.held.clear(&covered, check.held, now) {
+        for id in self.held.clear(&covered, check.held, now, check.moves) {
             let i = id as usize;
             // Given out again meanwhile (adopted from the daemon): its next free decides.
             if self.allocated[i] || self.in_tree[i] != 0 {
