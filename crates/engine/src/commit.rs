@@ -997,6 +997,9 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
     let Ok(Some(prot)) = sh.maps.protection(start, start + n * PAGE) else {
         return;
     };
+    // Where the program unlocked what the engine locked, by a call the engine did not see, what
+    // replaces it here is not locked (asked before the pages are held: it may allocate).
+    rs.region.forget_unlocked(start, n * PAGE);
     // `None`: some page is not in a write-protectable mapping; the run is left alone this time.
     cx.hold_still_from_now();
     // Pages the program drops from here on stay dropped under the copies (see `unfilled`).

@@ -217,6 +217,12 @@ fn empty_pieces(sh: &Shared, mut unreported: Unreported<'_>) -> Result<(), Engin
     // Pieces left mappings of the store, registered there again when `unreported` is dropped.
     let mut kept = Vec::new();
     while let Some((piece, out)) = unreported.pieces.pop() {
+        if let Some((_, r)) = st.regions.range_mut(..=piece.start).next_back() {
+            // Unlocked by a call the engine did not see: emptied unlocked.
+            if piece.start < r.start + r.len() {
+                r.forget_unlocked(piece.start, piece.end - piece.start);
+            }
+        }
         if let Err(e) = empty_store_piece(sh, &st, &piece) {
             let zeroed = zero_in_place(&mut st, &piece);
             kept.push((piece, out));

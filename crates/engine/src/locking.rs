@@ -223,6 +223,28 @@ pub(crate) fn relock(locked: &LockedRanges, base: usize, addr: usize, len: usize
     }
 }
 
+/// Takes out of `locked` (offsets from `base`) the parts of `[addr, addr + len)` the program
+/// unlocked where the engine did not see it (a raw `munlock`), so that what the engine maps
+/// there next is not locked against the program's will. Called before the engine replaces the
+/// mappings there, and only where it has locked parts in the range: the kernel refuses
+/// `MADV_COLD` on locked memory, and on unlocked memory it only ages the pages, which the
+/// engine is about to replace. (A part unlocked only in places stays: the kernel refuses the
+/// call at the first locked mapping.)
+pub(crate) fn forget_unlocked(locked: &mut LockedRanges, base: usize, addr: usize, len: usize) {
+    if locked.is_empty() {
+        return;
+    }
+    let parts: Vec<Range<usize>> = locked.within(addr - base..addr - base + len).collect();
+    for r in parts {
+        // SAFETY: `MADV_COLD` changes no contents; the range is registered memory of the region.
+        let unlocked =
+            unsafe { sys::madvise((base + r.start) as *mut u8, r.len(), libc::MADV_COLD) }.is_ok();
+        if unlocked {
+            locked.remove(r);
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -335,7 +335,7 @@ pub(crate) fn unregister_all(sh: &Shared) {
 }
 
 /// Makes every page of `r` private again and releases its copies.
-fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
+fn unregister_region(sh: &Shared, st: &mut State, mut r: RegionState) {
     let (start, end) = (r.start, r.start + r.len());
     if r.to_ksm {
         crate::ksm::take_back(start, r.len());
@@ -348,8 +348,12 @@ fn unregister_region(sh: &Shared, st: &mut State, r: RegionState) {
     // First, while the store mappings' context still holds them: before Linux 6.17, unregistering
     // through the main context dropped the other context's registration too, and then the pages
     // could not be held still to be copied.
-    let (anonymous, failed) =
-        anonymize_pieces(sh, store_pieces(sh, st, start..end), OnFailure::TryTheRest);
+    let pieces = store_pieces(sh, st, start..end);
+    for p in &pieces {
+        // Unlocked by a call the engine did not see: given back unlocked.
+        r.forget_unlocked(p.start, p.end - p.start);
+    }
+    let (anonymous, failed) = anonymize_pieces(sh, pieces, OnFailure::TryTheRest);
     for a in anonymous {
         // Locked again where the engine's mapping was (see `locking`).
         r.relock(a.start, a.len());

@@ -137,6 +137,10 @@ fn leave_replaced_stores(sh: &Shared, st: &mut State) -> bool {
         let (s, e) = (m.start, m.end.min(r.start + r.len()));
         // A mapping reaching into the next region is done there at the next call.
         left |= m.end > e;
+        if s < e {
+            // Unlocked by a call the engine did not see: given back unlocked.
+            r.forget_unlocked(s, e - s);
+        }
         if s >= e || !anonymize(sh, s, e, m.prot()) {
             left = true;
             continue;

@@ -153,6 +153,12 @@ impl RegionState {
     pub(crate) fn relock(&self, addr: usize, len: usize) {
         crate::locking::relock(&self.locked, self.start, addr, len);
     }
+
+    /// Forgets where in `[addr, addr + len)` the program unlocked what the engine locked,
+    /// before the engine replaces the mappings there (see `locking::forget_unlocked`).
+    pub(crate) fn forget_unlocked(&mut self, addr: usize, len: usize) {
+        crate::locking::forget_unlocked(&mut self.locked, self.start, addr, len);
+    }
 }
 
 /// The region holding `addr`, if any.

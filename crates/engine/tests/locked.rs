@@ -123,3 +123,50 @@ fn memory_unlocked_after_its_merge_is_given_back_unlocked() {
         assert!(holds(&r, i, (i % n) as u64 + 1), "page {i}");
     }
 }
+
+/// Unlocked by a call the engine does not see (a raw `munlock`: the engine is not told), merged
+/// memory is not locked again by what the engine maps there later: a written page merged again,
+/// a dropped page, the memory given back at unregistering.
+#[test]
+fn memory_unlocked_behind_the_engine_is_not_locked_again() {
+    let e = small_engine(false);
+    let n = 16;
+    let Some(mut r) = locked_halves(&e, n) else {
+        return;
+    };
+    let base = r.as_ptr() as usize;
+    // SAFETY: undoes the lock of the test's own region; the engine is not told.
+    assert_eq!(unsafe { libc::munlock(r.as_ptr().cast(), r.len()) }, 0);
+    assert_eq!(unlocked_pages(base, 2 * n), 2 * n);
+    r.as_mut_slice()[7 * PAGE + 9] ^= 0xff;
+    wait_for(&e, |s| s.cow_breaks >= 1);
+    r.as_mut_slice()[7 * PAGE + 9] ^= 0xff;
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    assert_eq!(
+        unlocked_pages(base, 2 * n),
+        2 * n,
+        "the page merged again was locked"
+    );
+    e.drop_pages(
+        r.as_ptr().wrapping_add(10 * PAGE),
+        PAGE,
+        DropAdvice::DontNeed,
+    )
+    .unwrap();
+    assert!(holds(&r, 10, 0));
+    assert_eq!(
+        unlocked_pages(base, 2 * n),
+        2 * n,
+        "the dropped page was locked"
+    );
+    e.unregister(r.as_ptr(), r.len()).unwrap();
+    assert_eq!(
+        unlocked_pages(base, 2 * n),
+        2 * n,
+        "unregistering locked pages"
+    );
+    for i in (0..2 * n).filter(|&i| i != 10) {
+        assert!(holds(&r, i, (i % n) as u64 + 1), "page {i}");
+    }
+}
