@@ -511,6 +511,13 @@ impl Engine {
         }
     }
 
+    /// For tests: the moves of store mappings by the program that the engine counted (a held
+    /// copy is reused only with none between two reads of the mappings: see the `held` module).
+    #[doc(hidden)]
+    pub fn store_moves(&self) -> u64 {
+        lock(&self.shared.changes).store_moves()
+    }
+
     /// Pages currently held in the stable store (for tests: 0 after unregistering everything).
     pub fn stable_pages(&self) -> usize {
         let st = lock(&self.shared.state);
