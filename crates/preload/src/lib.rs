@@ -36,6 +36,11 @@
 //! * **`userfaultfd` on mergeable memory.** A program that registers mergeable memory with a
 //!   userfaultfd of its own (QEMU's postcopy migration) gets it: the engine unregisters that
 //!   range first (as KSM has no such conflict).
+//! * **`MADV_WIPEONFORK`**: a child must find such memory empty, which a mapping of the store
+//!   cannot give (the kernel refuses the advice on it, and a child inherits it). The range is
+//!   kept out of what the engine registers for good and made private again where it was
+//!   registered, then advised. (A raw `madvise` the shim does not see gets the kernel's
+//!   `EINVAL` where pages are merged.)
 //! * **`PR_SET_MEMORY_MERGE`** registers the process's private anonymous read/write mappings, as
 //!   KSM marks every anonymous mapping: `[heap]`, small mappings and named ones too, but not the
 //!   main thread's `[stack]` (it grows down past what was registered), the zero-filled tails of
@@ -396,6 +401,7 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
         libc::MADV_DONTNEED | libc::MADV_FREE | sys::uapi::MADV_DONTNEED_LOCKED => {
             drop_pages(addr, len, advice)
         }
+        libc::MADV_WIPEONFORK => wipe_on_fork(addr, len),
         libc::MADV_HUGEPAGE => {
             // Registered memory keeps huge pages as the kernel's KSM does (the engine splits one
             // only where a page of it merges), but the mappings of pageone's store in it are
@@ -449,6 +455,33 @@ fn merge_advice(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
         set_errno_raw(saved);
     }
     r
+}
+
+/// `MADV_WIPEONFORK`: a child must find the range empty, which only private anonymous memory
+/// gives (the kernel refuses the advice on file mappings, which merged pages are, and a child
+/// inherits them). So the range is kept out of what the engine registers from now on (for good,
+/// `PR_SET_MEMORY_MERGE` included: a range a crypto library watches to detect a fork must never
+/// be a mapping of the store), made private again where it was registered (as
+/// `MADV_UNMERGEABLE` does), and then given the kernel's advice.
+fn wipe_on_fork(addr: *mut c_void, len: size_t) -> c_int {
+    let Some((a, e)) = page_range(addr, len) else {
+        return raw_madvise(addr, len, libc::MADV_WIPEONFORK);
+    };
+    forget(a, e);
+    guarded(|| {
+        match pageone_engine::keep_apart(a..e) {
+            // Kept apart for the life of the process.
+            Some(guard) => std::mem::forget(guard),
+            None => {
+                log("memory advised MADV_WIPEONFORK could not be kept apart: the table is full")
+            }
+        }
+        if let Some(eng) = running() {
+            // Only what is registered (NotRegistered otherwise: nothing to do here).
+            let _ = eng.unregister(a as *mut u8, e - a);
+        }
+    });
+    raw_madvise(addr, len, libc::MADV_WIPEONFORK)
 }
 
 /// `MADV_HUGEPAGE` for the mappings of `[a, e)` that are not mappings of pageone's store; the

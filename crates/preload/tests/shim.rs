@@ -291,6 +291,14 @@ fn prot_none_mergeable_memory_merges_once_made_read_write() {
     behaves("protnone");
 }
 
+/// Memory advised `MADV_WIPEONFORK` (a crypto library's fork detection) is found empty by a
+/// child, whether it was merged before the advice (the kernel refuses the advice on the store's
+/// mappings: it is made private first) or advised first (never merged then).
+#[test]
+fn memory_advised_wipe_on_fork_is_empty_in_a_child() {
+    behaves("wipe-on-fork");
+}
+
 /// A program that locks all its memory (`mlockall`, as QEMU's `mem-lock=on`) gets it merged,
 /// and locked still.
 #[test]

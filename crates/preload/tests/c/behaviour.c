@@ -4,7 +4,8 @@
  *
  *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
  *                              protnone | guard | protnone-forgotten | protnone-remap |
- *                              protnone-ksm | mlockall | mlockall-after | mlock-limited)
+ *                              protnone-ksm | mlockall | mlockall-after | mlock-limited |
+ *                              wipe-on-fork)
  *
  * protnone-ksm alone runs with the kernel's KSM running (the caller starts it).
  */
@@ -498,6 +499,39 @@ static void locked_under_a_limit(void) {
     check(mlock(q, rest) == 0, "the program locks up to its limit");
 }
 
+/* A child finds memory advised MADV_WIPEONFORK empty, merged or not (fork-safety checks of
+ * crypto libraries rely on it): advised once merged, the kernel takes the advice (it refuses it
+ * on file mappings, which merged pages are), and memory advised first is not merged after. */
+static int child_sees_zeros(const unsigned char *p, size_t pages) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        for (size_t i = 0; i < pages; i++)
+            if (!holds(p, i, 0))
+                _exit(1);
+        _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+static void wipe_on_fork(void) {
+    unsigned char *p = merged_region();
+    check(madvise(p, PAGES * PAGE, MADV_WIPEONFORK) == 0, "MADV_WIPEONFORK of merged memory");
+    check(intact(p, 0, PAGES), "the pages keep their bytes");
+    check(child_sees_zeros(p, PAGES), "a child finds them empty");
+    unsigned char *q =
+        mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    check(q != MAP_FAILED, "mmap");
+    check(madvise(q, PAGES * PAGE, MADV_WIPEONFORK) == 0, "MADV_WIPEONFORK of fresh memory");
+    fill(q, PAGES);
+    madvise(q, PAGES * PAGE, MADV_MERGEABLE);
+    sleep(2);
+    check(file_pages(q, PAGES) == 0, "memory advised first is not merged");
+    check(intact(q, 0, PAGES), "and keeps its bytes");
+    check(child_sees_zeros(q, PAGES), "a child finds it empty");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -527,6 +561,8 @@ int main(int argc, char **argv) {
         locked_all_after();
     else if (!strcmp(argv[1], "mlock-limited"))
         locked_under_a_limit();
+    else if (!strcmp(argv[1], "wipe-on-fork"))
+        wipe_on_fork();
     else
         return 2;
     printf("OK\n");
