@@ -15,7 +15,7 @@ use crate::error::EngineError;
 use crate::freeze::STORE_MODE;
 use crate::layout::{apply_changes, changing_mappings};
 use crate::registry::{checked_range, dropped_pages, overlapping};
-use crate::state::{pages_in_mut, region_at, PageKind, Shared, State};
+use crate::state::{pages_in_mut, region_at, region_at_mut, PageKind, Shared, State};
 use crate::store::is_store_mapping;
 use crate::stranded;
 
@@ -217,11 +217,9 @@ fn empty_pieces(sh: &Shared, mut unreported: Unreported<'_>) -> Result<(), Engin
     // Pieces left mappings of the store, registered there again when `unreported` is dropped.
     let mut kept = Vec::new();
     while let Some((piece, out)) = unreported.pieces.pop() {
-        if let Some((_, r)) = st.regions.range_mut(..=piece.start).next_back() {
+        if let Some(r) = region_at_mut(&mut st.regions, piece.start) {
             // Unlocked by a call the engine did not see: emptied unlocked.
-            if piece.start < r.start + r.len() {
-                r.forget_unlocked(piece.start, piece.end - piece.start);
-            }
+            r.forget_unlocked(piece.start, piece.end - piece.start);
         }
         if let Err(e) = empty_store_piece(sh, &st, &piece) {
             let zeroed = zero_in_place(&mut st, &piece);

@@ -170,6 +170,15 @@ pub(crate) fn region_at(
     (addr < r.start + r.len()).then_some(r)
 }
 
+/// The region holding `addr`, if any, to change.
+pub(crate) fn region_at_mut(
+    regions: &mut BTreeMap<usize, RegionState>,
+    addr: usize,
+) -> Option<&mut RegionState> {
+    let (_, r) = regions.range_mut(..=addr).next_back()?;
+    (addr < r.start + r.len()).then_some(r)
+}
+
 /// The region (its start), index and state of the registered page holding `addr`.
 pub(crate) fn page_at(
     regions: &BTreeMap<usize, RegionState>,
