@@ -824,6 +824,7 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
     // is corrected both ways (the margin under the limit absorbs such splits).
     let used = used_vmas(run, plan, &out.verdict);
     st.vmas = (st.vmas + used).saturating_sub(plan.vmas);
+    note_mapped(&mut st.store, run, plan, out);
     let Some(rs) = RunState::of(st, run.region) else {
         for a in plan.acts.iter().take(run.n) {
             if let Some(Action::Merge(sid)) = *a {
@@ -900,6 +901,21 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
         // locked), which the kernel's KSM merges where it runs.
         rs.region.spending.refused += refused;
         cx.judge_for_ksm(rs.region, false);
+    }
+}
+
+/// Notes the copies mapped over the run's pages: those of its merges, and, where a mapping
+/// failed (which may leave part of it made), every copy the plan held.
+fn note_mapped(store: &mut Store, run: &Run, plan: &Plan, out: &Outcome) {
+    let acts = if out.map_error.is_some() {
+        &plan.acts
+    } else {
+        &out.verdict
+    };
+    for a in acts.iter().take(run.n) {
+        if let Some(Action::Merge(sid)) = *a {
+            store.note_mapped(sid..sid + 1);
+        }
     }
 }
 
@@ -1086,6 +1102,7 @@ unsafe fn map_copies(
             .fetch_add(m as u64, Ordering::Relaxed);
         Ok(false)
     } else {
+        rs.store.note_mapped(sid..sid + m as KeyId);
         // The store mapping replaced is reported by its context: the engine's own change.
         lock(&sh.changes).expect_merge(mapping_change(addr, m), since);
         let copies = Copies {

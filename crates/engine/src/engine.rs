@@ -518,6 +518,12 @@ impl Engine {
         lock(&self.shared.changes).store_moves()
     }
 
+    /// For tests: the ids the store gave out for copies so far (a merge try's memory).
+    #[doc(hidden)]
+    pub fn copies_made(&self) -> u64 {
+        lock(&self.shared.state).store.given_out
+    }
+
     /// Pages currently held in the stable store (for tests: 0 after unregistering everything).
     pub fn stable_pages(&self) -> usize {
         let st = lock(&self.shared.state);

@@ -5,6 +5,7 @@
 //! id is reused only after the tree's grace period (`KeySource::release`). Reference counts are
 //! kept by the committer thread alone, so they need no atomics.
 
+use std::ops::Range;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -169,6 +170,8 @@ pub(crate) struct Store {
     allocated_at: Vec<u64>,
     /// `alloc` calls so far.
     allocs: u64,
+    /// Ids `alloc` gave out so far (for tests: how many copies merges made).
+    pub(crate) given_out: u64,
     /// Entries of published copies, to remove them by handle (as long as the highest id ever
     /// inserted in the tree).
     entries: Vec<Option<pageone_index::Entry>>,
@@ -261,6 +264,7 @@ impl Store {
             allocated: Vec::new(),
             allocated_at: Vec::new(),
             allocs: 0,
+            given_out: 0,
             entries: Vec::new(),
             bump: 0,
             free: Vec::new(),
@@ -354,6 +358,7 @@ impl Store {
             self.zero_hole[id as usize] = false;
         }
         self.allocs += 1;
+        self.given_out += out.len() as u64;
         Some(out)
     }
 
@@ -554,9 +559,10 @@ impl Store {
         self.refs[id as usize]
     }
 
-    /// One more page maps copy `id`.
+    /// One more page maps copy `id`, or is about to: a reference taken for a merge is taken
+    /// back (`undo_ref`) if the merge does not happen. Whether a mapping of the copy was made, or
+    /// tried, is noted apart (`note_mapped`).
     pub(crate) fn add_ref(&mut self, id: KeyId) {
-        self.mapped[id as usize] = true;
         let r = &mut self.refs[id as usize];
         *r += 1;
         if self.zero_hole[id as usize] {
@@ -567,6 +573,14 @@ impl Store {
             self.shared += 1;
         }
         self.sharing_refs += 1;
+    }
+
+    /// A mapping of copies `ids` over the program's pages was made or tried: once freed, they
+    /// are held until the process's mappings show none covering them (see the `held` module).
+    /// Copies whose merges never got that far (pages refused or changed, the budget spent) are
+    /// reused at once.
+    pub(crate) fn note_mapped(&mut self, ids: Range<KeyId>) {
+        self.mapped[ids.start as usize..ids.end as usize].fill(true);
     }
 
     /// Takes one page's reference off copy `id`; returns whether none is left.
