@@ -135,6 +135,8 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
                 && (prot == libc::PROT_READ | libc::PROT_WRITE
                     // SAFETY: `tmp` is ours alone.
                     || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
+            // Advised as the memory it replaces (see `advice`).
+            crate::advice::carry_over_to(tmp as usize, s, len);
             // Moving it over the store mapping unmaps that: the engine's own change.
             let change = Change::Unmap { start: s, end: e };
             lock(&sh.changes).expect(change);

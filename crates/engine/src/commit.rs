@@ -1227,8 +1227,9 @@ unsafe fn release_zeroed(
         lock(&sh.changes).unexpect(mapping_change(addr, m));
         return Err(e);
     }
-    // Locked where they were (see `locking`).
+    // Locked and advised where they were (see `locking`, `advice`).
     rs.region.relock(addr, len);
+    crate::advice::carry_over(addr, len);
     *rs.vmas += COST;
     // Registered like the memory around it; empty, a touch is the kernel's own fault.
     let registered = sh.uffd.register(addr, len, sh.reg_mode);

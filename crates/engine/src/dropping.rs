@@ -284,10 +284,11 @@ fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), 
     // whole, by an empty private anonymous mapping.
     let mapped = unsafe { sys::mmap_anonymous_fixed(s as *mut u8, len, piece.prot) };
     if mapped.is_ok() {
-        // Locked where it was (see `locking`).
+        // Locked and advised where it was (see `locking`, `advice`).
         if let Some(r) = region_at(&st.regions, s) {
             r.relock(s, len);
         }
+        crate::advice::carry_over(s, len);
     }
     // A report was read before the call returned (the kernel waits for that), and the fault
     // thread records what it reads before it lets go of the log: an announcement still there

@@ -71,6 +71,8 @@
 //! * `changes`: changes to registered memory the kernel reports; `layout`: the regions cut and
 //!   moved by them, and the lock that holds mapping changes and `fork` off a frozen run.
 //! * `candidates`: the pages a period may merge, and their order into batches by content.
+//! * `ranges`: sets of addresses kept as ranges. `advice`: the program's advice not to dump or
+//!   inherit memory, which the engine's mappings carry over.
 //! * `locking`: locked memory, frozen into a locked area and locked again once merged.
 //! * `freeze`: the guards that hold a run of pages still for a merge, and let it go on drop.
 //! * `state`: per-page and per-region bookkeeping, the state lock's contents, what the threads
@@ -85,6 +87,7 @@
 //! * `engine`: the [`Engine`] handle that starts and stops it all.
 
 mod access;
+mod advice;
 mod anonymize;
 mod apart;
 mod candidates;
@@ -107,6 +110,7 @@ mod locking;
 mod parking;
 mod period;
 mod pool;
+mod ranges;
 mod read_ahead;
 mod refusals;
 mod registry;
@@ -124,6 +128,7 @@ mod unfilled;
 mod watch;
 mod zero_holes;
 
+pub use advice::{advised, mapping_gone};
 pub use apart::{is_kept_apart, keep_apart, spawn as spawn_apart, EngineThread, KeptApart};
 pub use config::{Builder, Config, WatchMode};
 pub use dropping::DropAdvice;

@@ -12,7 +12,7 @@
 //! copies' pages are mapped already, so they are locked as they are; a page written later is
 //! the program's own again, and locked as the kernel faults it in.
 //!
-//! The engine keeps the ranges it locked that way ([`LockedRanges`], per region) and locks
+//! The engine keeps the ranges it locked that way (a [`RangeSet`] per region) and locks
 //! whatever it maps there later (merging a written page again, releasing one, giving the
 //! memory back as anonymous memory), until the program unmaps or unlocks them.
 
@@ -26,6 +26,7 @@ use pageone_sys::{self as sys, uapi::MADV_DONTNEED_LOCKED};
 
 use crate::access::PAGE;
 use crate::changes::{Change, ChangeLog};
+use crate::ranges::RangeSet;
 
 /// Pages locked by `mlock2(MLOCK_ONFAULT)`: pages mapped now are locked as they are, the rest as
 /// they fault in.
@@ -145,76 +146,10 @@ impl LockedScratch {
     }
 }
 
-/// Ranges of a region (byte offsets from its start, sorted, apart) where the engine mapped
-/// something over locked pages and locked it: what it maps there later is locked too.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(crate) struct LockedRanges(Vec<Range<usize>>);
-
-impl LockedRanges {
-    pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// Adds `r`, joining the ranges it touches.
-    pub(crate) fn add(&mut self, r: Range<usize>) {
-        if r.is_empty() {
-            return;
-        }
-        let first = self.0.partition_point(|x| x.end < r.start);
-        let last = self.0.partition_point(|x| x.start <= r.end);
-        let joined = self.0[first..last]
-            .iter()
-            .fold(r, |a, x| a.start.min(x.start)..a.end.max(x.end));
-        self.0.splice(first..last, [joined]);
-    }
-
-    /// Takes `r` out (the program unmapped or unlocked it).
-    pub(crate) fn remove(&mut self, r: Range<usize>) {
-        if r.is_empty() || self.0.is_empty() {
-            return;
-        }
-        let first = self.0.partition_point(|x| x.end <= r.start);
-        let last = self.0.partition_point(|x| x.start < r.end);
-        let mut kept = Vec::new();
-        for x in &self.0[first..last] {
-            if x.start < r.start {
-                kept.push(x.start..r.start);
-            }
-            if x.end > r.end {
-                kept.push(r.end..x.end);
-            }
-        }
-        self.0.splice(first..last, kept);
-    }
-
-    /// Splits at offset `at`: keeps the ranges below it, returns those above, as offsets from
-    /// `at` (a region split there: see `layout::split_off`).
-    pub(crate) fn split_off(&mut self, at: usize) -> LockedRanges {
-        let i = self.0.partition_point(|x| x.end <= at);
-        let mut right = self.0.split_off(i);
-        if let Some(first) = right.first_mut().filter(|x| x.start < at) {
-            self.0.push(first.start..at);
-            first.start = at;
-        }
-        right.iter_mut().for_each(|x| *x = x.start - at..x.end - at);
-        LockedRanges(right)
-    }
-
-    /// The parts of `r` that are locked, in order.
-    pub(crate) fn within(&self, r: Range<usize>) -> impl Iterator<Item = Range<usize>> + '_ {
-        let first = self.0.partition_point(|x| x.end <= r.start);
-        self.0[first..]
-            .iter()
-            .take_while(move |x| x.start < r.end)
-            .map(move |x| x.start.max(r.start)..x.end.min(r.end))
-            .filter(|p| !p.is_empty())
-    }
-}
-
 /// Locks the parts of `[addr, addr + len)` that `locked` holds (offsets from `base`), just
 /// mapped by the engine: see the module documentation. A failure (a limit on locked memory)
 /// leaves them unlocked, as the rest of the program's memory there may be.
-pub(crate) fn relock(locked: &LockedRanges, base: usize, addr: usize, len: usize) {
+pub(crate) fn relock(locked: &RangeSet, base: usize, addr: usize, len: usize) {
     if locked.is_empty() {
         return;
     }
@@ -230,7 +165,7 @@ pub(crate) fn relock(locked: &LockedRanges, base: usize, addr: usize, len: usize
 /// `MADV_COLD` on locked memory, and on unlocked memory it only ages the pages, which the
 /// engine is about to replace. (A part unlocked only in places stays: the kernel refuses the
 /// call at the first locked mapping.)
-pub(crate) fn forget_unlocked(locked: &mut LockedRanges, base: usize, addr: usize, len: usize) {
+pub(crate) fn forget_unlocked(locked: &mut RangeSet, base: usize, addr: usize, len: usize) {
     if locked.is_empty() {
         return;
     }
@@ -248,74 +183,10 @@ pub(crate) fn forget_unlocked(locked: &mut LockedRanges, base: usize, addr: usiz
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use proptest::prelude::*;
 
     /// Whether the page at `addr` lies in a locked mapping.
     pub(crate) fn is_locked(addr: usize) -> bool {
         let locked = sys::self_locked_mappings().unwrap();
         locked.iter().any(|m| m.contains(&addr))
-    }
-
-    fn pages(v: &LockedRanges) -> Vec<bool> {
-        let mut out = vec![false; 64];
-        for r in &v.0 {
-            out[r.clone()].iter_mut().for_each(|b| *b = true);
-        }
-        out
-    }
-
-    proptest! {
-        /// Ranges added and removed at random hold exactly the pages a plain set would, sorted,
-        /// apart and never empty.
-        #[test]
-        fn ranges_behave_as_a_set_of_pages(ops in proptest::collection::vec((any::<bool>(), 0usize..64, 0usize..64), 0..40)) {
-            let mut v = LockedRanges::default();
-            let mut model = vec![false; 64];
-            for (add, a, b) in ops {
-                let r = a.min(b)..a.max(b);
-                if add {
-                    v.add(r.clone());
-                } else {
-                    v.remove(r.clone());
-                }
-                model[r].iter_mut().for_each(|m| *m = add);
-                prop_assert_eq!(pages(&v), model.clone());
-                prop_assert!(v.0.windows(2).all(|w| w[0].end < w[1].start));
-                prop_assert!(v.0.iter().all(|r| !r.is_empty()));
-            }
-        }
-
-        /// A split keeps what lies below the offset and gives the rest, counted from it.
-        #[test]
-        fn a_split_divides_the_pages(adds in proptest::collection::vec((0usize..64, 0usize..64), 0..10), at in 0usize..64) {
-            let mut v = LockedRanges::default();
-            for (x, y) in adds {
-                v.add(x.min(y)..x.max(y));
-            }
-            let all = pages(&v);
-            let right = v.split_off(at);
-            let (left, right) = (pages(&v), pages(&right));
-            for i in 0..64 {
-                prop_assert_eq!(left[i], all[i] && i < at);
-                prop_assert_eq!(right[i], i + at < 64 && all[i + at]);
-            }
-        }
-
-        /// `within` gives the locked parts of a range, clipped to it.
-        #[test]
-        fn within_clips_to_the_range(adds in proptest::collection::vec((0usize..64, 0usize..64), 0..10), a in 0usize..64, b in 0usize..64) {
-            let mut v = LockedRanges::default();
-            for (x, y) in adds {
-                v.add(x.min(y)..x.max(y));
-            }
-            let r = a.min(b)..a.max(b);
-            let mut got = vec![false; 64];
-            for p in v.within(r.clone()) {
-                prop_assert!(p.start >= r.start && p.end <= r.end && !p.is_empty());
-                got[p].iter_mut().for_each(|g| *g = true);
-            }
-            let want: Vec<bool> = pages(&v).iter().enumerate().map(|(i, &l)| l && r.contains(&i)).collect();
-            prop_assert_eq!(got, want);
-        }
     }
 }

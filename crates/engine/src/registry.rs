@@ -79,6 +79,8 @@ fn register_locked(
 ) -> Result<(), EngineError> {
     let (a, end) = (range.start, range.end);
     let unmergeable = registrable(st, maps, a, end)?;
+    // What the engine maps here carries the program's advice (see `advice`): the kernel's.
+    crate::advice::check_registered(a..end);
     // Nothing is mapped over untouched pages: registered for write-protection only, a first
     // touch is the kernel's own fault (see `Shared::freeze_mode`).
     watch_pieces(sh, a..end, &unmergeable)?;

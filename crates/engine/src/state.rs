@@ -94,7 +94,7 @@ pub(crate) struct RegionState {
     pub(crate) pages: Vec<Page>,
     /// Where the engine's mappings over the region's pages are locked (see the `locking`
     /// module): offsets from `start`.
-    pub(crate) locked: crate::locking::LockedRanges,
+    pub(crate) locked: crate::ranges::RangeSet,
     /// Whether any page was ever merged: only then does the region contain mappings of the store
     /// that the watch must scan separately (write-protect scans skip them).
     pub(crate) merged_ever: bool,

@@ -209,6 +209,17 @@ pub(crate) struct Store {
     inode: u64,
 }
 
+/// Leaves the engine's view of a store at `base` out of the process's core dumps: the kernel
+/// dumps shared mappings of a memfd by default (as shared anonymous memory), and the view holds
+/// every copy of the store, a daemon's holding other processes' pages. The program's merged
+/// pages are its own mappings of the store, dumped or not as the program's settings say.
+fn leave_out_of_dumps(base: usize, len: usize) {
+    // SAFETY: the advice changes no contents; the view is the engine's own.
+    if let Err(e) = unsafe { sys::madvise(base as *mut u8, len, libc::MADV_DONTDUMP) } {
+        tracing::debug!(error = %e, "the store's view is left in core dumps");
+    }
+}
+
 impl Store {
     pub(crate) fn new(capacity_pages: u32) -> Result<Self, EngineError> {
         let fd = sys::memfd_create(c"pageone-stable").map_err(EngineError::Store)?;
@@ -216,6 +227,7 @@ impl Store {
         sys::ftruncate(fd.as_raw_fd(), bytes).map_err(EngineError::Store)?;
         let base = sys::mmap_shared(fd.as_raw_fd(), bytes as usize, 0)
             .map_err(EngineError::Store)? as usize;
+        leave_out_of_dumps(base, bytes as usize);
         Self::with_file(fd, base, capacity_pages, None)
     }
 
@@ -228,6 +240,7 @@ impl Store {
         let bytes = capacity_pages as usize * PAGE;
         let base =
             sys::mmap_shared_readonly(fd.as_raw_fd(), bytes).map_err(EngineError::Store)? as usize;
+        leave_out_of_dumps(base, bytes);
         Self::with_file(fd, base, capacity_pages, Some(Arc::new(remote)))
     }
 

@@ -41,6 +41,12 @@
 //!   kept out of what the engine registers for good and made private again where it was
 //!   registered, then advised. (A raw `madvise` the shim does not see gets the kernel's
 //!   `EINVAL` where pages are merged.)
+//! * **`MADV_DONTDUMP` and `MADV_DONTFORK`** (QEMU gives guest RAM both) live in the flags of
+//!   a mapping, which the engine's own mappings (merged pages, released ones, memory given back)
+//!   would not have: after the kernel accepted such advice, or `MADV_DODUMP`/`MADV_DOFORK`, the
+//!   engine is told ([`pageone_engine::advised`]), and what it maps there later carries the
+//!   advice. `munmap`, `mmap(MAP_FIXED)` and `mremap` forget it ([`pageone_engine::mapping_gone`]).
+//!   (Advice given with a raw system call is not carried.)
 //! * **`PR_SET_MEMORY_MERGE`** registers the process's private anonymous read/write mappings, as
 //!   KSM marks every anonymous mapping: `[heap]`, small mappings and named ones too, but not the
 //!   main thread's `[stack]` (it grows down past what was registered), the zero-filled tails of
@@ -402,6 +408,15 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
             drop_pages(addr, len, advice)
         }
         libc::MADV_WIPEONFORK => wipe_on_fork(addr, len),
+        libc::MADV_DONTDUMP | libc::MADV_DODUMP | libc::MADV_DONTFORK | libc::MADV_DOFORK => {
+            // Kept in the mapping's flags, which the engine's mappings carry over (see
+            // `pageone_engine::advised`).
+            let r = covered(|| raw_madvise(addr, len, advice));
+            if let (0, Some((a, e))) = (r, page_range(addr, len)) {
+                pageone_engine::advised(a..e, advice);
+            }
+            r
+        }
         libc::MADV_HUGEPAGE => {
             // Registered memory keeps huge pages as the kernel's KSM does (the engine splits one
             // only where a page of it merges), but the mappings of pageone's store in it are
@@ -1035,7 +1050,11 @@ pub unsafe extern "C" fn mmap(
 ) -> *mut c_void {
     let p = if flags & libc::MAP_FIXED != 0 {
         forget_call(addr, len);
-        covered(|| raw_mmap(addr, len, prot, flags, fd, off))
+        let p = covered(|| raw_mmap(addr, len, prot, flags, fd, off));
+        if p != libc::MAP_FAILED {
+            mapping_gone(p as usize, len);
+        }
+        p
     } else {
         let p = raw_mmap(addr, len, prot, flags, fd, off);
         if p != libc::MAP_FAILED {
@@ -1094,7 +1113,19 @@ pub unsafe extern "C" fn mmap64(
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     forget_call(addr, len);
     // SAFETY: the program asked for exactly this call.
-    covered(|| unsafe { sys::raw_munmap(addr, len) })
+    let r = covered(|| unsafe { sys::raw_munmap(addr, len) });
+    if r == 0 {
+        mapping_gone(addr as usize, len);
+    }
+    r
+}
+
+/// The program's advice over `[addr, addr + len)` went with its mappings (see
+/// `pageone_engine::advised`).
+fn mapping_gone(addr: usize, len: usize) {
+    if let Some((a, e)) = page_range(addr as *mut c_void, len) {
+        pageone_engine::mapping_gone(a..e);
+    }
 }
 
 /// `mprotect(2)`: a change of mappings (see the crate doc); mergeable memory it makes read/write
@@ -1157,6 +1188,12 @@ pub unsafe extern "C" fn mremap(
     };
     let moving = call.before();
     let p = remap(&call);
+    if p != libc::MAP_FAILED {
+        // The advice moved with the memory, and what the engine maps at either place later
+        // does not carry it (see `pageone_engine::advised`).
+        mapping_gone(old as usize, old_len);
+        mapping_gone(p as usize, new_len);
+    }
     if let Some(cut) = moving {
         call.after(&cut, p);
     }

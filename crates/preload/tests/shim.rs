@@ -299,6 +299,13 @@ fn memory_advised_wipe_on_fork_is_empty_in_a_child() {
     behaves("wipe-on-fork");
 }
 
+/// Memory advised not to be dumped or inherited (as QEMU advises guest RAM) keeps the advice
+/// through the merge, a page merged again and unregistering.
+#[test]
+fn advice_not_to_dump_or_inherit_stays_with_merged_memory() {
+    behaves("advice");
+}
+
 /// A program that locks all its memory (`mlockall`, as QEMU's `mem-lock=on`) gets it merged,
 /// and locked still.
 #[test]

@@ -277,6 +277,13 @@ pub fn self_status_kib(field: &str) -> io::Result<u64> {
 /// The process's locked mappings (`lo` among the `VmFlags` of `/proc/self/smaps`), as address
 /// ranges in order. Reading it walks every mapping's page tables: for tests and diagnostics.
 pub fn self_locked_mappings() -> io::Result<Vec<std::ops::Range<usize>>> {
+    self_mappings_flagged("lo")
+}
+
+/// The ranges of this process's mappings whose `VmFlags` in `/proc/self/smaps` hold `flag`
+/// (`lo` locked, `dd` not dumped, `dc` not inherited by a child), in address order. Reading the
+/// file walks the page tables of every mapping: call it rarely.
+pub fn self_mappings_flagged(flag: &str) -> io::Result<Vec<std::ops::Range<usize>>> {
     let smaps = std::fs::read_to_string("/proc/self/smaps")?;
     let mut out = Vec::new();
     let mut current = None;
@@ -289,7 +296,7 @@ pub fn self_locked_mappings() -> io::Result<Vec<std::ops::Range<usize>>> {
             }
         }
         if let Some(flags) = line.strip_prefix("VmFlags:") {
-            if flags.split_whitespace().any(|f| f == "lo") {
+            if flags.split_whitespace().any(|f| f == flag) {
                 out.extend(current.take());
             }
         }

@@ -5,7 +5,7 @@
  *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
  *                              protnone | guard | protnone-forgotten | protnone-remap |
  *                              protnone-ksm | mlockall | mlockall-after | mlock-limited |
- *                              wipe-on-fork)
+ *                              wipe-on-fork | advice)
  *
  * protnone-ksm alone runs with the kernel's KSM running (the caller starts it).
  */
@@ -532,6 +532,70 @@ static void wipe_on_fork(void) {
     check(child_sees_zeros(q, PAGES), "a child finds it empty");
 }
 
+/* Pages of [p, p+pages) in mappings whose VmFlags (/proc/self/smaps) hold `flag`. */
+static size_t flagged_pages(const unsigned char *p, size_t pages, const char *flag) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f)
+        return 0;
+    char line[1024];
+    unsigned long a = 0, e = 0, lo = (uintptr_t)p, hi = lo + pages * PAGE;
+    size_t n = 0, len = strlen(flag);
+    while (fgets(line, sizeof line, f)) {
+        unsigned long x, y;
+        if (sscanf(line, "%lx-%lx ", &x, &y) == 2) {
+            a = x;
+            e = y;
+            continue;
+        }
+        if (strncmp(line, "VmFlags:", 8) != 0 || e <= lo || a >= hi)
+            continue;
+        for (char *t = strtok(line + 8, " \n"); t; t = strtok(NULL, " \n"))
+            if (strlen(t) == len && !strncmp(t, flag, len))
+                n += ((e < hi ? e : hi) - (a > lo ? a : lo)) / PAGE;
+    }
+    fclose(f);
+    return n;
+}
+
+/* Whether a child finds [p, p+pages) unmapped (not inherited). */
+static int child_lacks(const unsigned char *p, size_t pages) {
+    pid_t pid = fork();
+    if (pid == 0)
+        _exit(madvise((void *)p, pages * PAGE, MADV_NORMAL) == -1 && errno == ENOMEM ? 0 : 1);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+/* Memory advised MADV_DONTDUMP and MADV_DONTFORK (as QEMU advises guest RAM) keeps the advice
+ * once merged, and after a written page merged again: a core dump leaves it out and a child does
+ * not inherit it. (The engine's mappings are its own; the kernel would give them neither.) */
+static void advice(void) {
+    unsigned char *p =
+        mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    check(p != MAP_FAILED, "mmap");
+    fill(p, PAGES);
+    check(madvise(p, PAGES * PAGE, MADV_DONTDUMP) == 0, "MADV_DONTDUMP");
+    check(madvise(p, PAGES * PAGE, MADV_DONTFORK) == 0, "MADV_DONTFORK");
+    check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE");
+    check(merges(p, PAGES, PAGES - 1), "merged");
+    check(flagged_pages(p, PAGES, "dd") == PAGES, "not dumped once merged");
+    check(flagged_pages(p, PAGES, "dc") == PAGES, "not inherited once merged");
+    check(child_lacks(p, PAGES), "a child does not have it");
+    p[5 * PAGE] ^= 0xff;
+    p[5 * PAGE] ^= 0xff;
+    sleep(1);
+    check(merges(p, PAGES, PAGES - 1), "merged again");
+    check(flagged_pages(p, PAGES, "dd") == PAGES, "not dumped once merged again");
+    check(flagged_pages(p, PAGES, "dc") == PAGES, "not inherited once merged again");
+    check(madvise(p, PAGES * PAGE, MADV_DOFORK) == 0, "MADV_DOFORK");
+    check(madvise(p, PAGES * PAGE, MADV_UNMERGEABLE) == 0, "MADV_UNMERGEABLE");
+    check(file_pages(p, PAGES) == 0, "given back");
+    check(flagged_pages(p, PAGES, "dd") == PAGES, "not dumped once given back");
+    check(flagged_pages(p, PAGES, "dc") == 0, "inherited once advised so");
+    check(intact(p, 0, PAGES), "the pages keep their bytes");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -563,6 +627,8 @@ int main(int argc, char **argv) {
         locked_under_a_limit();
     else if (!strcmp(argv[1], "wipe-on-fork"))
         wipe_on_fork();
+    else if (!strcmp(argv[1], "advice"))
+        advice();
     else
         return 2;
     printf("OK\n");

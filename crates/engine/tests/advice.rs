@@ -1,0 +1,197 @@
+//! Memory the program advised not to be dumped (`MADV_DONTDUMP`) or inherited
+//! (`MADV_DONTFORK`) keeps that advice through everything the engine maps over it: the merge
+//! itself, a written page merged again, a zeroed one released, pages dropped, and the anonymous
+//! memory given back when it is unregistered. Stale advice (memory unmapped and mapped again
+//! where the embedder did not see it) is not carried. The engine's view of its store is left out
+//! of core dumps.
+
+use pageone_engine::{DropAdvice, Engine};
+use pageone_sys as sys;
+
+mod common;
+use common::{check, fill, small_engine, wait_for, PAGE};
+
+/// Pages of `[base, base + pages * PAGE)` not in a mapping whose `VmFlags` hold `flag`.
+fn pages_without(flag: &str, base: usize, pages: usize) -> Vec<usize> {
+    let flagged = sys::self_mappings_flagged(flag).unwrap();
+    (0..pages)
+        .filter(|i| !flagged.iter().any(|m| m.contains(&(base + i * PAGE))))
+        .collect()
+}
+
+/// Mappings of a store among those of `[base, base + len)`: merged pages.
+fn store_mappings(base: usize, len: usize) -> usize {
+    let maps = sys::self_mappings_in(base, base + len).unwrap();
+    maps.iter()
+        .filter(|m| pageone_engine::is_store_mapping(m))
+        .count()
+}
+
+/// Maps `2 * n` pages of two identical halves (page `i` holds `i % n + 1`).
+fn halves_unregistered(n: usize) -> usize {
+    let base = sys::mmap_anonymous(2 * n * PAGE).unwrap() as usize;
+    for i in 0..2 * n {
+        // SAFETY: a page of the test's own mapping, which nothing else refers to yet.
+        let page = unsafe { std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE) };
+        fill(page, (i % n) as u64 + 1);
+    }
+    base
+}
+
+/// Advises `[base, base + len)` as a program under the shim does: the kernel's call, then the
+/// engine told.
+fn advise(base: usize, len: usize, advice: i32) {
+    // SAFETY: advice that changes no contents, on the test's own mapping.
+    unsafe { sys::madvise(base as *mut u8, len, advice) }.unwrap();
+    pageone_engine::advised(base..base + len, advice);
+}
+
+fn holds(base: usize, i: usize, c: u64) -> bool {
+    // SAFETY: a page of the test's mapping, read while no thread writes it.
+    check(
+        unsafe { std::slice::from_raw_parts((base + i * PAGE) as *const u8, PAGE) },
+        c,
+    )
+}
+
+/// Every page of the range is in mappings that are neither dumped nor inherited.
+fn assert_advised(base: usize, pages: usize, when: &str) {
+    assert_eq!(
+        pages_without("dd", base, pages),
+        [0usize; 0],
+        "dumped {when}"
+    );
+    assert_eq!(
+        pages_without("dc", base, pages),
+        [0usize; 0],
+        "inherited {when}"
+    );
+}
+
+#[test]
+fn advice_given_before_registering_stays_through_every_mapping_over_it() {
+    let e = small_engine(false);
+    let n = 64;
+    let (base, len) = (halves_unregistered(n), 2 * n * PAGE);
+    advise(base, len, libc::MADV_DONTDUMP);
+    advise(base, len, libc::MADV_DONTFORK);
+    e.merge(base as *mut u8, len).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    assert!(store_mappings(base, len) > 0);
+    assert_advised(base, 2 * n, "once merged");
+    // A page written, then written back: merged again.
+    let at = (base + 7 * PAGE + 9) as *mut u8;
+    // SAFETY: a byte of the test's mapping, which only this thread writes.
+    unsafe { at.write_volatile(at.read_volatile() ^ 0xff) };
+    let merges = wait_for(&e, |s| s.cow_breaks >= 1).merges;
+    // SAFETY: as above.
+    unsafe { at.write_volatile(at.read_volatile() ^ 0xff) };
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64 && s.merges > merges);
+    assert_eq!(s.pages_sharing, n as u64, "not merged again: {s:?}");
+    assert_advised(base, 2 * n, "merged again");
+    // A merged page zeroed: released.
+    // SAFETY: a page of the test's mapping, which only this thread writes.
+    fill(
+        unsafe { std::slice::from_raw_parts_mut((base + 3 * PAGE) as *mut u8, PAGE) },
+        0,
+    );
+    let s = wait_for(&e, |s| s.zero_pages >= 1);
+    assert!(s.zero_pages >= 1, "{s:?}");
+    assert_advised(base, 2 * n, "released");
+    // Dropped.
+    e.drop_pages((base + 10 * PAGE) as *mut u8, PAGE, DropAdvice::DontNeed)
+        .unwrap();
+    assert!(holds(base, 10, 0), "a dropped page is not zero");
+    assert_advised(base, 2 * n, "dropped");
+    // Given back as anonymous memory.
+    e.unregister(base as *mut u8, len).unwrap();
+    assert_eq!(store_mappings(base, len), 0);
+    assert_advised(base, 2 * n, "given back");
+    for i in (0..2 * n).filter(|&i| i != 3 && i != 10) {
+        assert!(holds(base, i, (i % n) as u64 + 1), "page {i}");
+    }
+    pageone_engine::mapping_gone(base..base + len);
+    // SAFETY: the test's own mapping, which nothing refers to any more.
+    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
+}
+
+/// Advice taken back, or given only to part of the memory, is carried as the kernel holds it.
+#[test]
+fn advice_taken_back_is_not_carried_and_part_advice_stays_in_its_part() {
+    let e = small_engine(false);
+    let n = 64;
+    let (base, len) = (halves_unregistered(n), 2 * n * PAGE);
+    e.merge(base as *mut u8, len).unwrap();
+    // The first half's first 16 pages and the second half's last 16 are advised; the rest was
+    // advised and taken back.
+    advise(base, len, libc::MADV_DONTFORK);
+    advise(base + 16 * PAGE, len - 32 * PAGE, libc::MADV_DOFORK);
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    assert!(store_mappings(base, len) > 0);
+    let inherited = pages_without("dc", base, 2 * n);
+    assert_eq!(inherited, (16..2 * n - 16).collect::<Vec<_>>());
+    assert_eq!(pages_without("dd", base, 2 * n).len(), 2 * n);
+    e.unregister(base as *mut u8, len).unwrap();
+    assert_eq!(pages_without("dc", base, 2 * n), inherited);
+    pageone_engine::mapping_gone(base..base + len);
+    // SAFETY: the test's own mapping, which nothing refers to any more.
+    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
+}
+
+/// Memory unmapped and mapped again where the embedder did not see it (as glibc's `free` and
+/// `malloc` do) does not inherit the advice the old memory had.
+#[test]
+fn stale_advice_of_memory_mapped_again_unseen_is_not_carried() {
+    let e = small_engine(false);
+    let n = 32;
+    let (base, len) = (halves_unregistered(n), 2 * n * PAGE);
+    advise(base, len, libc::MADV_DONTDUMP);
+    advise(base, len, libc::MADV_DONTFORK);
+    // SAFETY: the test's own mapping; unmapped and mapped again with raw calls, unreported.
+    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
+    // SAFETY: the range was just unmapped; a fresh private anonymous mapping takes its place.
+    unsafe { sys::mmap_anonymous_fixed(base as *mut u8, len, libc::PROT_READ | libc::PROT_WRITE) }
+        .unwrap();
+    for i in 0..2 * n {
+        // SAFETY: a page of the test's own mapping, which nothing else refers to yet.
+        let page = unsafe { std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE) };
+        fill(page, (i % n) as u64 + 1);
+    }
+    e.merge(base as *mut u8, len).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    assert_eq!(pages_without("dd", base, 2 * n).len(), 2 * n, "not dumped");
+    assert_eq!(
+        pages_without("dc", base, 2 * n).len(),
+        2 * n,
+        "not inherited"
+    );
+    e.unregister(base as *mut u8, len).unwrap();
+    // SAFETY: the test's own mapping, which nothing refers to any more.
+    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
+}
+
+/// The engine's view of its store (every copy it holds) is not dumped.
+#[test]
+fn the_stores_view_is_left_out_of_core_dumps() {
+    let e: Engine = small_engine(false);
+    let r = common::halves(&e, 16);
+    wait_for(&e, |s| s.pages_sharing >= 16);
+    let maps = sys::self_mappings().unwrap();
+    let views: Vec<_> = maps
+        .iter()
+        .filter(|m| pageone_engine::is_store_mapping(m) && m.perms.ends_with('s'))
+        .collect();
+    assert!(!views.is_empty(), "no view of the store found");
+    let dd = sys::self_mappings_flagged("dd").unwrap();
+    for v in views {
+        assert!(
+            dd.iter().any(|m| m.contains(&v.start)),
+            "the view at {:#x} is dumped",
+            v.start
+        );
+    }
+    drop(r);
+}
