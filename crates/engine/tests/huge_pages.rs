@@ -456,7 +456,14 @@ fn no_write_is_lost_while_huge_pages_are_collapsed_back() {
                 }
             });
         }
-        std::thread::sleep(Duration::from_secs(4));
+        // At least 4 s, and until enough huge pages were collapsed back under the writers (a
+        // busy machine starves the engine's idle-priority threads): 30 s at most.
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < Duration::from_secs(4)
+            || (e.stats().huge_pages_restored < 4 && t0.elapsed() < Duration::from_secs(30))
+        {
+            std::thread::sleep(Duration::from_millis(100));
+        }
         stop.store(true, Ordering::Relaxed);
     });
     let s = e.stats();
