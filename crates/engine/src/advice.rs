@@ -6,7 +6,7 @@
 //! mapping of its own, made without them: merged guest memory that QEMU asked to leave out of
 //! core dumps would be dumped, and a child would inherit memory the program kept from it. So the
 //! embedder (the `LD_PRELOAD` shim) reports the program's advice ([`advised`]), and the engine
-//! gives what it maps the advice the memory it replaces was given ([`carry_over`]).
+//! gives what it maps the advice the memory it replaces was given ([`over`]).
 //!
 //! One table for the process, by address: advice may come before the memory is registered. A
 //! range is forgotten where the program unmaps, maps over or moves memory, as the embedder or the
@@ -14,6 +14,13 @@
 //! where neither sees it (glibc's `free` and `malloc` of large blocks) would keep stale advice,
 //! so where the table holds advice over memory being registered, it is checked against the
 //! kernel's flags (`/proc/self/smaps`, read only then: [`check_registered`]).
+//!
+//! The table's lock is never taken while the engine holds writers off, nor by the fault thread:
+//! a program thread holds it in [`advised`], where it may allocate, and so may wait for a thread
+//! that waits on a frozen run. So the advice over a run is read before its writers are held off
+//! ([`over`]) and given to what the engine maps there while they still are (as locking is), and
+//! the kernel's reports of the program's unmaps and moves are applied with the rest of its
+//! changes (`layout::apply_changes`), before the engine maps anything there.
 //!
 //! Not carried: advice given with a raw system call the embedder does not see, and advice over
 //! memory the program moved (`mremap`: forgotten at both ends, so what the engine maps there
@@ -105,53 +112,48 @@ pub(crate) fn check_registered(range: Range<usize>) {
     }
 }
 
-/// Most parts advised at once (more take another pass): a fixed array, so that the committer
-/// allocates nothing while a run is frozen.
-const PARTS: usize = 8;
-
-/// Gives `[addr, addr + len)`, just mapped by the engine over registered memory, the advice the
-/// program gave that memory. The table's lock is not held during the calls (the fault thread
-/// takes it while it holds the changes' lock, which mapping may take). Allocates nothing. A
-/// failure leaves the part as it is: dumped and inherited, as unadvised memory.
-pub(crate) fn carry_over(addr: usize, len: usize) {
-    carry_over_to(addr, addr, len);
+/// The program's advice over a range, read before the engine holds writers off there (see the
+/// module's comment), to give what it maps there while they are held.
+#[derive(Debug, Default)]
+pub(crate) struct Advice {
+    parts: Vec<(Range<usize>, i32)>,
 }
 
-/// As [`carry_over`], for memory of the engine's at `to` about to be moved over
-/// `[addr, addr + len)`.
-pub(crate) fn carry_over_to(to: usize, addr: usize, len: usize) {
+/// The advice the table holds over `range` now (none without a lock where none was ever given).
+pub(crate) fn over(range: Range<usize>) -> Advice {
+    let mut out = Advice::default();
     if !ANY.load(Ordering::Relaxed) {
-        return;
+        return out;
     }
-    let end = addr + len;
-    for advice in [libc::MADV_DONTDUMP, libc::MADV_DONTFORK] {
-        let mut from = addr;
-        while from < end {
-            let mut parts: [Range<usize>; PARTS] = std::array::from_fn(|_| 0..0);
-            let mut n = 0;
-            {
-                let t = lock(&TABLE);
-                let set = if advice == libc::MADV_DONTDUMP {
-                    &t.no_dump
-                } else {
-                    &t.no_fork
-                };
-                for r in set.within(from..end).take(PARTS) {
-                    parts[n] = r;
-                    n += 1;
-                }
+    let t = lock(&TABLE);
+    for (set, advice) in [
+        (&t.no_dump, libc::MADV_DONTDUMP),
+        (&t.no_fork, libc::MADV_DONTFORK),
+    ] {
+        out.parts
+            .extend(set.within(range.clone()).map(|r| (r, advice)));
+    }
+    out
+}
+
+impl Advice {
+    /// Gives the parts of `[addr, addr + len)`, just mapped by the engine, the advice read for
+    /// them. Allocates nothing and takes no lock. A failure leaves the part as it is: dumped and
+    /// inherited, as unadvised memory.
+    pub(crate) fn give(&self, addr: usize, len: usize) {
+        self.give_at(addr, addr, len);
+    }
+
+    /// As [`give`](Self::give), for memory of the engine's at `to` about to be moved over
+    /// `[addr, addr + len)`.
+    pub(crate) fn give_at(&self, to: usize, addr: usize, len: usize) {
+        for (r, advice) in &self.parts {
+            let (s, e) = (r.start.max(addr), r.end.min(addr + len));
+            if s < e {
+                // SAFETY: the advice changes no contents; the range is the engine's, just mapped
+                // over registered memory or about to be moved there.
+                let _ = unsafe { sys::madvise((to + (s - addr)) as *mut u8, e - s, *advice) };
             }
-            for r in &parts[..n] {
-                let at = to + (r.start - addr);
-                // SAFETY: the advice changes no contents; the range is the engine's (just mapped
-                // over registered memory, or about to be).
-                let _ = unsafe { sys::madvise(at as *mut u8, r.len(), advice) };
-            }
-            if n < PARTS {
-                break;
-            }
-            // Full: the rest in another pass (the parts are in address order).
-            from = parts[n - 1].end;
         }
     }
 }
@@ -210,11 +212,10 @@ mod tests {
         unsafe { sys::munmap(p as *mut u8, len) }.unwrap();
     }
 
-    /// What the engine maps is given the advice the table holds for it, in as many passes as it
-    /// takes.
+    /// What the engine maps is given the advice the table holds for it, part by part.
     #[test]
-    fn mapped_memory_carries_the_advice_in_passes() {
-        let n = 2 * PARTS + 3;
+    fn mapped_memory_carries_the_advice_part_by_part() {
+        let n = 19;
         let len = 2 * n * 4096;
         let p = sys::mmap_anonymous(len).unwrap() as usize;
         for k in 0..n {
@@ -224,7 +225,7 @@ mod tests {
             );
         }
         advised(p..p + len, libc::MADV_DONTFORK);
-        carry_over(p, len);
+        over(p..p + len).give(p, len);
         let dd = sys::self_mappings_flagged("dd").unwrap();
         let dc = sys::self_mappings_flagged("dc").unwrap();
         mapping_gone(p..p + len);

@@ -111,6 +111,8 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
         return false;
     };
     let len = e - s;
+    // The program's advice, read before writers are held off (see `advice`).
+    let advice = crate::advice::over(s..e);
     // Registered for write-protection through the store mappings' context, which kernels before
     // 6.17 dropped when the main context unregistered the range: register again if so.
     let protected = u2.writeprotect(s, len, true).is_ok()
@@ -135,8 +137,8 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
                 && (prot == libc::PROT_READ | libc::PROT_WRITE
                     // SAFETY: `tmp` is ours alone.
                     || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
-            // Advised as the memory it replaces (see `advice`).
-            crate::advice::carry_over_to(tmp as usize, s, len);
+            // Advised as the memory it replaces.
+            advice.give_at(tmp as usize, s, len);
             // Moving it over the store mapping unmaps that: the engine's own change.
             let change = Change::Unmap { start: s, end: e };
             lock(&sh.changes).expect(change);

@@ -18,6 +18,7 @@ use pageone_sync::lock;
 use pageone_sys as sys;
 
 use crate::access::{equals_copy, is_zero, PageReader, PAGE};
+use crate::advice::Advice;
 use crate::candidates::{Action, Candidate};
 use crate::changes::{Change, Fate};
 use crate::classify::Classified;
@@ -297,6 +298,8 @@ struct Plan {
     /// The pages whose merge is onto a zero hole (see the `zero_holes` module): verified all
     /// zero, and given the zero page once their subrun is mapped.
     holes: HoleSet,
+    /// The program's advice over the run, given to the copies mapped there (see `advice`).
+    advice: Advice,
 }
 
 /// Which pages of a run merge onto zero holes.
@@ -358,6 +361,7 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
         return None;
     }
     Some(Plan {
+        advice: crate::advice::over(run.start..run.start + run.n * PAGE),
         acts,
         file: rs.store.file.clone(),
         store_base: rs.store.addr(0),
@@ -685,6 +689,7 @@ fn replace_frozen(
         match unsafe { map_copies_registered(cx.sh, addr, copies, since) } {
             Ok(registered) => {
                 (k..k + m).for_each(|q| frozen.consume_mapped(q));
+                plan.advice.give(addr, m * PAGE);
                 if registered {
                     map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
                     map_copies_over_the_rest(cx.sh, run.start, k..k + m, &plan.holes);
@@ -1020,6 +1025,8 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
     cx.hold_still_from_now();
     // Pages the program drops from here on stay dropped under the copies (see `unfilled`).
     let since = lock(&sh.changes).unfilled.mark();
+    // The program's advice, read before the pages are held (see `advice`).
+    let advice = crate::advice::over(start..start + n * PAGE);
     let Some(mut held) = ProtectedRun::protect(u2, start, n) else {
         return;
     };
@@ -1035,7 +1042,10 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
             // SAFETY: the subrun's pages are write-protected with writers blocked and hold only
             // zeros (read above).
             match unsafe { release_zeroed(cx, rs, (index, m), prot) } {
-                Ok(true) => (k..k + m).for_each(|q| held.mark_replaced(q)),
+                Ok(true) => {
+                    (k..k + m).for_each(|q| held.mark_replaced(q));
+                    advice.give(start + k * PAGE, m * PAGE);
+                }
                 Ok(false) => {}
                 Err(e) => map_error = Some(e),
             }
@@ -1058,7 +1068,10 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
         // SAFETY: the subrun's pages are write-protected with writers blocked and equal their
         // copies (compared above).
         match unsafe { map_copies(cx, rs, sub, 2) } {
-            Ok(true) => (k..k + m).for_each(|q| held.mark_replaced(q)),
+            Ok(true) => {
+                (k..k + m).for_each(|q| held.mark_replaced(q));
+                advice.give(start + k * PAGE, m * PAGE);
+            }
             Ok(false) => {}
             Err(e) => map_error = Some(e),
         }
@@ -1227,9 +1240,8 @@ unsafe fn release_zeroed(
         lock(&sh.changes).unexpect(mapping_change(addr, m));
         return Err(e);
     }
-    // Locked and advised where they were (see `locking`, `advice`).
+    // Locked where they were (see `locking`; advised by the caller once writers are let go).
     rs.region.relock(addr, len);
-    crate::advice::carry_over(addr, len);
     *rs.vmas += COST;
     // Registered like the memory around it; empty, a touch is the kernel's own fault.
     let registered = sh.uffd.register(addr, len, sh.reg_mode);

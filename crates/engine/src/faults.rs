@@ -192,15 +192,6 @@ fn follow_dropped_store_pages(sh: &Shared, log: &mut ChangeLog, c: Change, main:
     if !main && own.is_none() && matches!(c, Change::Remap { .. }) {
         log.note_store_move();
     }
-    // The program's advice goes with the mappings it unmaps or moves (see `advice`).
-    match c {
-        Change::Unmap { start, end } if own.is_none() => crate::advice::mapping_gone(start..end),
-        Change::Remap { from, to, len } if own.is_none() => {
-            crate::advice::mapping_gone(from..from + len);
-            crate::advice::mapping_gone(to..to + len);
-        }
-        _ => {}
-    }
     log.unfilled.follow(&c, own);
 }
 

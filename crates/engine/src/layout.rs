@@ -218,11 +218,17 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
     for c in changes.iter() {
         match c {
             Change::Unmap { start, end } => {
+                // The program's advice went with the mapping (see `advice`).
+                crate::advice::mapping_gone(start..end);
                 for piece in cut(st, start..end) {
                     forget_pages(st, &piece);
                 }
             }
-            Change::Remap { from, to, len } => moved(st, from, to, len),
+            Change::Remap { from, to, len } => {
+                crate::advice::mapping_gone(from..from + len);
+                crate::advice::mapping_gone(to..to + len);
+                moved(st, from, to, len);
+            }
             Change::Remove { start, end } => dropped(st, start..end),
         }
     }

@@ -66,25 +66,6 @@ pub(crate) unsafe fn map_copies_registered(
     copies: Copies<'_>,
     since: u64,
 ) -> io::Result<bool> {
-    // SAFETY: the caller's contract.
-    let r = unsafe { map_copies_registered_unadvised(sh, addr, copies, since) };
-    if r.is_ok() {
-        // Advised as the memory they replace (see `advice`).
-        crate::advice::carry_over(addr, copies.len());
-    }
-    r
-}
-
-/// [`map_copies_registered`], but for the program's advice.
-///
-/// # Safety
-/// As [`map_copies_registered`].
-unsafe fn map_copies_registered_unadvised(
-    sh: &Shared,
-    addr: usize,
-    copies: Copies<'_>,
-    since: u64,
-) -> io::Result<bool> {
     let Some(u) = &sh.store_uffd else {
         // SAFETY: the caller's contract.
         unsafe { map_in_place(addr, copies) }?;
