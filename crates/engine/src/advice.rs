@@ -36,37 +36,75 @@ use pageone_sys as sys;
 
 use crate::ranges::RangeSet;
 
-/// The program's advice in force, by address.
-struct Table {
-    /// Not dumped (`MADV_DONTDUMP`; `MADV_DODUMP` takes it back).
-    no_dump: RangeSet,
-    /// Not inherited by a child (`MADV_DONTFORK`; `MADV_DOFORK` takes it back).
-    no_fork: RangeSet,
+/// Advice the kernel keeps in a mapping's flags, which the engine's mappings carry over.
+struct Kind {
+    /// The advice that sets it, and the one that clears it.
+    on: i32,
+    off: i32,
+    /// Its name among the `VmFlags` of `/proc/self/smaps`.
+    flag: &'static str,
+    /// Whether mappings of the store carry it too, or only anonymous memory the engine maps (a
+    /// huge page in a mapping of the store would fill the file's holes).
+    on_copies: bool,
 }
 
-static TABLE: Mutex<Table> = Mutex::new(Table {
-    no_dump: RangeSet::new(),
-    no_fork: RangeSet::new(),
-});
+const KINDS: [Kind; 4] = [
+    // Not dumped.
+    Kind {
+        on: libc::MADV_DONTDUMP,
+        off: libc::MADV_DODUMP,
+        flag: "dd",
+        on_copies: true,
+    },
+    // Not inherited by a child.
+    Kind {
+        on: libc::MADV_DONTFORK,
+        off: libc::MADV_DOFORK,
+        flag: "dc",
+        on_copies: true,
+    },
+    // Huge pages wanted (where the system gives them only on advice, as Debian and Ubuntu do).
+    Kind {
+        on: libc::MADV_HUGEPAGE,
+        off: libc::MADV_NOHUGEPAGE,
+        flag: "hg",
+        on_copies: false,
+    },
+    // Huge pages refused.
+    Kind {
+        on: libc::MADV_NOHUGEPAGE,
+        off: libc::MADV_HUGEPAGE,
+        flag: "nh",
+        on_copies: false,
+    },
+];
+
+/// The program's advice in force, by address: a set per kind of [`KINDS`].
+struct Table([RangeSet; KINDS.len()]);
+
+#[allow(clippy::declare_interior_mutable_const)] // The initialiser of the table below.
+const EMPTY: RangeSet = RangeSet::new();
+
+static TABLE: Mutex<Table> = Mutex::new(Table([EMPTY; KINDS.len()]));
 
 /// Whether any advice was ever reported: until then, unmapping costs no lock. (Relaxed: a
 /// hint; an `advised` racing with a `mapping_gone` of the same range is the program's race.)
 static ANY: AtomicBool = AtomicBool::new(false);
 
 /// The program gave `range` `advice` (the kernel accepted it): `MADV_DONTDUMP`, `MADV_DODUMP`,
-/// `MADV_DONTFORK` or `MADV_DOFORK`, which what the engine maps there later carries too. Other
-/// advice is ignored.
+/// `MADV_DONTFORK`, `MADV_DOFORK`, `MADV_HUGEPAGE` or `MADV_NOHUGEPAGE`, which what the engine
+/// maps there later carries too. Other advice is ignored.
 pub fn advised(range: Range<usize>, advice: i32) {
-    if matches!(advice, libc::MADV_DONTDUMP | libc::MADV_DONTFORK) {
+    if KINDS.iter().any(|k| k.on == advice) {
         ANY.store(true, Ordering::Relaxed);
     }
     let mut t = lock(&TABLE);
-    match advice {
-        libc::MADV_DONTDUMP => t.no_dump.add(range),
-        libc::MADV_DODUMP => t.no_dump.remove(range),
-        libc::MADV_DONTFORK => t.no_fork.add(range),
-        libc::MADV_DOFORK => t.no_fork.remove(range),
-        _ => {}
+    for (k, set) in KINDS.iter().zip(&mut t.0) {
+        if advice == k.on {
+            set.add(range.clone());
+        } else if advice == k.off {
+            set.remove(range.clone());
+        }
     }
 }
 
@@ -77,8 +115,7 @@ pub fn mapping_gone(range: Range<usize>) {
         return;
     }
     let mut t = lock(&TABLE);
-    t.no_dump.remove(range.clone());
-    t.no_fork.remove(range);
+    t.0.iter_mut().for_each(|set| set.remove(range.clone()));
 }
 
 /// `range` is being registered: where the table holds advice over it, that advice becomes the
@@ -89,24 +126,21 @@ pub(crate) fn check_registered(range: Range<usize>) {
     }
     let held = {
         let t = lock(&TABLE);
-        t.no_dump.within(range.clone()).next().is_some()
-            || t.no_fork.within(range.clone()).next().is_some()
+        t.0.iter()
+            .any(|set| set.within(range.clone()).next().is_some())
     };
     if !held {
         return;
     }
-    let (Ok(no_dump), Ok(no_fork)) = (
-        sys::self_mappings_flagged("dd"),
-        sys::self_mappings_flagged("dc"),
-    ) else {
+    let flags = KINDS.map(|k| k.flag);
+    let Ok(kernel) = sys::self_mappings_flagged_each(&flags) else {
         // Unread, the table stands.
         return;
     };
-    let mut guard = lock(&TABLE);
-    let t = &mut *guard;
-    for (set, kernel) in [(&mut t.no_dump, no_dump), (&mut t.no_fork, no_fork)] {
+    let mut t = lock(&TABLE);
+    for (set, flagged) in t.0.iter_mut().zip(kernel) {
         set.remove(range.clone());
-        for m in kernel {
+        for m in flagged {
             set.add(m.start.max(range.start)..m.end.min(range.end));
         }
     }
@@ -116,7 +150,8 @@ pub(crate) fn check_registered(range: Range<usize>) {
 /// module's comment), to give what it maps there while they are held.
 #[derive(Debug, Default)]
 pub(crate) struct Advice {
-    parts: Vec<(Range<usize>, i32)>,
+    /// The parts advised, with the kind ([`KINDS`]) of each.
+    parts: Vec<(Range<usize>, usize)>,
 }
 
 /// The advice the table holds over `range` now (none without a lock where none was ever given).
@@ -126,33 +161,35 @@ pub(crate) fn over(range: Range<usize>) -> Advice {
         return out;
     }
     let t = lock(&TABLE);
-    for (set, advice) in [
-        (&t.no_dump, libc::MADV_DONTDUMP),
-        (&t.no_fork, libc::MADV_DONTFORK),
-    ] {
+    for (kind, set) in t.0.iter().enumerate() {
         out.parts
-            .extend(set.within(range.clone()).map(|r| (r, advice)));
+            .extend(set.within(range.clone()).map(|r| (r, kind)));
     }
     out
 }
 
 impl Advice {
-    /// Gives the parts of `[addr, addr + len)`, just mapped by the engine, the advice read for
-    /// them. Allocates nothing and takes no lock. A failure leaves the part as it is: dumped and
-    /// inherited, as unadvised memory.
-    pub(crate) fn give(&self, addr: usize, len: usize) {
-        self.give_at(addr, addr, len);
+    /// Gives the parts of `[addr, addr + len)`, just mapped by the engine as mappings of the
+    /// store, the advice read for them that such mappings carry. Allocates nothing and takes no
+    /// lock. A failure leaves the part unadvised.
+    pub(crate) fn give_copies(&self, addr: usize, len: usize) {
+        self.give(addr, addr, len, true);
     }
 
-    /// As [`give`](Self::give), for memory of the engine's at `to` about to be moved over
-    /// `[addr, addr + len)`.
-    pub(crate) fn give_at(&self, to: usize, addr: usize, len: usize) {
-        for (r, advice) in &self.parts {
+    /// As [`give_copies`](Self::give_copies), for anonymous memory the engine mapped at `addr`
+    /// (or at `to`, to be moved there): every kind of advice.
+    pub(crate) fn give_anonymous(&self, to: usize, addr: usize, len: usize) {
+        self.give(to, addr, len, false);
+    }
+
+    fn give(&self, to: usize, addr: usize, len: usize, copies: bool) {
+        for (r, kind) in &self.parts {
+            let k = &KINDS[*kind];
             let (s, e) = (r.start.max(addr), r.end.min(addr + len));
-            if s < e {
+            if s < e && (k.on_copies || !copies) {
                 // SAFETY: the advice changes no contents; the range is the engine's, just mapped
                 // over registered memory or about to be moved there.
-                let _ = unsafe { sys::madvise((to + (s - addr)) as *mut u8, e - s, *advice) };
+                let _ = unsafe { sys::madvise((to + (s - addr)) as *mut u8, e - s, k.on) };
             }
         }
     }
@@ -170,8 +207,8 @@ mod tests {
 
     fn in_table(r: Range<usize>) -> (bool, bool) {
         let t = lock(&TABLE);
-        let dump = t.no_dump.within(r.clone()).next().is_some();
-        let fork = t.no_fork.within(r).next().is_some();
+        let dump = t.0[0].within(r.clone()).next().is_some();
+        let fork = t.0[1].within(r).next().is_some();
         (dump, fork)
     }
 
@@ -203,9 +240,9 @@ mod tests {
         advised(p..p + len, libc::MADV_DONTFORK);
         check_registered(p..p + len);
         let t = lock(&TABLE);
-        let dump: Vec<_> = t.no_dump.within(p..p + len).collect();
+        let dump: Vec<_> = t.0[0].within(p..p + len).collect();
         assert_eq!(dump, vec![p + 4096..p + 2 * 4096]);
-        assert_eq!(t.no_fork.within(p..p + len).next(), None);
+        assert_eq!(t.0[1].within(p..p + len).next(), None);
         drop(t);
         mapping_gone(p..p + len);
         // SAFETY: the test's own mapping, which nothing refers to.
@@ -225,7 +262,7 @@ mod tests {
             );
         }
         advised(p..p + len, libc::MADV_DONTFORK);
-        over(p..p + len).give(p, len);
+        over(p..p + len).give_copies(p, len);
         let dd = sys::self_mappings_flagged("dd").unwrap();
         let dc = sys::self_mappings_flagged("dc").unwrap();
         mapping_gone(p..p + len);

@@ -138,7 +138,7 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
                     // SAFETY: `tmp` is ours alone.
                     || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
             // Advised as the memory it replaces.
-            advice.give_at(tmp as usize, s, len);
+            advice.give_anonymous(tmp as usize, s, len);
             // Moving it over the store mapping unmaps that: the engine's own change.
             let change = Change::Unmap { start: s, end: e };
             lock(&sh.changes).expect(change);

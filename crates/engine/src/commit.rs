@@ -689,7 +689,7 @@ fn replace_frozen(
         match unsafe { map_copies_registered(cx.sh, addr, copies, since) } {
             Ok(registered) => {
                 (k..k + m).for_each(|q| frozen.consume_mapped(q));
-                plan.advice.give(addr, m * PAGE);
+                plan.advice.give_copies(addr, m * PAGE);
                 if registered {
                     map_zero_page_over_holes(cx.sh, run.start, k..k + m, &plan.holes);
                     map_copies_over_the_rest(cx.sh, run.start, k..k + m, &plan.holes);
@@ -1044,7 +1044,7 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
             match unsafe { release_zeroed(cx, rs, (index, m), prot) } {
                 Ok(true) => {
                     (k..k + m).for_each(|q| held.mark_replaced(q));
-                    advice.give(start + k * PAGE, m * PAGE);
+                    advice.give_anonymous(start + k * PAGE, start + k * PAGE, m * PAGE);
                 }
                 Ok(false) => {}
                 Err(e) => map_error = Some(e),
@@ -1070,7 +1070,7 @@ fn commit_broken(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) {
         match unsafe { map_copies(cx, rs, sub, 2) } {
             Ok(true) => {
                 (k..k + m).for_each(|q| held.mark_replaced(q));
-                advice.give(start + k * PAGE, m * PAGE);
+                advice.give_copies(start + k * PAGE, m * PAGE);
             }
             Ok(false) => {}
             Err(e) => map_error = Some(e),

@@ -288,7 +288,7 @@ fn empty_store_piece(sh: &Shared, st: &State, piece: &StorePiece) -> Result<(), 
         if let Some(r) = region_at(&st.regions, s) {
             r.relock(s, len);
         }
-        crate::advice::over(s..s + len).give(s, len);
+        crate::advice::over(s..s + len).give_anonymous(s, s, len);
     }
     // A report was read before the call returned (the kernel waits for that), and the fault
     // thread records what it reads before it lets go of the log: an announcement still there

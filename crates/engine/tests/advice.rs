@@ -1,7 +1,8 @@
 //! Memory the program advised not to be dumped (`MADV_DONTDUMP`) or inherited
 //! (`MADV_DONTFORK`) keeps that advice through everything the engine maps over it: the merge
 //! itself, a written page merged again, a zeroed one released, pages dropped, and the anonymous
-//! memory given back when it is unregistered. Stale advice (memory unmapped and mapped again
+//! memory given back when it is unregistered; advice to use huge pages (`MADV_HUGEPAGE`) is kept
+//! by the anonymous memory it maps. Stale advice (memory unmapped and mapped again
 //! where the embedder did not see it) is not carried. The engine's view of its store is left out
 //! of core dumps.
 
@@ -75,11 +76,14 @@ fn advice_given_before_registering_stays_through_every_mapping_over_it() {
     let (base, len) = (halves_unregistered(n), 2 * n * PAGE);
     advise(base, len, libc::MADV_DONTDUMP);
     advise(base, len, libc::MADV_DONTFORK);
+    advise(base, len, libc::MADV_HUGEPAGE);
     e.merge(base as *mut u8, len).unwrap();
     let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
     assert_eq!(s.pages_sharing, n as u64, "{s:?}");
     assert!(store_mappings(base, len) > 0);
     assert_advised(base, 2 * n, "once merged");
+    // Mappings of the store are not given huge pages (they would fill the file's holes).
+    assert_eq!(pages_without("hg", base, 2 * n).len(), 2 * n);
     // A page written, then written back: merged again.
     let at = (base + 7 * PAGE + 9) as *mut u8;
     // SAFETY: a byte of the test's mapping, which only this thread writes.
@@ -99,15 +103,18 @@ fn advice_given_before_registering_stays_through_every_mapping_over_it() {
     let s = wait_for(&e, |s| s.zero_pages >= 1);
     assert!(s.zero_pages >= 1, "{s:?}");
     assert_advised(base, 2 * n, "released");
+    assert!(!pages_without("hg", base, 2 * n).contains(&3), "no huge pages once released");
     // Dropped.
     e.drop_pages((base + 10 * PAGE) as *mut u8, PAGE, DropAdvice::DontNeed)
         .unwrap();
     assert!(holds(base, 10, 0), "a dropped page is not zero");
     assert_advised(base, 2 * n, "dropped");
+    assert!(!pages_without("hg", base, 2 * n).contains(&10), "no huge pages once dropped");
     // Given back as anonymous memory.
     e.unregister(base as *mut u8, len).unwrap();
     assert_eq!(store_mappings(base, len), 0);
     assert_advised(base, 2 * n, "given back");
+    assert_eq!(pages_without("hg", base, 2 * n), [0usize; 0], "no huge pages given back");
     for i in (0..2 * n).filter(|&i| i != 3 && i != 10) {
         assert!(holds(base, i, (i % n) as u64 + 1), "page {i}");
     }

@@ -41,11 +41,12 @@
 //!   kept out of what the engine registers for good and made private again where it was
 //!   registered, then advised. (A raw `madvise` the shim does not see gets the kernel's
 //!   `EINVAL` where pages are merged.)
-//! * **`MADV_DONTDUMP` and `MADV_DONTFORK`** (QEMU gives guest RAM both) live in the flags of
-//!   a mapping, which the engine's own mappings (merged pages, released ones, memory given back)
-//!   would not have: after the kernel accepted such advice, or `MADV_DODUMP`/`MADV_DOFORK`, the
+//! * **`MADV_DONTDUMP`, `MADV_DONTFORK` and `MADV_HUGEPAGE`** (QEMU gives guest RAM the last
+//!   two, and the first with `dump-guest-core=off`) live in the flags of a mapping, which the
+//!   engine's own mappings (merged pages, released ones, memory given back) would not have:
+//!   after the kernel accepted such advice, or `MADV_DODUMP`/`MADV_DOFORK`/`MADV_NOHUGEPAGE`, the
 //!   engine is told ([`pageone_engine::advised`]), and what it maps there later carries the
-//!   advice. `munmap`, `mmap(MAP_FIXED)` and `mremap` forget it ([`pageone_engine::mapping_gone`]).
+//!   advice (huge pages: anonymous memory only). `munmap`, `mmap(MAP_FIXED)` and `mremap` forget it ([`pageone_engine::mapping_gone`]).
 //!   (Advice given with a raw system call is not carried.)
 //! * **`PR_SET_MEMORY_MERGE`** registers the process's private anonymous read/write mappings, as
 //!   KSM marks every anonymous mapping: `[heap]`, small mappings and named ones too, but not the
@@ -408,15 +409,16 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
             drop_pages(addr, len, advice)
         }
         libc::MADV_WIPEONFORK => wipe_on_fork(addr, len),
-        libc::MADV_DONTDUMP | libc::MADV_DODUMP | libc::MADV_DONTFORK | libc::MADV_DOFORK => {
-            // Kept in the mapping's flags, which the engine's mappings carry over (see
-            // `pageone_engine::advised`).
-            let r = covered(|| raw_madvise(addr, len, advice));
-            if let (0, Some((a, e))) = (r, page_range(addr, len)) {
-                pageone_engine::advised(a..e, advice);
-            }
-            r
-        }
+        libc::MADV_DONTDUMP
+        | libc::MADV_DODUMP
+        | libc::MADV_DONTFORK
+        | libc::MADV_DOFORK
+        | libc::MADV_NOHUGEPAGE => told(
+            covered(|| raw_madvise(addr, len, advice)),
+            addr,
+            len,
+            advice,
+        ),
         libc::MADV_HUGEPAGE => {
             // Registered memory keeps huge pages as the kernel's KSM does (the engine splits one
             // only where a page of it merges), but the mappings of pageone's store in it are
@@ -425,13 +427,24 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
                 guarded(|| running().is_some_and(|eng| eng.is_registered(a as *mut u8, e - a)))
                     .unwrap_or(false)
             });
-            match registered {
+            let r = match registered {
                 Some((a, e)) => covered(|| huge_pages_but_on_the_store(a, e)),
                 None => covered(|| raw_madvise(addr, len, advice)),
-            }
+            };
+            told(r, addr, len, advice)
         }
         _ => covered(|| raw_madvise(addr, len, advice)),
     }
+}
+
+/// After `madvise(addr, len, advice)` answered `r`: advice kept in the mapping's flags, which the
+/// engine's mappings carry over, is told to the engine if the kernel took it (see
+/// `pageone_engine::advised`). Returns `r`.
+fn told(r: c_int, addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
+    if let (0, Some((a, e))) = (r, page_range(addr, len)) {
+        pageone_engine::advised(a..e, advice);
+    }
+    r
 }
 
 /// `MADV_MERGEABLE` and `MADV_UNMERGEABLE` (see the crate documentation). `errno` is the

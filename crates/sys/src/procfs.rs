@@ -284,8 +284,13 @@ pub fn self_locked_mappings() -> io::Result<Vec<std::ops::Range<usize>>> {
 /// (`lo` locked, `dd` not dumped, `dc` not inherited by a child), in address order. Reading the
 /// file walks the page tables of every mapping: call it rarely.
 pub fn self_mappings_flagged(flag: &str) -> io::Result<Vec<std::ops::Range<usize>>> {
+    Ok(self_mappings_flagged_each(&[flag])?.remove(0))
+}
+
+/// [`self_mappings_flagged`] for each of `flags`, from one read of the file.
+pub fn self_mappings_flagged_each(flags: &[&str]) -> io::Result<Vec<Vec<std::ops::Range<usize>>>> {
     let smaps = std::fs::read_to_string("/proc/self/smaps")?;
-    let mut out = Vec::new();
+    let mut out = vec![Vec::new(); flags.len()];
     let mut current = None;
     for line in smaps.lines() {
         let head = line.split_whitespace().next().unwrap_or("");
@@ -295,10 +300,13 @@ pub fn self_mappings_flagged(flag: &str) -> io::Result<Vec<std::ops::Range<usize
                 continue;
             }
         }
-        if let Some(flags) = line.strip_prefix("VmFlags:") {
-            if flags.split_whitespace().any(|f| f == flag) {
-                out.extend(current.take());
+        if let (Some(vm), Some(r)) = (line.strip_prefix("VmFlags:"), &current) {
+            for f in vm.split_whitespace() {
+                if let Some(i) = flags.iter().position(|&x| x == f) {
+                    out[i].push(r.clone());
+                }
             }
+            current = None;
         }
     }
     Ok(out)

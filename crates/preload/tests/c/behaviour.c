@@ -567,9 +567,10 @@ static int child_lacks(const unsigned char *p, size_t pages) {
     return WIFEXITED(st) && WEXITSTATUS(st) == 0;
 }
 
-/* Memory advised MADV_DONTDUMP and MADV_DONTFORK (as QEMU advises guest RAM) keeps the advice
- * once merged, and after a written page merged again: a core dump leaves it out and a child does
- * not inherit it. (The engine's mappings are its own; the kernel would give them neither.) */
+/* Memory advised MADV_DONTDUMP, MADV_DONTFORK and MADV_HUGEPAGE (as QEMU can advise guest RAM)
+ * keeps the advice once merged, and after a written page merged again: a core dump leaves it out
+ * and a child does not inherit it; given back, it wants huge pages again. (The engine's mappings
+ * are its own; the kernel would give them none of it.) */
 static void advice(void) {
     unsigned char *p =
         mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -577,6 +578,7 @@ static void advice(void) {
     fill(p, PAGES);
     check(madvise(p, PAGES * PAGE, MADV_DONTDUMP) == 0, "MADV_DONTDUMP");
     check(madvise(p, PAGES * PAGE, MADV_DONTFORK) == 0, "MADV_DONTFORK");
+    check(madvise(p, PAGES * PAGE, MADV_HUGEPAGE) == 0, "MADV_HUGEPAGE");
     check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE");
     check(merges(p, PAGES, PAGES - 1), "merged");
     check(flagged_pages(p, PAGES, "dd") == PAGES, "not dumped once merged");
@@ -593,6 +595,7 @@ static void advice(void) {
     check(file_pages(p, PAGES) == 0, "given back");
     check(flagged_pages(p, PAGES, "dd") == PAGES, "not dumped once given back");
     check(flagged_pages(p, PAGES, "dc") == 0, "inherited once advised so");
+    check(flagged_pages(p, PAGES, "hg") == PAGES, "huge pages wanted once given back");
     check(intact(p, 0, PAGES), "the pages keep their bytes");
 }
 
