@@ -1240,7 +1240,7 @@ unsafe fn release_zeroed(
         lock(&sh.changes).unexpect(mapping_change(addr, m));
         return Err(e);
     }
-    // Locked where they were (see `locking`; advised by the caller once writers are let go).
+    // Locked where they were (see `locking`; the caller gives the advice, see `advice`).
     rs.region.relock(addr, len);
     *rs.vmas += COST;
     // Registered like the memory around it; empty, a touch is the kernel's own fault.

@@ -103,18 +103,28 @@ fn advice_given_before_registering_stays_through_every_mapping_over_it() {
     let s = wait_for(&e, |s| s.zero_pages >= 1);
     assert!(s.zero_pages >= 1, "{s:?}");
     assert_advised(base, 2 * n, "released");
-    assert!(!pages_without("hg", base, 2 * n).contains(&3), "no huge pages once released");
+    assert!(
+        !pages_without("hg", base, 2 * n).contains(&3),
+        "no huge pages once released"
+    );
     // Dropped.
     e.drop_pages((base + 10 * PAGE) as *mut u8, PAGE, DropAdvice::DontNeed)
         .unwrap();
     assert!(holds(base, 10, 0), "a dropped page is not zero");
     assert_advised(base, 2 * n, "dropped");
-    assert!(!pages_without("hg", base, 2 * n).contains(&10), "no huge pages once dropped");
+    assert!(
+        !pages_without("hg", base, 2 * n).contains(&10),
+        "no huge pages once dropped"
+    );
     // Given back as anonymous memory.
     e.unregister(base as *mut u8, len).unwrap();
     assert_eq!(store_mappings(base, len), 0);
     assert_advised(base, 2 * n, "given back");
-    assert_eq!(pages_without("hg", base, 2 * n), [0usize; 0], "no huge pages given back");
+    assert_eq!(
+        pages_without("hg", base, 2 * n),
+        [0usize; 0],
+        "no huge pages given back"
+    );
     for i in (0..2 * n).filter(|&i| i != 3 && i != 10) {
         assert!(holds(base, i, (i % n) as u64 + 1), "page {i}");
     }

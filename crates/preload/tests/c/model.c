@@ -5,8 +5,9 @@
  *
  * Writer threads keep writing pages (shared contents, zero pages, unique pages); the main thread
  * maps, unmaps (also through free() of large malloc blocks, which glibc unmaps internally),
- * mremaps, madvises (DONTNEED, FREE, MERGEABLE, UNMERGEABLE) parts of regions, mprotects and
- * mlocks them (or all memory: mlockall(MCL_CURRENT), munlockall), forks (children check what they inherited, write, exec or exit, or live on a while
+ * mremaps, madvises (DONTNEED, FREE, MERGEABLE, UNMERGEABLE, DONTDUMP, DODUMP) parts of regions,
+ * mprotects and mlocks them (or all memory: mlockall(MCL_CURRENT), munlockall), forks (children
+ * check what they inherited, write, exec or exit, or live on a while
  * with an engine of their own) and signals itself (the handler writes registered memory). Every
  * page must read what the shadow says: the last bytes written, zeros after DONTNEED, zeros or the
  * old bytes after FREE.
@@ -413,11 +414,14 @@ static void op_advise(uint64_t *rng, int k) {
         drop_raw(k, a, n);
         return;
     }
-    unsigned choice = next(rng) % (huge ? 5 : 4);
+    /* DONTDUMP and DODUMP change no bytes: the engine carries them onto what it maps. */
+    unsigned choice = next(rng) % (huge ? 7 : 6);
     int advice = choice == 0   ? MADV_DONTNEED
                  : choice == 1 ? MADV_FREE
                  : choice == 2 ? MADV_UNMERGEABLE
                  : choice == 3 ? MADV_MERGEABLE
+                 : choice == 4 ? MADV_DONTDUMP
+                 : choice == 5 ? MADV_DODUMP
                                : MADV_HUGEPAGE;
     for (size_t i = a; i < a + n; i++)
         if (r->flag[i] & F_LOCKED && advice == MADV_DONTNEED)
