@@ -602,6 +602,21 @@ enum pageone_status pageone_engine_wait_periods(const struct pageone_engine *eng
                                                 uint64_t n,
                                                 uint64_t timeout_ms);
 
+/**
+ * `madvise(addr, len, advice)` for advice the kernel keeps in the flags of a mapping:
+ * `MADV_DONTDUMP`, `MADV_DODUMP`, `MADV_DONTFORK`, `MADV_DOFORK`, `MADV_HUGEPAGE` or
+ * `MADV_NOHUGEPAGE`. Answered as the kernel answers it (`PAGEONE_REFUSED`, with the kernel's
+ * `errno`, where it refuses). Once taken, what any engine of the process maps there later
+ * (merged pages, released pages, memory given back) is advised alike (huge pages: anonymous
+ * memory only); a plain `madvise` would advise only what is mapped now. Made while no engine
+ * holds pages there still. `PAGEONE_INVALID_ARGUMENT` for any other advice.
+ *
+ * # Safety
+ *
+ * The range must belong to the caller.
+ */
+enum pageone_status pageone_advise(void *addr, size_t len, int advice);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

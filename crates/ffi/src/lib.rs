@@ -44,6 +44,8 @@
 //! * `engine.rs`: [`pageone_engine`]: starting, freeing, registering, stats, kicking.
 //! * `pool.rs`: [`pageone_pool`] (PPR marks) and `pageone_engine_recycle_from`.
 //! * `wait.rs`: `pageone_engine_wait_periods`.
+//! * `advice.rs`: `pageone_advise`, advice kept in a mapping's flags that pageone's mappings
+//!   carry over.
 //! * `stats.rs`: [`pageone_stats`] and its enums.
 //!
 //! Every export keeps an explicit `#[no_mangle] pub extern "C" fn` signature, whatever macro its
@@ -76,12 +78,16 @@ mod engine;
 // `pageone_pool_new` to `pageone_pool_unmark`, with `pageone_engine_recycle_from`.
 mod pool;
 
-// `pageone_engine_wait_periods`, last in the header.
+// `pageone_engine_wait_periods`.
 mod wait;
+
+// `pageone_advise`, last in the header.
+mod advice;
 
 // The counters' types; no functions.
 mod stats;
 
+pub use advice::*;
 pub use config::*;
 pub use engine::*;
 pub use pool::*;

@@ -48,6 +48,36 @@ fn mmap(len: usize, flags: i32) -> *mut c_void {
     p
 }
 
+/// A fresh mapping of two identical halves of `n` pages each (page `i` holds bytes `i % n + 1`).
+fn halves(n: usize) -> *mut u8 {
+    let p = mmap(2 * n * PAGE, libc::MAP_PRIVATE).cast::<u8>();
+    for i in 0..2 * n {
+        // SAFETY: a page of the fresh mapping, which nothing else refers to.
+        unsafe { ptr::write_bytes(p.add(i * PAGE), (i % n) as u8 + 1, PAGE) };
+    }
+    p
+}
+
+/// Waits (200 periods at most) until engine `e` shares `n` pages; returns whether it does.
+///
+/// # Safety
+///
+/// `e` must be a live engine.
+unsafe fn merged(e: *const pageone_engine, n: usize) -> bool {
+    let mut s = pageone_stats::default();
+    for _ in 0..200 {
+        // SAFETY: `e` is live (the contract); `s` is valid for writing.
+        unsafe {
+            assert_eq!(pageone_engine_wait_periods(e, 1, 5000), PAGEONE_OK);
+            assert_eq!(pageone_engine_stats(e, &mut s), PAGEONE_OK);
+        }
+        if s.pages_sharing >= n as u64 {
+            break;
+        }
+    }
+    s.pages_sharing == n as u64
+}
+
 #[test]
 fn null_arguments_are_refused() {
     let e = engine();
@@ -330,23 +360,12 @@ fn merged_pages_dropped_through_the_abi_read_zeros() {
     let e = engine();
     let n = 16;
     let len = 2 * n * PAGE;
-    let p = mmap(len, libc::MAP_PRIVATE).cast::<u8>();
+    let p = halves(n);
     // SAFETY: `e` is live until freed; the mapping is ours, unregistered before it is unmapped,
     // and read only through raw pointers (the engine maps pages over it).
     unsafe {
-        for i in 0..2 * n {
-            ptr::write_bytes(p.add(i * PAGE), (i % n) as u8 + 1, PAGE);
-        }
         assert_eq!(pageone_engine_register(e, p.cast(), len), PAGEONE_OK);
-        let mut s = pageone_stats::default();
-        for _ in 0..200 {
-            assert_eq!(pageone_engine_wait_periods(e, 1, 5000), PAGEONE_OK);
-            assert_eq!(pageone_engine_stats(e, &mut s), PAGEONE_OK);
-            if s.pages_sharing >= n as u64 {
-                break;
-            }
-        }
-        assert_eq!(s.pages_sharing, n as u64, "nothing merged to drop");
+        assert!(merged(e, n), "nothing merged to drop");
         let page = |i: usize| p.add(i * PAGE);
         for (i, advice) in [(2, libc::MADV_DONTNEED), (n + 5, libc::MADV_FREE)] {
             assert_eq!(
@@ -381,5 +400,89 @@ fn merged_pages_dropped_through_the_abi_read_zeros() {
         assert_eq!(pageone_engine_unregister(e, p.cast(), len), PAGEONE_OK);
         pageone_engine_free(e);
         libc::munmap(p.cast(), len);
+    }
+}
+
+/// Pages of `[p, p + pages * PAGE)` in mappings whose `VmFlags` hold `flag`.
+fn flagged_pages(p: *const u8, pages: usize, flag: &str) -> usize {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let (lo, hi) = (p as usize, p as usize + pages * PAGE);
+    let mut range = 0..0;
+    let mut n = 0;
+    for line in smaps.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = head.split_once('-') {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                range = a..b;
+                continue;
+            }
+        }
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if flags.split_whitespace().any(|f| f == flag) && range.end > lo && range.start < hi {
+                n += (range.end.min(hi) - range.start.max(lo)) / PAGE;
+            }
+        }
+    }
+    n
+}
+
+/// Advice given through the ABI is kept by the pages the engine merges there (a plain `madvise`
+/// would be lost with the mappings the merge replaces); other advice is refused, and advice the
+/// kernel refuses is `PAGEONE_REFUSED` with its `errno`.
+#[test]
+fn advice_given_through_the_abi_is_kept_once_merged() {
+    let e = engine();
+    let n = 16;
+    let len = 2 * n * PAGE;
+    let p = halves(n);
+    // SAFETY: `e` is live until freed; the mapping is ours, unregistered before it is unmapped,
+    // and read only through raw pointers (the engine maps pages over it).
+    unsafe {
+        assert_eq!(
+            pageone_advise(p.cast(), len, libc::MADV_DONTDUMP),
+            PAGEONE_OK
+        );
+        assert_eq!(
+            pageone_advise(p.cast(), len, libc::MADV_DONTFORK),
+            PAGEONE_OK
+        );
+        assert_eq!(
+            pageone_advise(p.cast(), len, libc::MADV_WILLNEED),
+            PAGEONE_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            pageone_advise(ptr::null_mut(), len, libc::MADV_DONTDUMP),
+            PAGEONE_NULL_ARGUMENT
+        );
+        *libc::__errno_location() = 0;
+        assert_eq!(
+            pageone_advise(p.add(1).cast(), PAGE, libc::MADV_DONTDUMP),
+            PAGEONE_REFUSED
+        );
+        assert_eq!(*libc::__errno_location(), libc::EINVAL);
+        assert_eq!(pageone_engine_register(e, p.cast(), len), PAGEONE_OK);
+        assert!(merged(e, n), "nothing merged");
+        assert_eq!(
+            flagged_pages(p, 2 * n, "dd"),
+            2 * n,
+            "merged pages are dumped"
+        );
+        assert_eq!(
+            flagged_pages(p, 2 * n, "dc"),
+            2 * n,
+            "merged pages are inherited"
+        );
+        assert_eq!(pageone_engine_unregister(e, p.cast(), len), PAGEONE_OK);
+        assert_eq!(
+            flagged_pages(p, 2 * n, "dd"),
+            2 * n,
+            "given back, it is dumped"
+        );
+        for i in 0..2 * n {
+            let want = (i % n) as u8 + 1;
+            assert!((0..PAGE).all(|b| *p.add(i * PAGE + b) == want), "page {i}");
+        }
+        assert_eq!(libc::munmap(p.cast(), len), 0);
+        pageone_engine_free(e);
     }
 }
