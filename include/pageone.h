@@ -511,6 +511,22 @@ enum pageone_status pageone_engine_drop_pages(const struct pageone_engine *engin
                                               int advice);
 
 /**
+ * The caller locked (`locked` true: `mlock`, `mlock2`) or unlocked (`munlock`) `[addr, addr +
+ * len)`, and the kernel took it: what the engine maps over registered pages there later
+ * (merged pages, released pages, memory given back) is locked or left unlocked alike. Call it
+ * after the kernel's call; without it, the engine locks what it maps over pages it found locked
+ * when it merged them, and only those.
+ *
+ * # Safety
+ *
+ * `engine` must be NULL or a live engine.
+ */
+enum pageone_status pageone_engine_locking_changed(const struct pageone_engine *engine,
+                                                   void *addr,
+                                                   size_t len,
+                                                   bool locked);
+
+/**
  * Writes a snapshot of the engine's counters to `*out`.
  *
  * # Safety

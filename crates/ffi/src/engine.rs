@@ -167,6 +167,31 @@ pub unsafe extern "C" fn pageone_engine_drop_pages(
     }
 }
 
+/// The caller locked (`locked` true: `mlock`, `mlock2`) or unlocked (`munlock`) `[addr, addr +
+/// len)`, and the kernel took it: what the engine maps over registered pages there later
+/// (merged pages, released pages, memory given back) is locked or left unlocked alike. Call it
+/// after the kernel's call; without it, the engine locks what it maps over pages it found locked
+/// when it merged them, and only those.
+///
+/// # Safety
+///
+/// `engine` must be NULL or a live engine.
+#[no_mangle]
+pub unsafe extern "C" fn pageone_engine_locking_changed(
+    engine: *const pageone_engine,
+    addr: *mut c_void,
+    len: usize,
+    locked: bool,
+) -> pageone_status {
+    ffi_panic_boundary! {
+        ensure_not_null!(addr);
+        // SAFETY: NULL or a live engine by the contract; engines are only shared.
+        let engine = unsafe { try_ref_from_ptr!(engine) };
+        engine.engine.locking_changed(addr.cast(), len, locked);
+        PAGEONE_OK
+    }
+}
+
 /// Writes a snapshot of the engine's counters to `*out`.
 ///
 /// # Safety

@@ -78,6 +78,20 @@ unsafe fn merged(e: *const pageone_engine, n: usize) -> bool {
     s.pages_sharing == n as u64
 }
 
+/// [`halves`], registered with engine `e` and merged.
+fn merged_halves(e: *mut pageone_engine, n: usize) -> *mut u8 {
+    let p = halves(n);
+    // SAFETY: `e` is a live engine (the callers'); the mapping is the caller's.
+    unsafe {
+        assert_eq!(
+            pageone_engine_register(e, p.cast(), 2 * n * PAGE),
+            PAGEONE_OK
+        );
+        assert!(merged(e, n), "nothing merged");
+    }
+    p
+}
+
 #[test]
 fn null_arguments_are_refused() {
     let e = engine();
@@ -360,12 +374,10 @@ fn merged_pages_dropped_through_the_abi_read_zeros() {
     let e = engine();
     let n = 16;
     let len = 2 * n * PAGE;
-    let p = halves(n);
+    let p = merged_halves(e, n);
     // SAFETY: `e` is live until freed; the mapping is ours, unregistered before it is unmapped,
     // and read only through raw pointers (the engine maps pages over it).
     unsafe {
-        assert_eq!(pageone_engine_register(e, p.cast(), len), PAGEONE_OK);
-        assert!(merged(e, n), "nothing merged to drop");
         let page = |i: usize| p.add(i * PAGE);
         for (i, advice) in [(2, libc::MADV_DONTNEED), (n + 5, libc::MADV_FREE)] {
             assert_eq!(
@@ -482,6 +494,50 @@ fn advice_given_through_the_abi_is_kept_once_merged() {
             let want = (i % n) as u8 + 1;
             assert!((0..PAGE).all(|b| *p.add(i * PAGE + b) == want), "page {i}");
         }
+        assert_eq!(libc::munmap(p.cast(), len), 0);
+        pageone_engine_free(e);
+    }
+}
+
+/// Locking reported through the ABI is kept by what the engine maps there later: a merged page
+/// dropped is given back as memory locked like the rest.
+#[test]
+fn locking_reported_through_the_abi_is_kept_by_pages_given_back() {
+    let e = engine();
+    let n = 16;
+    let len = 2 * n * PAGE;
+    let p = merged_halves(e, n);
+    // SAFETY: `e` is live until freed; the mapping is ours, unregistered before it is unmapped,
+    // and read only through raw pointers (the engine maps pages over it).
+    unsafe {
+        if libc::mlock(p.cast(), len) != 0 {
+            eprintln!(
+                "skipped: mlock refused ({})",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        assert_eq!(
+            pageone_engine_locking_changed(ptr::null(), p.cast(), len, true),
+            PAGEONE_NULL_ARGUMENT
+        );
+        assert_eq!(
+            pageone_engine_locking_changed(e, p.cast(), len, true),
+            PAGEONE_OK
+        );
+        let page = p.add(3 * PAGE);
+        assert_eq!(
+            pageone_engine_drop_pages(e, page.cast(), PAGE, libc::MADV_DONTNEED_LOCKED),
+            PAGEONE_OK
+        );
+        assert_eq!(
+            flagged_pages(page, 1, "lo"),
+            1,
+            "a page given back is not locked"
+        );
+        assert_eq!(flagged_pages(p, 2 * n, "lo"), 2 * n);
+        assert_eq!(libc::munlock(p.cast(), len), 0);
+        assert_eq!(pageone_engine_unregister(e, p.cast(), len), PAGEONE_OK);
         assert_eq!(libc::munmap(p.cast(), len), 0);
         pageone_engine_free(e);
     }
