@@ -31,12 +31,25 @@ fn store_mappings(base: usize, len: usize) -> usize {
 /// Maps `2 * n` pages of two identical halves (page `i` holds `i % n + 1`).
 fn halves_unregistered(n: usize) -> usize {
     let base = sys::mmap_anonymous(2 * n * PAGE).unwrap() as usize;
+    fill_halves(base, n);
+    base
+}
+
+/// Fills the `2 * n` pages at `base` as two identical halves (page `i` holds `i % n + 1`).
+fn fill_halves(base: usize, n: usize) {
     for i in 0..2 * n {
         // SAFETY: a page of the test's own mapping, which nothing else refers to yet.
         let page = unsafe { std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE) };
         fill(page, (i % n) as u64 + 1);
     }
-    base
+}
+
+/// Unmaps the test's mapping, as a program under the shim does: the engine told, then the
+/// kernel's call.
+fn unmap(base: usize, len: usize) {
+    pageone_engine::mapping_gone(base..base + len);
+    // SAFETY: the test's own mapping, which nothing refers to any more.
+    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
 }
 
 /// Advises `[base, base + len)` as a program under the shim does: the kernel's call, then the
@@ -128,9 +141,7 @@ fn advice_given_before_registering_stays_through_every_mapping_over_it() {
     for i in (0..2 * n).filter(|&i| i != 3 && i != 10) {
         assert!(holds(base, i, (i % n) as u64 + 1), "page {i}");
     }
-    pageone_engine::mapping_gone(base..base + len);
-    // SAFETY: the test's own mapping, which nothing refers to any more.
-    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
+    unmap(base, len);
 }
 
 /// Advice taken back, or given only to part of the memory, is carried as the kernel holds it.
@@ -152,9 +163,7 @@ fn advice_taken_back_is_not_carried_and_part_advice_stays_in_its_part() {
     assert_eq!(pages_without("dd", base, 2 * n).len(), 2 * n);
     e.unregister(base as *mut u8, len).unwrap();
     assert_eq!(pages_without("dc", base, 2 * n), inherited);
-    pageone_engine::mapping_gone(base..base + len);
-    // SAFETY: the test's own mapping, which nothing refers to any more.
-    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
+    unmap(base, len);
 }
 
 /// Memory unmapped and mapped again where the embedder did not see it (as glibc's `free` and
@@ -171,11 +180,7 @@ fn stale_advice_of_memory_mapped_again_unseen_is_not_carried() {
     // SAFETY: the range was just unmapped; a fresh private anonymous mapping takes its place.
     unsafe { sys::mmap_anonymous_fixed(base as *mut u8, len, libc::PROT_READ | libc::PROT_WRITE) }
         .unwrap();
-    for i in 0..2 * n {
-        // SAFETY: a page of the test's own mapping, which nothing else refers to yet.
-        let page = unsafe { std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE) };
-        fill(page, (i % n) as u64 + 1);
-    }
+    fill_halves(base, n);
     e.merge(base as *mut u8, len).unwrap();
     let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
     assert_eq!(s.pages_sharing, n as u64, "{s:?}");

@@ -46,7 +46,8 @@
 //!   engine's own mappings (merged pages, released ones, memory given back) would not have:
 //!   after the kernel accepted such advice, or `MADV_DODUMP`/`MADV_DOFORK`/`MADV_NOHUGEPAGE`, the
 //!   engine is told ([`pageone_engine::advised`]), and what it maps there later carries the
-//!   advice (huge pages: anonymous memory only). `munmap`, `mmap(MAP_FIXED)` and `mremap` forget it ([`pageone_engine::mapping_gone`]).
+//!   advice (huge pages: anonymous memory only). `munmap`, `mmap(MAP_FIXED)` and `mremap`
+//!   forget it ([`pageone_engine::mapping_gone`]).
 //!   (Advice given with a raw system call is not carried.)
 //! * **`PR_SET_MEMORY_MERGE`** registers the process's private anonymous read/write mappings, as
 //!   KSM marks every anonymous mapping: `[heap]`, small mappings and named ones too, but not the
