@@ -40,6 +40,8 @@ pub struct Setup {
     pub write_pause_us: u64,
     /// The regions are locked (`mlock`) before they are merged.
     pub locked: bool,
+    /// One content in this many is all zero (0: none; see [`layout::is_zero_content`]).
+    pub zero_every: usize,
     pub seed: u64,
     /// One process per region (pageone through a daemon) instead of one process for all.
     pub processes: bool,
@@ -68,6 +70,7 @@ impl Setup {
             writers: self.writers,
             write_pause_us: self.write_pause_us,
             locked: self.locked,
+            zero_every: self.zero_every,
             workers: self.params.workers,
             period_ms: self.params.merge_period.as_millis() as u64,
         };
@@ -83,8 +86,17 @@ impl Setup {
         let regions: Vec<_> = (0..self.params.regions)
             .map(|k| layout::contents(self.layout, self.region_pages(), k, self.seed))
             .collect();
-        layout::possible_saving(&regions, self.writers > 0)
+        layout::possible_saving(&regions, self.writers > 0, self.zero_every)
     }
+}
+
+/// The workload processes' counters, summed.
+#[derive(Default)]
+struct Counts {
+    shared: u64,
+    sharing: u64,
+    zero: u64,
+    writes: u64,
 }
 
 /// The processes of one side's run and how to read its figures.
@@ -143,36 +155,37 @@ impl Run {
         })
     }
 
-    /// Pages saved, by the side's counters, and the writes made so far.
+    /// Pages saved, by the side's counters, and the writes made so far. Zero pages count: KSM's
+    /// merged onto the zero page (`ksm_zero_pages`, with `use_zero_pages`; else they share one
+    /// KSM page, in `pages_sharing`), pageone's released or mapping zero holes.
     fn saved(&mut self) -> Result<(u64, u64), Error> {
         let by_ksm = if self.merger.ksm() {
-            ksm::read("pages_sharing").unwrap_or(0)
+            ksm::read("pages_sharing").unwrap_or(0) + ksm::read("ksm_zero_pages").unwrap_or(0)
         } else {
             0
         };
-        let (shared, sharing, writes) = self.stats()?;
+        let c = self.stats()?;
         if !self.merger.pageone() {
-            return Ok((by_ksm, writes));
+            return Ok((by_ksm, c.writes));
         }
-        Ok(match &self.daemon {
-            Some((d, sock)) => (
-                (shared + sharing).saturating_sub(d.copies(sock, SCOPE)?) + by_ksm,
-                writes,
-            ),
-            None => (sharing + by_ksm, writes),
-        })
+        let merged = match &self.daemon {
+            Some((d, sock)) => (c.shared + c.sharing).saturating_sub(d.copies(sock, SCOPE)?),
+            None => c.sharing,
+        };
+        Ok((merged + c.zero + by_ksm, c.writes))
     }
 
-    /// The processes' counters, summed: pages_shared, pages_sharing, writes.
-    fn stats(&mut self) -> Result<(u64, u64, u64), Error> {
-        let mut sum = (0, 0, 0);
+    /// The processes' counters, summed.
+    fn stats(&mut self) -> Result<Counts, Error> {
+        let mut sum = Counts::default();
         for line in ask_all(&mut self.clients, "STATS")? {
             let v: serde_json::Value = serde_json::from_str(&line)
                 .map_err(|e| Error::Run(format!("a STATS line was not JSON ({e}): {line:?}")))?;
             let n = |k: &str| v[k].as_u64().unwrap_or(0);
-            sum.0 += n("pages_shared");
-            sum.1 += n("pages_sharing");
-            sum.2 += n("writes");
+            sum.shared += n("pages_shared");
+            sum.sharing += n("pages_sharing");
+            sum.zero += n("zero_pages");
+            sum.writes += n("writes");
         }
         Ok(sum)
     }

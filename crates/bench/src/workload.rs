@@ -79,6 +79,9 @@ pub struct Spec {
     /// Lock the regions (`mlock`) once filled.
     #[serde(default)]
     pub locked: bool,
+    /// One content in this many is all zero (0: none; see `layout::is_zero_content`).
+    #[serde(default)]
+    pub zero_every: usize,
     pub workers: usize,
     pub period_ms: u64,
 }
@@ -110,6 +113,7 @@ struct Regions {
     contents: Vec<Vec<u32>>,
     pages: usize,
     data: Data,
+    zero_every: usize,
 }
 
 impl Regions {
@@ -119,11 +123,18 @@ impl Regions {
             contents: Vec::new(),
             pages: s.region_pages,
             data: s.data(),
+            zero_every: s.zero_every,
         };
         for &k in &s.regions {
             let p = sys::mmap_anonymous(s.region_pages * PAGE)?;
             let c = layout::contents(s.layout, s.region_pages, k, s.seed);
             for (i, &content) in c.iter().enumerate() {
+                if layout::is_zero_content(content, s.zero_every) {
+                    // Written all zero (present, as a program's zeroed page is).
+                    // SAFETY: page i of a fresh private mapping owned here.
+                    unsafe { p.add(i * PAGE).write_bytes(0, PAGE) };
+                    continue;
+                }
                 // SAFETY: page i of a fresh private mapping owned here, zero as fill_page wants.
                 unsafe { fill_page(p.add(i * PAGE), r.data, content as u64) };
             }
@@ -152,8 +163,10 @@ impl Regions {
         for slot in 0..self.slots() {
             want.fill(0);
             let content = self.contents[slot / self.pages][slot % self.pages];
-            // SAFETY: `want` is a local page.
-            unsafe { fill_page(want.as_mut_ptr(), self.data, content as u64) };
+            if !layout::is_zero_content(content, self.zero_every) {
+                // SAFETY: `want` is a local page.
+                unsafe { fill_page(want.as_mut_ptr(), self.data, content as u64) };
+            }
             if let Some(v) = shadow.and_then(|s| writer_slot(slot, self.pages).map(|w| &s[w])) {
                 let v = v.load(Ordering::SeqCst);
                 if v != 0 {
@@ -349,6 +362,7 @@ pub fn serve(s: &Spec) -> Result<(), Error> {
                 let v = serde_json::json!({
                     "pages_shared": st.as_ref().map_or(0, |s| s.pages_shared),
                     "pages_sharing": st.as_ref().map_or(0, |s| s.pages_sharing),
+                    "zero_pages": st.as_ref().map_or(0, |s| s.zero_pages),
                     "writes": writes,
                 });
                 writeln!(out, "{v}")?

@@ -43,6 +43,10 @@ pub struct MoreArgs {
     /// its memory (QEMU's `mem-lock=on`) does.
     #[arg(long)]
     pub locked: bool,
+    /// One content in N is all zero (a page that a program zeroed, in every process): N / 2
+    /// past a multiple of N, so that in the clustered layout each lies alone between others.
+    #[arg(long, value_name = "N")]
+    pub zero_every: Option<usize>,
     /// The data sets to run.
     #[arg(long, value_enum, default_value_t = DataSets::Both)]
     pub data: DataSets,
@@ -125,6 +129,7 @@ fn setup(o: &Options) -> Result<Setup> {
         writers: m.writers,
         write_pause_us: m.write_pause_us,
         locked: m.locked,
+        zero_every: m.zero_every.unwrap_or(0),
         seed: m.seed,
         processes: o.processes,
         settle_window: Duration::from_secs_f64(m.settle_s.unwrap_or(if o.quick {
@@ -177,12 +182,16 @@ pub fn run(o: &Options) -> Result<()> {
         bail!("KSM is not available or not writable here (needs root and /sys/kernel/mm/ksm)");
     }
     println!(
-        "engine vs KSM: {} regions x {} MiB, {} layout, identical across regions, unique within; \
+        "engine vs KSM: {} regions x {} MiB, {} layout, identical across regions, unique within{}; \
          {}{} writers per process; pageone {}{} workers, {} ms periods; KSM sleep_millisecs=0 \
          pages_to_scan=100000; {} runs; vm.max_map_count {}",
         p.regions,
         p.region_mib,
         setup.layout,
+        match setup.zero_every {
+            0 => String::new(),
+            n => format!(", 1 content in {n} all zero"),
+        },
         if setup.locked { "locked; " } else { "" },
         setup.writers,
         if o.processes {
@@ -229,6 +238,7 @@ pub fn run(o: &Options) -> Result<()> {
                 "period_ms": p.merge_period.as_millis() as u64, "runs": o.runs,
                 "processes": o.processes, "layout": setup.layout, "writers": setup.writers,
                 "write_pause_us": setup.write_pause_us, "locked": setup.locked, "seed": setup.seed,
+                "zero_every": setup.zero_every,
                 "settle_seconds": setup.settle_window.as_secs_f64(),
                 "timeout_seconds": p.timeout.as_secs(),
                 "max_map_count": pageone_sys::max_map_count().ok(),
