@@ -66,7 +66,7 @@ struct Conn {
 
 fn request(s: &mut Script<'_>) -> Request {
     let n = usize::from(s.byte().unwrap_or(0) % 40);
-    match s.byte().unwrap_or(0) % 10 {
+    match s.byte().unwrap_or(0) % 11 {
         0 => Request::Lookup((0..n).map(|_| s.hash()).collect()),
         1 => Request::Copy(s.u32() % 40),
         2 => Request::CopyFresh(s.u32() % 40),
@@ -80,6 +80,7 @@ fn request(s: &mut Script<'_>) -> Request {
         6 => Request::Report("x".repeat(n * 10)),
         7 => Request::Status,
         8 => Request::Vacate((0..n).map(|_| s.u32() % (CAPACITY + 4)).collect()),
+        9 => Request::HoldHoles((0..n).map(|_| s.u32() % (CAPACITY + 4)).collect()),
         _ => Request::Goodbye,
     }
 }

@@ -65,6 +65,9 @@ pub struct ClientOptions {
     /// A thread keeps writing one word of every 8th page meanwhile (checked by VERIFY).
     #[arg(long)]
     pub writer: bool,
+    /// Page i is all zero where i % N is N / 2 (one page in N, never a first or last).
+    #[arg(long)]
+    pub zero_every: Option<usize>,
 }
 
 /// Pages the writer thread of a scope client writes: every 8th, at this word.
@@ -163,6 +166,7 @@ impl Writer {
 /// `OK` or `BAD <page>`. At end of input it verifies, unregisters and exits (1 if data was wrong).
 /// With `defer`, registration waits for a `GO` line (so a benchmark times merging, not filling).
 /// With `distinct` (at least 1), page i holds content `i % distinct` (many pages per content).
+/// With `zero_every` N, page i is all zero where `i % N` is `N / 2`.
 /// `REWRITE` gives every page new content, unlike any before (the next generation), and prints
 /// `REWRITTEN`. With `writer`, a thread keeps writing one word of every 8th page all along, and
 /// every check expects its last value there. `SCRAMBLE` gives every page content of this process
@@ -180,6 +184,7 @@ pub fn client(o: ClientOptions) -> Result<()> {
         defer,
         distinct,
         writer,
+        zero_every,
     } = o;
     // Like a C host program: a write to a pipe nobody reads ends the process, so the tests see
     // whether the engine ever makes one (e.g. to a daemon that died).
@@ -199,8 +204,15 @@ pub fn client(o: ClientOptions) -> Result<()> {
         .workers(workers)
         .merge_period(Duration::from_millis(period_ms))
         .build()?;
+    let zero = |i: usize| zero_every.is_some_and(|n| n > 1 && i % n == n / 2);
     let r = sys::mmap_anonymous(len)?;
     for i in 0..len / PAGE {
+        if zero(i) {
+            // Written all zero (present, as a program's zeroed page is).
+            // SAFETY: page i of a fresh private mapping owned by this function.
+            unsafe { r.add(i * PAGE).write_bytes(0, PAGE) };
+            continue;
+        }
         // SAFETY: page i of a fresh private mapping owned by this function.
         unsafe { fill_page(r.add(i * PAGE), data, content(i)) };
     }
@@ -211,8 +223,10 @@ pub fn client(o: ClientOptions) -> Result<()> {
     let expected = |i: usize, want: &mut [u8; PAGE]| {
         // (Hard pages set a few words: the rest must be zero as in the fresh mapping.)
         want.fill(0);
-        // SAFETY: `want` is a local page.
-        unsafe { fill_page(want.as_mut_ptr(), data, content(i)) };
+        if !zero(i) {
+            // SAFETY: `want` is a local page.
+            unsafe { fill_page(want.as_mut_ptr(), data, content(i)) };
+        }
         if let Some(v) = writer.as_ref().and_then(|w| w.value(i)) {
             want[WRITER_WORD * 8..WRITER_WORD * 8 + 8].copy_from_slice(&v.to_ne_bytes());
         }

@@ -319,6 +319,62 @@ fn a_page_dropped_unseen_never_reads_a_slot_given_to_other_contents() {
 }
 
 /// Mappings of a scope's store in the process `pid`.
+/// Zero pages between merged pages, one page in eight, in two processes of a scope: the
+/// daemon makes each zero page of the first a zero hole between the copies around it, and
+/// holds those holes for the second too, so that each process's merged pages stay a few
+/// mappings of the store (not one per stretch between zero pages); the holes take no memory,
+/// and every page reads what was written.
+#[test]
+fn zero_pages_inside_merged_runs_keep_them_whole_across_processes() {
+    let _g = serial();
+    let path = sock_path("holes");
+    let _daemon = Daemon::start(&path);
+    let mib = 8;
+    let pages = (mib as u64) << 20 >> 12;
+    let zeros = pages / 8;
+    let mut clients: Vec<Client> = (0..2)
+        .map(|_| {
+            Client::spawn(
+                Command::new(BIN)
+                    .args(["scope-client", "--period-ms", "50", "--zero-every", "8"])
+                    .args(["--mib", &mib.to_string()])
+                    .env("PAGEONE_SOCKET", &path)
+                    .env("PAGEONE_SCOPE", "holes"),
+            )
+        })
+        .collect();
+    wait_for("every page of both clients merged", 60, || {
+        clients.iter_mut().all(|c| {
+            let s = c.stats();
+            let merged =
+                s["pages_shared"].as_u64().unwrap_or(0) + s["pages_sharing"].as_u64().unwrap_or(0);
+            merged == pages - zeros && s["zero_pages"].as_u64() == Some(zeros)
+        })
+    });
+    for c in &mut clients {
+        let maps = store_mappings(c.pid);
+        eprintln!("client {}: {maps} mappings of the store", c.pid);
+        assert!(
+            maps <= 16,
+            "{maps} mappings of the store for {pages} pages, {zeros} of them zero: {}",
+            c.stats()
+        );
+        c.verify();
+    }
+    let st = status(&path);
+    let sc = scope(&st, "holes").expect("scope holes");
+    assert_eq!(sc["pages_shared"].as_u64(), Some(pages - zeros), "{sc}");
+    assert!(sc["zero_holes"].as_u64() >= Some(zeros), "{sc}");
+    assert_eq!(
+        sc["store_resident_bytes"].as_u64(),
+        Some((pages - zeros) * PAGE),
+        "the holes take no memory: {sc}"
+    );
+    for c in clients {
+        c.finish();
+    }
+}
+
 fn store_mappings(pid: u32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap_or_default()

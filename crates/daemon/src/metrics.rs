@@ -234,6 +234,11 @@ impl Families {
                 "noted_first_sightings",
                 "Contents seen by one client, waiting for a second",
             ),
+            (
+                "zero_holes",
+                "Slots of the scope's store left as holes (zeros, no memory) for zero pages \
+                 that its clients map between copies",
+            ),
         ]
         .into_iter()
         .map(|(name, help)| {
@@ -419,6 +424,7 @@ pub(crate) fn render(inner: &Inner) -> String {
             ("saved_bytes", t.saved_bytes()),
             ("store_resident_bytes", resident),
             ("noted_first_sightings", st.noted_entries as u64),
+            ("zero_holes", st.holes),
         ] {
             f.scope_gauge(name, &labels, v);
         }

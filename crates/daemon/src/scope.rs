@@ -77,6 +77,13 @@ pub(crate) struct ScopeState {
     vacant: Vec<u32>,
     /// Slots emptied and not yet punched (see [`ScopeState::punch_emptied`]).
     emptied: Vec<u32>,
+    /// Per slot, whether it is a zero hole: a page a client sent all zero, never written (it
+    /// reads zeros and takes no memory) and never in the index; held for that client, and for
+    /// the others that map it too (`hold_holes`), between copies, so that a run of their merged
+    /// pages stays one mapping.
+    hole: Vec<bool>,
+    /// Zero holes held.
+    pub(crate) holes: u64,
     free: FreeSlots,
     bump: u32,
     pub(crate) live: u64,
@@ -140,6 +147,8 @@ impl Scope {
                 free: FreeSlots::default(),
                 bump: 0,
                 live: 0,
+                hole: Vec::new(),
+                holes: 0,
                 noted_entries: 0,
                 clients: HashMap::default(),
                 copies_made: 0,
@@ -260,6 +269,7 @@ impl ScopeState {
         self.contents.hash_of.push(0);
         self.holders.push(0);
         self.vacant.push(0);
+        self.hole.push(false);
         Some(self.bump - 1)
     }
 
@@ -302,6 +312,24 @@ impl ScopeState {
         self.holders[i] != 0 && self.vacant[i] == self.holders[i]
     }
 
+    /// Makes `slot` (just written with zeros) a zero hole held for `client`: never in the
+    /// index, and punched by the caller.
+    /// Whether it could (not for a client that left).
+    fn make_hole(&mut self, client: u64, slot: u32) -> bool {
+        if !self.clients.contains_key(&client) {
+            return false;
+        }
+        self.hole[slot as usize] = true;
+        self.holes += 1;
+        self.hold(client, slot);
+        true
+    }
+
+    /// Whether `slot` is a zero hole.
+    fn is_hole(&self, slot: u32) -> bool {
+        self.hole.get(slot as usize).copied().unwrap_or(false)
+    }
+
     /// Drops one holder of `slot` (`vacated`: a hold it had vacated). When none is left the
     /// slot leaves the index (if it was not emptied before) and is pushed to `dead`: the caller
     /// punches it, then gives it to [`ScopeState::reuse`] (not before, or a new copy written
@@ -312,10 +340,14 @@ impl ScopeState {
         self.holders[i] -= 1;
         self.vacant[i] -= u32::from(vacated);
         if self.holders[i] == 0 {
-            if !was_empty {
+            if std::mem::take(&mut self.hole[i]) {
+                self.holes -= 1;
+            } else if !was_empty {
                 self.take_out(slot);
             }
             dead.push(slot);
+        } else if self.hole[i] {
+            // (Other clients still map the hole: it stays as it is.)
         } else if !was_empty && self.is_empty_slot(slot) {
             self.take_out(slot);
             self.emptied.push(slot);
@@ -344,6 +376,15 @@ impl ScopeState {
             if self.is_empty_slot(s) && self.contents.copy_of(self.contents.hash_of[i]) == Some(s) {
                 return Err(format!("slot {s} was emptied and is still answered"));
             }
+            if self.hole[i]
+                && (held == 0 || self.contents.copy_of(self.contents.hash_of[i]) == Some(s))
+            {
+                return Err(format!("zero hole {s} has {held} holders or is answered"));
+            }
+        }
+        let holes = self.hole.iter().filter(|&&h| h).count() as u64;
+        if holes != self.holes {
+            return Err(format!("{holes} zero holes, {} counted", self.holes));
         }
         if let Some(c) = self
             .clients
@@ -383,7 +424,8 @@ impl ScopeState {
                 continue;
             }
             self.vacant[s as usize] += 1;
-            if self.is_empty_slot(s) {
+            // A hole is empty already (and in no index).
+            if self.is_empty_slot(s) && !self.hole[s as usize] {
                 self.take_out(s);
                 self.emptied.push(s);
             }
@@ -572,8 +614,8 @@ pub(crate) fn copy(sc: &Scope, req: CopyRequest<'_>) -> Reply {
             return over;
         }
     };
-    let hashes = write_and_hash(sc, pipe, &slots);
-    publish(sc, &req, &slots, &hashes)
+    let stored = write_and_hash(sc, pipe, &slots);
+    publish(sc, &req, &slots, &stored)
 }
 
 /// A slot for every page of a copy request (consecutive where the store allows), charged to
@@ -604,10 +646,19 @@ fn take_slots(sc: &Scope, id: u64, n: usize) -> Result<Vec<Option<u32>>, Reply> 
     Ok(slots)
 }
 
+/// What a page of a copy request became in its slot.
+#[derive(Clone, Copy)]
+enum Stored {
+    /// Its bytes, of this hash.
+    Copy(u128),
+    /// All zero: the slot is to be a zero hole.
+    Zero,
+}
+
 /// Moves the pipe's pages into `slots`, one `splice` per run (of at most HASH_CHUNK pages), so
 /// the bytes never pass through the daemon's memory, and hashes what the store then holds.
-/// Per page: its hash, or `None` where it could not be copied.
-fn write_and_hash(sc: &Scope, pipe: RawFd, slots: &[Option<u32>]) -> Vec<Option<u128>> {
+/// Per page: what it holds, or `None` where it could not be copied.
+fn write_and_hash(sc: &Scope, pipe: RawFd, slots: &[Option<u32>]) -> Vec<Option<Stored>> {
     let n = slots.len();
     let fd = sc.fd.as_raw_fd();
     // The client may write its pages meanwhile: what is hashed is what the store holds (a
@@ -615,7 +666,7 @@ fn write_and_hash(sc: &Scope, pipe: RawFd, slots: &[Option<u32>]) -> Vec<Option<
     // `splice`, while the bytes are still in the cache. The daemon does not map the store: a
     // mapping would take a share of every copy's Pss from the clients that map it
     // (understating their memory) and cost page tables and faults.
-    let mut hashes: Vec<Option<u128>> = vec![None; n];
+    let mut hashes: Vec<Option<Stored>> = vec![None; n];
     let mut buf = vec![0u8; HASH_CHUNK * PAGE];
     let mut in_step = true;
     let mut k = 0;
@@ -647,7 +698,11 @@ fn write_and_hash(sc: &Scope, pipe: RawFd, slots: &[Option<u32>]) -> Vec<Option<
             };
             if got.is_ok_and(|g| g == m * PAGE) {
                 for (j, page) in buf[..m * PAGE].chunks(PAGE).enumerate() {
-                    hashes[k + j] = Some(twox_hash::XxHash3_128::oneshot(page));
+                    hashes[k + j] = Some(if page.iter().all(|&b| b == 0) {
+                        Stored::Zero
+                    } else {
+                        Stored::Copy(twox_hash::XxHash3_128::oneshot(page))
+                    });
                 }
             }
         }
@@ -669,16 +724,22 @@ fn publish(
     sc: &Scope,
     req: &CopyRequest<'_>,
     slots: &[Option<u32>],
-    hashes: &[Option<u128>],
+    stored: &[Option<Stored>],
 ) -> Reply {
     let (id, fd) = (req.id, sc.fd.as_raw_fd());
     let mut out = vec![proto::FAILED; slots.len()];
+    let mut holes = Vec::new();
     let mut st = lock(&sc.state);
     for (k, slot) in slots.iter().enumerate() {
         let Some(slot) = *slot else { continue };
-        let set = match hashes[k] {
-            Some(h) => st.contents.set_copy(h, slot, req.fresh),
-            None => Err(proto::FAILED),
+        let set = match stored[k] {
+            Some(Stored::Copy(h)) => st.contents.set_copy(h, slot, req.fresh),
+            Some(Stored::Zero) if st.make_hole(id, slot) => {
+                holes.push(slot);
+                out[k] = slot;
+                continue;
+            }
+            _ => Err(proto::FAILED),
         };
         let note = match set {
             Ok(note) => note,
@@ -702,8 +763,12 @@ fn publish(
         }
     }
     // Pages of this request with the same content as an earlier one get its slot.
-    for (k, h) in hashes.iter().enumerate().filter(|_| !req.fresh) {
+    for (k, s) in stored.iter().enumerate().filter(|_| !req.fresh) {
         if out[k] == proto::FAILED {
+            let h = match s {
+                Some(Stored::Copy(h)) => Some(*h),
+                _ => None,
+            };
             if let Some(s) = h.and_then(|h| st.contents.copy_of(h)) {
                 st.hold(id, s);
                 out[k] = s;
@@ -711,6 +776,10 @@ fn publish(
         }
     }
     st.compact();
+    drop(st);
+    // The holes give their pages back before the client hears of them (it reads zeros there
+    // either way: only this client holds them, and nothing writes them).
+    proto::store::punch_runs(fd, &holes);
     Reply::Slots(out)
 }
 
@@ -765,6 +834,32 @@ pub(crate) fn vacate(sc: &Scope, id: u64, slots: &[u32]) -> Reply {
     st.vacate(id, slots);
     st.punch_emptied(sc);
     Reply::Ok
+}
+
+/// Client `id` maps zero holes `slots` too (between copies it maps around them): each slot
+/// that is a zero hole is held for it as well. Per slot: the slot, or [`proto::FAILED`] where
+/// it is no zero hole. `OverCap` where the client would hold more slots than its cap.
+pub(crate) fn hold_holes(sc: &Scope, id: u64, slots: &[u32]) -> Reply {
+    let cap = sc.limits.pages_per_client;
+    let mut st = lock(&sc.state);
+    let held = st.clients.get(&id).map_or(0, |c| c.held.len()) as u64;
+    if held.saturating_add(slots.len() as u64) > cap {
+        return Reply::OverCap(format!(
+            "a client may hold {cap} store pages; this one holds {held}"
+        ));
+    }
+    let out = slots
+        .iter()
+        .map(|&s| {
+            if st.is_hole(s) {
+                st.hold(id, s);
+                s
+            } else {
+                proto::FAILED
+            }
+        })
+        .collect();
+    Reply::Slots(out)
 }
 
 /// Client `id` has no page of these contents any more: its notes of them go.
@@ -858,6 +953,67 @@ mod tests {
             .read_exact_at(&mut b, u64::from(s) * PAGE as u64)
             .unwrap();
         b[0]
+    }
+
+    /// Copies pages of bytes `bs` through the pipe in one request: their slots.
+    fn copy_pages(c: &mut Conn, pipe: &OwnedFd, bs: &[u8]) -> Vec<u32> {
+        let mut f = std::fs::File::from(pipe.try_clone().unwrap());
+        for &b in bs {
+            f.write_all(&[b; PAGE]).unwrap();
+        }
+        match ask(c, Request::Copy(bs.len() as u32)) {
+            Reply::Slots(s) if s.len() == bs.len() => s,
+            r => panic!("{r:?}"),
+        }
+    }
+
+    /// Zero pages sent with copies become zero holes: slots of their own, side by side with
+    /// the copies around them, reading zeros and taking no memory, held for their client alone
+    /// and never answered for their content; released, they are reused.
+    #[test]
+    fn zero_pages_copied_become_holes_of_their_own_between_the_copies() {
+        let h = Harness::new(Limits::for_ram(1 << 30), 64);
+        let (mut a, pa, store) = joined(&h);
+        let (mut b, pb, _) = joined(&h);
+        let s = copy_pages(&mut a, &pa, &[5, 0, 0, 6]);
+        assert_eq!(s, [s[0], s[0] + 1, s[0] + 2, s[0] + 3], "side by side");
+        assert_eq!((first_byte(&store, s[1]), first_byte(&store, s[3])), (0, 6));
+        let resident = pageone_sys::file_usage(store.as_raw_fd()).unwrap().1;
+        assert_eq!(resident, 2 * PAGE as u64, "the holes take no memory");
+        h.check().unwrap();
+        // Another client's zero page gets a hole of its own, and a lookup never finds one.
+        let t = copy_pages(&mut b, &pb, &[0, 5]);
+        assert!(!s.contains(&t[0]), "{t:?}");
+        assert_eq!(t[1], s[0], "copies are shared as ever");
+        let zero = twox_hash::XxHash3_128::oneshot(&[0u8; PAGE]);
+        match ask(&mut b, Request::Lookup(vec![zero])) {
+            Reply::Answers { answers, .. } => {
+                assert!(
+                    [proto::NOTED, proto::WANTED].contains(&answers[0]),
+                    "{answers:?}"
+                )
+            }
+            r => panic!("{r:?}"),
+        }
+        h.check().unwrap();
+        // B maps A's holes too: held for it as well; a copy or a slot out of the store is no
+        // hole.
+        assert_eq!(
+            ask(&mut b, Request::HoldHoles(vec![s[1], s[0], 1 << 20])),
+            Reply::Slots(vec![s[1], proto::FAILED, proto::FAILED])
+        );
+        h.check().unwrap();
+        // Vacated or released by A, a hole B holds stays; released by both, it is reused.
+        assert_eq!(ask(&mut a, Request::Vacate(vec![s[1]])), Reply::Ok);
+        h.check().unwrap();
+        assert_eq!(ask(&mut a, Request::Release(vec![s[1], s[2]])), Reply::Ok);
+        h.check().unwrap();
+        assert_eq!(copy(&mut a, &pa, 9), s[2]);
+        assert_eq!(ask(&mut b, Request::Release(vec![s[1]])), Reply::Ok);
+        assert_eq!(copy(&mut a, &pa, 10), s[1]);
+        assert_eq!(first_byte(&store, s[1]), 10);
+        drop(b);
+        h.check().unwrap();
     }
 
     /// A slot every holder vacated is emptied (punched, no longer answered) but not reused

@@ -104,6 +104,7 @@ impl Session {
             (Some(j), Request::CopyFresh(n)) => copy(j, n, true),
             (Some(j), Request::Release(slots)) => scope::release(&j.scope, j.id, &slots),
             (Some(j), Request::Vacate(slots)) => scope::vacate(&j.scope, j.id, &slots),
+            (Some(j), Request::HoldHoles(slots)) => scope::hold_holes(&j.scope, j.id, &slots),
             (Some(j), Request::Forget(hashes)) => scope::forget(&j.scope, j.id, &hashes),
             (Some(j), Request::Report(json)) => scope::report(&j.scope, j.id, &json),
         };

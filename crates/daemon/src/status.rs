@@ -150,6 +150,7 @@ fn scope(sc: &Scope, budget: &mut usize) -> Value {
         "zero_pages": totals.zero,
         "saved_bytes": totals.saved_bytes(),
         "copies_made": st.copies_made,
+        "zero_holes": st.holes,
         "noted_first_sightings": st.noted_entries,
         "store_pages_in_use": st.pages_in_use(),
         "store_resident_bytes": resident,

@@ -16,7 +16,7 @@ use std::time::Instant;
 use pageone_index::{KeyId, SdTree};
 use pageone_sync::lock;
 
-use crate::access::{classify_bytes, joined, stable_copy, HashOfHash, PageReader, Pre};
+use crate::access::{classify_bytes, joined, stable_copy, HashOfHash, PageReader, Pre, PAGE};
 use crate::candidates::{push_candidate, Action, Candidate, CandidateSet};
 use crate::config::{Config, WatchMode};
 use crate::pool::Pool;
@@ -105,6 +105,7 @@ pub(crate) fn classify(
         guard = g.ask_daemon(&cx, guard, remote, relook);
     }
     g.wait_alone(&mut guard, config.max_backoff);
+    g.add_zero_gaps(&cx, &guard);
     // A copy serves at most `max_sharing` pages of this process: larger groups, and groups whose
     // adopted copy is (nearly) full here, are split; each further chunk is led by a page that
     // gets a copy of its own (a fresh one: through the daemon, it must not be deduplicated back
@@ -129,6 +130,9 @@ pub(crate) fn classify(
     // The committer merges zero pages onto the holes between the copies around them (this
     // batch's or a later one's); those left unmapped are freed after the commit.
     new_copies.extend(copies.holes.iter().map(|&(_, id)| id));
+    if let Some(remote) = &view.remote {
+        new_copies.extend(g.hold_remote_holes(&cx, remote));
+    }
     tracing::debug!(
         phase1_to_group_ms = (t_group - t_phase1).as_secs_f64() * 1e3,
         copy_ms = (t_copy - t_group).as_secs_f64() * 1e3,
@@ -249,7 +253,7 @@ struct Grouping {
     member_of: Vec<(u32, u32)>,
     /// Candidates that adopt a copy the daemon holds: (candidate, slot).
     adopted: Vec<(u32, KeyId)>,
-    /// Zero pages given zero holes between new local copies: (candidate, id).
+    /// Zero pages given zero holes between new copies: (candidate, id).
     holes: Vec<(u32, KeyId)>,
 }
 
@@ -290,7 +294,7 @@ struct Copies {
     todo: Vec<GroupCopy>,
     srcs: Vec<usize>,
     to_write: Option<Vec<KeyId>>,
-    /// Zero holes between the local copies: (candidate, id), never written.
+    /// Zero holes between the new copies: (candidate, id), never written.
     holes: Vec<(u32, KeyId)>,
 }
 
@@ -534,8 +538,13 @@ impl Grouping {
                 if self.groups.is_empty() && fresh.is_empty() {
                     (Vec::new(), Vec::new(), None)
                 } else {
+                    let zero_at = self.zero_pages_for_holes(cx, &guard);
                     drop(guard);
-                    let made = self.copy_remote(remote, fresh, first_use);
+                    let (made, holes) = self.copy_remote(remote, fresh, first_use, &zero_at);
+                    let holes: Vec<_> = holes
+                        .into_iter()
+                        .map(|(c, slot)| (c, slot, crate::store::reads_zero(cx.view.fd, slot)))
+                        .collect();
                     guard = lock(&cx.sh.state);
                     let st = &mut *guard;
                     let made = made
@@ -545,6 +554,7 @@ impl Grouping {
                             st.store.adopt(id).map(|fresh| (id, fresh))
                         })
                         .collect();
+                    self.adopt_holes(st, holes);
                     (made, Vec::new(), None)
                 }
             }
@@ -604,22 +614,94 @@ impl Grouping {
     /// Has the daemon make the groups' copies (deduplicated in the scope), then the `fresh` ones
     /// (never deduplicated; the daemon gives a request's slots side by side where its store
     /// allows), each request in the order pages first take them. Their leaders join `groups`;
-    /// the slots, in the order of `groups`.
+    /// the slots, in the order of `groups`. Zero pages of `zero_at` lying between the groups'
+    /// copies (see the `zero_holes` module) go with them, and the daemon makes each a zero hole
+    /// of its own: `(candidate, slot)` of those it gave a slot.
     fn copy_remote(
         &mut self,
         remote: &Remote,
         mut fresh: Vec<u32>,
         first_use: &FirstUse,
-    ) -> Vec<Option<KeyId>> {
+        zero_at: &HashMap<usize, u32>,
+    ) -> (Vec<Option<KeyId>>, Vec<(u32, KeyId)>) {
         first_use.sort(&mut self.groups);
         first_use.sort(&mut fresh);
         let addr_of = |g: &u32| self.cands[*g as usize].addr();
-        let srcs: Vec<usize> = self.groups.iter().map(addr_of).collect();
+        let at: Vec<usize> = self.groups.iter().map(|&l| first_use.at(l)).collect();
+        let layout = zero_holes::lay_out(&at, zero_at);
+        let srcs: Vec<usize> = layout
+            .iter()
+            .map(|s| match *s {
+                Slot::Copy(j) => addr_of(&self.groups[j]),
+                Slot::Hole(c) => self.cands[c as usize].addr(),
+            })
+            .collect();
         let fresh_srcs: Vec<usize> = fresh.iter().map(addr_of).collect();
-        let mut slots = remote.copy(&srcs, false);
+        let mut slots = vec![None; self.groups.len()];
+        let mut holes = Vec::new();
+        for (s, got) in layout.iter().zip(remote.copy(&srcs, false)) {
+            match *s {
+                Slot::Copy(j) => slots[j] = got,
+                Slot::Hole(c) => holes.extend(got.map(|slot| (c, slot))),
+            }
+        }
         slots.extend(remote.copy(&fresh_srcs, true));
         self.groups.append(&mut fresh);
-        slots
+        (slots, holes)
+    }
+
+    /// With a daemon, zero pages of the batch between two of its merges whose copies lie
+    /// around zero holes that another process had made (see `zero_holes::between_merges`):
+    /// the daemon holds those holes for this process too, so that the committer merges the
+    /// zero pages onto them. Returns the holes taken (freed after the commit if unmapped).
+    fn hold_remote_holes(&mut self, cx: &Ctx<'_>, remote: &Remote) -> Vec<KeyId> {
+        let wanted = {
+            let st = lock(&cx.sh.state);
+            let zero_at = self.zero_pages_for_holes(cx, &st);
+            let merged: HashMap<usize, KeyId> = self
+                .cands
+                .iter()
+                .zip(&self.actions)
+                .filter_map(|(c, a)| match a {
+                    Some(Action::Merge(id)) => Some((c.addr(), *id)),
+                    _ => None,
+                })
+                .collect();
+            let mut wanted = zero_holes::between_merges(&merged, &zero_at);
+            // Those known here already: a zero hole needs no asking, and a copy is no hole.
+            wanted.retain(|&(_, h)| !st.store.is_allocated(h));
+            wanted
+        };
+        if wanted.is_empty() {
+            return Vec::new();
+        }
+        let slots: Vec<u32> = wanted.iter().map(|&(_, h)| h).collect();
+        let held: Vec<_> = wanted
+            .iter()
+            .zip(remote.hold_holes(&slots))
+            .filter_map(|(&(c, _), got)| got.map(|h| (c, h)))
+            .map(|(c, h)| (c, h, crate::store::reads_zero(cx.view.fd, h)))
+            .collect();
+        let before = self.holes.len();
+        self.adopt_holes(&mut lock(&cx.sh.state), held);
+        self.holes[before..].iter().map(|&(_, h)| h).collect()
+    }
+
+    /// Takes the slots the daemon gave this batch's zero pages, `(candidate, slot, whether it
+    /// reads zeros)`: those new here and reading zeros are zero holes, which join `holes`; the
+    /// others are given back (a daemon that answered with a copy of zero content instead).
+    fn adopt_holes(&mut self, st: &mut State, holes: Vec<(u32, KeyId, bool)>) {
+        for (cand, slot, zero) in holes {
+            match st.store.adopt(slot) {
+                Some(true) if zero => {
+                    st.store.mark_zero_holes(&[slot]);
+                    self.holes.push((cand, slot));
+                }
+                Some(true) => st.store.unadopt(slot),
+                // In use here already, or not usable: still held for its own life here.
+                Some(false) | None => {}
+            }
+        }
     }
 
     /// Allocates the local copies of the groups and of the `fresh` leaders (which join `groups`),
@@ -655,6 +737,53 @@ impl Grouping {
         st.store.mark_zero_holes(&hole_ids);
         let ids = made.iter().flatten().copied().collect();
         (made, srcs, ids)
+    }
+
+    /// Zero gaps: pages released as zero pages before (empty, or mapping the kernel's zero
+    /// page) in stretches of at most `MAX_HOLE_GAP` pages, among the batch's zero pages, between
+    /// two other candidates at neighbouring addresses. They join the batch as zero pages, so
+    /// that where the pages around them merge onto copies around zero holes, they merge onto
+    /// those holes (see the `zero_holes` module): the run of merged pages stays one mapping of
+    /// the store. The committer merges them onto holes only: released already, they are never
+    /// released again. (Not in locked memory: the engine's locked area holds moved pages.)
+    fn add_zero_gaps(&mut self, cx: &Ctx<'_>, st: &State) {
+        if cx.sh.store_uffd.is_none() || cx.sh.mode != WatchMode::UffdWp {
+            return;
+        }
+        // Candidates by (region, index): whether each is a zero page.
+        let at: HashMap<(usize, usize), bool> = self
+            .cands
+            .iter()
+            .zip(&self.actions)
+            .map(|(c, a)| ((c.region, c.index()), *a == Some(Action::Zero)))
+            .collect();
+        let mut gaps = Vec::new();
+        for (&(region, i), _) in at.iter().filter(|&(_, &zero)| !zero) {
+            let Some(r) = st.regions.get(&region) else {
+                continue;
+            };
+            let released = |j: usize| {
+                r.pages.get(j).is_some_and(|p| p.kind == PageKind::Zero)
+                    && r.locked.within(j * PAGE..(j + 1) * PAGE).next().is_none()
+            };
+            let mut found = Vec::new();
+            for j in i + 1..=i + zero_holes::MAX_HOLE_GAP + 1 {
+                match at.get(&(region, j)) {
+                    Some(false) => {
+                        gaps.extend(found.iter().map(|&j| (region, j)));
+                        break;
+                    }
+                    Some(true) => {}
+                    None if released(j) => found.push(j),
+                    None => break,
+                }
+            }
+        }
+        for (region, j) in gaps {
+            let c = Candidate::new(region, region + j * PAGE, Pre::None);
+            let k = push_candidate(&mut self.cands, &mut self.actions, c);
+            self.actions[k as usize] = Some(Action::Zero);
+        }
     }
 
     /// The zero pages of the batch that may be kept in runs of merged pages, by address: all of

@@ -352,6 +352,12 @@ fn plan_run(cx: &mut CommitCtx<'_>, rs: &mut RunState<'_>, run: &Run) -> Option<
     release_lone_holes(&mut acts[..run.n], &holes, left);
     let sides = Sides::of(run, &rs.region.pages, left);
     let vmas = afford(cx, rs, run, &mut acts, &sides, &holes);
+    // Pages released already (see `classify`'s zero gaps) are only ever merged onto holes.
+    for (k, a) in acts.iter_mut().enumerate().take(run.n) {
+        if *a == Some(Action::Zero) && rs.region.pages[run.first_index + k].kind == PageKind::Zero {
+            *a = None;
+        }
+    }
     for a in acts.iter().take(run.n) {
         if let Some(Action::Merge(sid)) = *a {
             rs.store.add_ref(sid);
@@ -597,6 +603,10 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
     for k in 0..run.n {
         let Some(page) = frozen.frozen_page(k) else {
             out.refused[k] = frozen.refused(k);
+            // An empty address reads zeros: it merges onto its zero hole as it is.
+            if plan.holes.contains(k) && frozen.empty(k) {
+                out.verdict[k] = plan.acts[k];
+            }
             continue;
         };
         out.moved[k] = true;
@@ -644,7 +654,10 @@ fn merge_frozen(cx: &CommitCtx<'_>, run: &Run, plan: &Plan, freezer: Freezer<'_>
     });
     drop(log);
     replace_frozen(cx, (run, plan), since, &mut frozen, &mut out);
-    let released = |k: usize| matches!(out.verdict[k], Some(Action::Zero | Action::Recycle(_)));
+    // (An empty page released instead of merged onto its hole stays as it is: empty.)
+    let released = |k: usize| {
+        out.moved[k] && matches!(out.verdict[k], Some(Action::Zero | Action::Recycle(_)))
+    };
     let mut k = 0;
     while k < run.n {
         if !released(k) {
@@ -847,6 +860,19 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
             }
             continue;
         };
+        if p.kind == PageKind::Zero {
+            // Released already (a zero gap): merged onto its hole, or left as it was.
+            match (plan.acts[k], out.verdict[k]) {
+                (_, Some(Action::Merge(sid))) => {
+                    *rs.zero -= 1;
+                    settle(p, rs.store, sid, true, cx.config.max_backoff);
+                    merged += 1;
+                }
+                (Some(Action::Merge(sid)), _) => rs.store.undo_ref(sid),
+                _ => {}
+            }
+            continue;
+        }
         match (plan.acts[k], out.verdict[k]) {
             (_, Some(Action::Merge(sid))) => {
                 settle(p, rs.store, sid, true, cx.config.max_backoff);

@@ -255,6 +255,9 @@ pub(crate) struct FrozenRun<'a> {
     /// Pages the kernel would not move at all: their mapping is not alike the scratch area's in
     /// protection or locking (`EINVAL`; see the `refusals` module).
     refused: [bool; MAX_RUN],
+    /// Pages that did not move because their address held none (never touched, or released as
+    /// a zero page): frozen all the same (a touch waits), they read zeros.
+    empty: [bool; MAX_RUN],
     consumed: [bool; MAX_RUN],
     /// Consumed pages whose address now maps a copy (a mapping of its own, not the run's).
     mapped: [bool; MAX_RUN],
@@ -307,6 +310,7 @@ impl<'a> FrozenRun<'a> {
             n,
             moved: [false; MAX_RUN],
             refused: [false; MAX_RUN],
+            empty: [false; MAX_RUN],
             consumed: [false; MAX_RUN],
             mapped: [false; MAX_RUN],
             moved_to: [0; MAX_RUN],
@@ -401,6 +405,21 @@ impl<'a> FrozenRun<'a> {
             );
             let (moved, in_locked) = (&mut self.moved[..n], &mut self.in_locked[..n]);
             reconcile_moved(pagemap, start, areas, moved, in_locked);
+            self.find_empty(pagemap);
+        }
+    }
+
+    /// Marks the pages that did not move because their address is empty: no page, nothing
+    /// swapped out or migrating (a pte marker counts as something). Published and registered
+    /// for missing faults, such an address stays empty until the wake.
+    fn find_empty(&mut self, pagemap: &sys::Pagemap) {
+        let n = self.n;
+        let Ok(held) = pagemap.pages_with_any(self.start, n, PAGE_IS_PRESENT | PAGE_IS_SWAPPED)
+        else {
+            return;
+        };
+        for (k, held) in held.into_iter().enumerate().take(n) {
+            self.empty[k] = !self.moved[k] && !self.refused[k] && !held;
         }
     }
 
@@ -432,6 +451,11 @@ impl<'a> FrozenRun<'a> {
         self.moved[k] && self.in_locked[k]
     }
 
+    /// Whether page `k` did not move because its address held no page (it reads zeros).
+    pub(crate) fn empty(&self, k: usize) -> bool {
+        self.empty[k]
+    }
+
     /// Whether page `k` stayed in place because the kernel refused to move it from its mapping
     /// (see the `refusals` module), rather than for a hole or a passing reason.
     pub(crate) fn refused(&self, k: usize) -> bool {
@@ -445,12 +469,16 @@ impl<'a> FrozenRun<'a> {
         self.consumed[k] = true;
     }
 
-    /// Marks moved page `k` consumed by a copy mapped over its address (see [`consume`]): that
-    /// address is no longer part of the run's mapping.
+    /// Marks page `k`, moved or [empty](Self::empty), consumed by a copy mapped over its
+    /// address (see [`consume`]): that address is no longer part of the run's mapping.
     ///
     /// [`consume`]: Self::consume
     pub(crate) fn consume_mapped(&mut self, k: usize) {
-        self.consume(k);
+        debug_assert!(
+            self.moved[k] || self.empty[k],
+            "only a frozen page can be consumed"
+        );
+        self.consumed[k] = true;
         self.mapped[k] = true;
     }
 
@@ -477,7 +505,7 @@ impl<'a> FrozenRun<'a> {
                 .register(self.start + k * PAGE, m * PAGE, r.watched);
             k += m;
         }
-        for k in (0..self.n).filter(|&k| !self.moved[k]) {
+        for k in (0..self.n).filter(|&k| !self.moved[k] && !self.mapped[k]) {
             let _ = self.uffd.writeprotect(self.start + k * PAGE, PAGE, false);
         }
     }
@@ -969,6 +997,76 @@ pub(crate) mod tests {
         assert_eq!(t.present(t.region, 4), [false; 4]);
         drop(run);
         assert!((0..4).all(|k| t.intact(k, k as u8 + 1)));
+    }
+
+    /// A page whose address holds none (never touched, or dropped) does not move, and is
+    /// frozen as empty all the same: a touch waits for the wake. A page the kernel refused to
+    /// move is not empty, and a page mapping the kernel's zero page moves.
+    #[test]
+    fn an_empty_address_is_frozen_as_empty_and_a_touch_waits_for_the_wake() {
+        let t = Frozen::watched(4);
+        // Pages 1 and 2 dropped, page 2 read since (the zero page), page 3 read-only.
+        // SAFETY: pages of this test's own region, which nothing else uses.
+        unsafe {
+            sys::madvise((t.region + PAGE) as *mut u8, 2 * PAGE, libc::MADV_DONTNEED).unwrap();
+            assert_eq!(
+                std::ptr::read_volatile((t.region + 2 * PAGE) as *const u8),
+                0
+            );
+            let r = sys::raw_mprotect((t.region + 3 * PAGE) as *mut _, PAGE, libc::PROT_READ);
+            assert_eq!(r, 0);
+        }
+        let run = t.freeze();
+        assert!(run.frozen_page(0).is_some() && !run.empty(0));
+        assert!(run.frozen_page(1).is_none() && run.empty(1));
+        assert!(run.frozen_page(2).is_some() && !run.empty(2));
+        assert!(run.refused(3) && !run.empty(3));
+        let done = write_on_a_thread(t.region + PAGE, 9);
+        blocked_at(&t.uffd, t.region + PAGE);
+        assert!(done.recv_timeout(Duration::from_millis(50)).is_err());
+        drop(run);
+        done.recv_timeout(Duration::from_secs(10)).unwrap();
+        // SAFETY: a page of this test's region; its writer is done.
+        let page = unsafe { std::slice::from_raw_parts((t.region + PAGE) as *const u8, PAGE) };
+        assert!(page[0] == 9 && page[1..].iter().all(|&b| b == 0));
+        assert!(t.intact(0, 1));
+    }
+
+    /// A page shared with a child cannot move (`EBUSY`), and holds bytes: it is neither
+    /// refused nor empty, and stays as it is.
+    #[test]
+    fn a_page_shared_with_a_child_is_not_empty() {
+        let mut t = Frozen::watched(1);
+        t._forks_wait = None;
+        let mut fds = [0; 2];
+        // SAFETY: `fds` is a local array of two descriptors.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let pid = {
+            let _no_run = NO_FORK.write().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the child only waits for the pipe to close and exits.
+            unsafe { libc::fork() }
+        };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let mut b = 0u8;
+            // SAFETY: reads one byte into a local; ends the child without running destructors.
+            unsafe {
+                libc::close(fds[1]);
+                libc::read(fds[0], (&raw mut b).cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        let run = t.freeze();
+        assert!(run.frozen_page(0).is_none() && !run.refused(0) && !run.empty(0));
+        drop(run);
+        let mut status = 0;
+        // SAFETY: closes this test's pipe, then waits for the child forked above.
+        unsafe {
+            libc::close(fds[1]);
+            libc::close(fds[0]);
+            assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
+        }
+        assert!(t.intact(0, 1));
     }
 
     /// A page the program made read-only cannot move to either area: it stays in place,

@@ -305,6 +305,34 @@ impl Remote {
         out
     }
 
+    /// Has the daemon hold zero holes `slots` (made for another process) for this process
+    /// too: per slot, `Some` where it did (the slot is a zero hole).
+    pub(crate) fn hold_holes(&self, slots: &[u32]) -> Vec<Option<u32>> {
+        let sock = lock(&self.sock);
+        let mut out = Vec::with_capacity(slots.len());
+        for chunk in slots.chunks(proto::MAX_ITEMS) {
+            match self.call(&sock, &Request::HoldHoles(chunk.to_vec())) {
+                Some(Reply::Slots(s)) if s.len() == chunk.len() => {
+                    self.granted(&s);
+                    out.extend(
+                        chunk
+                            .iter()
+                            .zip(s)
+                            .map(|(&want, got)| (got == want).then_some(got)),
+                    );
+                }
+                reply => {
+                    if reply.is_some() {
+                        self.protocol_error::<()>();
+                    }
+                    break;
+                }
+            }
+        }
+        out.resize(slots.len(), None);
+        out
+    }
+
     /// A slot granted again before its release (or vacate) was sent stays held.
     pub(crate) fn keep(&self, slot: u32) {
         lock(&self.releases).remove(&slot);

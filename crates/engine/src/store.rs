@@ -732,6 +732,9 @@ impl Store {
             // insertions, so the copy is given back only after both releases).
             (false, _) => {
                 self.allocated[i] = true;
+                // A copy, unless the caller marks it a zero hole (`mark_zero_holes`): the slot
+                // may have been one here before the daemon gave it other contents.
+                self.zero_hole[i] = false;
                 Some(true)
             }
         }
@@ -775,9 +778,33 @@ pub(crate) fn write_copies(fd: i32, srcs: &[usize], ids: &[KeyId]) -> std::io::R
     Ok(())
 }
 
+/// Whether slot `id` of the store at `fd` reads all zeros (a zero hole a daemon made: read
+/// with `pread`, which reads a hole of the file as zeros without giving it a page, as a read
+/// through a mapping would).
+pub(crate) fn reads_zero(fd: i32, id: KeyId) -> bool {
+    let mut page = [0u8; PAGE];
+    // SAFETY: `page` is this function's own buffer, not borrowed during the call.
+    let got = unsafe { sys::pread_into(fd, page.as_mut_ptr(), PAGE, id as u64 * PAGE as u64) };
+    got.is_ok_and(|n| n == PAGE) && page.iter().all(|&b| b == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::Store;
+
+    /// A slot that was a zero hole here, freed and taken again (a daemon that gave it other
+    /// contents meanwhile), is a copy again: merges onto it compare with its bytes.
+    #[test]
+    fn a_slot_taken_again_is_no_zero_hole_any_more() {
+        let mut store = Store::new(4).unwrap();
+        assert_eq!(store.adopt(2), Some(true));
+        store.mark_zero_holes(&[2]);
+        assert!(store.is_zero_hole(2));
+        store.free_unmapped(2);
+        assert!(!store.is_allocated(2));
+        assert_eq!(store.adopt(2), Some(true));
+        assert!(!store.is_zero_hole(2));
+    }
 
     /// A copy named before an allocation mark is known stale once its id is given out again
     /// (freed, punched, reused), and only then.

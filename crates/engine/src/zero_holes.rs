@@ -11,8 +11,22 @@
 //! kernel's zero page is mapped over the holes at once (`UFFDIO_ZEROPAGE` through the store
 //! mappings' userfaultfd), so that reading them does not allocate a page in the store's file.
 //! Holes are never indexed and never read through the store's view.
+//!
+//! Zero pages released before the pages around them merge (their duplicates came later: always
+//! the case across processes, whose copies are made when a second process shows up) are empty
+//! addresses by then, or map the kernel's zero page. They join the batch as zero gaps between
+//! its other candidates (see `classify`), and merge onto holes only: frozen, an empty address
+//! stays empty (a touch waits) and reads zeros, so it needs no verification beyond being empty.
+//!
+//! With a daemon, the zero pages go with the copies asked for, and the daemon makes each a hole
+//! of its own between them (a page all zero that a client sends is punched, never indexed, held
+//! for that client); a process whose pages merge onto copies another process made asks the
+//! daemon to hold the holes between them for it too (`between_merges`). A hole the daemon names
+//! is read (`pread`, which gives a hole of the file no page) and used only if it reads zeros.
 
 use std::collections::HashMap;
+
+use pageone_index::KeyId;
 
 use crate::access::PAGE;
 
@@ -47,6 +61,34 @@ pub(crate) fn lay_out(leaders: &[usize], zero_at: &HashMap<usize, u32>) -> Vec<S
         }
     }
     slots
+}
+
+/// The zero holes that would keep runs of merged pages whole where their copies exist already
+/// (made by another process of a daemon's scope): for each stretch of at most `MAX_HOLE_GAP`
+/// zero pages of `zero_at` (address to candidate) between two pages of `merged` (address to
+/// the copy it merges onto) at neighbouring addresses whose copies `b` and `b + z + 1` leave
+/// room for exactly the `z` zero pages between them: `(candidate, b + d)` for the `d`th.
+pub(crate) fn between_merges(
+    merged: &HashMap<usize, KeyId>,
+    zero_at: &HashMap<usize, u32>,
+) -> Vec<(u32, KeyId)> {
+    let mut out = Vec::new();
+    if zero_at.is_empty() {
+        return out;
+    }
+    for (&a, &b) in merged {
+        let z = (1..=MAX_HOLE_GAP)
+            .take_while(|d| zero_at.contains_key(&(a + d * PAGE)))
+            .count();
+        let after = merged.get(&(a + (z + 1) * PAGE));
+        if z == 0 || after != Some(&b.wrapping_add(z as KeyId + 1)) {
+            continue;
+        }
+        for d in 1..=z {
+            out.push((zero_at[&(a + d * PAGE)], b.wrapping_add(d as KeyId)));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -93,6 +135,27 @@ mod tests {
             lay_out(&[p(2), p(0)], &zero_at),
             [Slot::Copy(0), Slot::Copy(1)]
         );
+    }
+
+    #[test]
+    fn zero_pages_between_merges_take_the_ids_their_copies_leave_between_them() {
+        let p = |k: usize| 0x10000 + k * PAGE;
+        // Pages 0 and 3 merge onto copies 10 and 13, pages 5 and 7 onto 20 and 30, page 9 onto
+        // 40; 1, 2, 6 and 8 are zero pages; 8 has no merge after it.
+        let merged: HashMap<usize, KeyId> =
+            [(p(0), 10), (p(3), 13), (p(5), 20), (p(7), 30), (p(9), 40)]
+                .into_iter()
+                .collect();
+        let zero_at: HashMap<usize, u32> = [(p(1), 1), (p(2), 2), (p(6), 6), (p(10), 10)]
+            .into_iter()
+            .collect();
+        let mut got = between_merges(&merged, &zero_at);
+        got.sort_unstable();
+        // Page 6 lies between copies 20 and 30: no room for one hole.
+        assert_eq!(got, [(1, 11), (2, 12)]);
+        // A page that is no zero page between them: none.
+        let zero_at: HashMap<usize, u32> = [(p(1), 1)].into_iter().collect();
+        assert!(between_merges(&merged, &zero_at).is_empty());
     }
 
     proptest! {

@@ -68,22 +68,8 @@ fn zero_pages_inside_a_merged_run_keep_it_one_mapping() {
     let (base, len) = (mem.as_ptr() as usize, mem.len());
     let (distinct, zeros) = ((N - N / 8) as u64, (2 * N / 8) as u64);
     let s = wait_for(&e, |s| s.pages_sharing >= distinct && s.zero_pages >= zeros);
-    assert_eq!(
-        (s.pages_shared, s.pages_sharing),
-        (distinct, distinct),
-        "{s:?}"
-    );
     assert_eq!(s.zero_pages, zeros, "{s:?}");
-    assert_eq!(s.compare_mismatches, 0, "{s:?}");
-    let maps = mappings_over(base, len);
-    assert_eq!(
-        maps.len(),
-        2,
-        "each half is one mapping of the store, zero pages included: {maps:#?}"
-    );
-    for (i, p) in mem.chunks(PAGE).enumerate() {
-        assert!(check(p, content(i)), "page {i} changed by merging");
-    }
+    assert_merged_whole(&s, mem);
     // Read, the zero pages map the kernel's zero page (the store's holes took no page).
     assert_eq!(zero_pfn_pages(base, 2 * N), zeros as usize);
 
@@ -129,8 +115,149 @@ fn zero_pages_are_released_where_the_mapping_budget_has_no_room() {
     assert_eq!(s.zero_pages, zeros, "{s:?}");
     assert_eq!(s.pages_sharing, 0, "nothing could be mapped: {s:?}");
     assert!(s.pages_waiting_on_limit > 0, "{s:?}");
+
     for (i, p) in mem.chunks(PAGE).enumerate() {
         assert!(check(p, content(i)), "page {i} changed");
     }
     e.unregister(base as *mut u8, len).unwrap();
+}
+
+/// Checks the region `mem` once merged: each half onto the same copies, a mapping of the store
+/// each, zero pages included, every page as `content` has it.
+fn assert_merged_whole(s: &pageone_engine::Stats, mem: &[u8]) {
+    let distinct = (N - N / 8) as u64;
+    assert_eq!(
+        (s.pages_shared, s.pages_sharing),
+        (distinct, distinct),
+        "{s:?}"
+    );
+    assert_eq!(s.compare_mismatches, 0, "{s:?}");
+    let maps = mappings_over(mem.as_ptr() as usize, mem.len());
+    assert_eq!(
+        maps.len(),
+        2,
+        "each half is one mapping of the store, zero pages included: {maps:#?}"
+    );
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed by merging");
+    }
+}
+
+/// An engine with 20 ms periods and a region whose first half is as `content` has it and whose
+/// second half is all zero, registered, once every zero page was released (nothing merged yet);
+/// the region's address and length. `None` (the test skipped) where zero holes are not used.
+fn engine_with_zeros_released() -> Option<(Engine, usize, usize)> {
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .watch(WatchMode::Auto)
+        .build()
+        .expect("the engine starts on this kernel");
+    if e.watch_mode() != WatchMode::UffdWp {
+        eprintln!("skipped: zero holes need userfaultfd write-protection of store mappings");
+        return None;
+    }
+    let mem = filled(2 * N, |i| if i < N { content(i) } else { 0 });
+    let (base, len) = (mem.as_mut_ptr() as usize, mem.len());
+    e.register(base as *mut u8, len).unwrap();
+    let s = wait_for(&e, |s| s.zero_pages >= (N + N / 8) as u64);
+    assert_eq!(
+        (s.zero_pages, s.pages_sharing),
+        ((N + N / 8) as u64, 0),
+        "{s:?}"
+    );
+    Some((e, base, len))
+}
+
+/// Writes the second half of the region at `base` as `content` has it, but for its zero pages,
+/// left as they are: the first half's duplicates, around zero pages released already.
+fn write_second_half(base: usize) {
+    for i in (N..2 * N).filter(|&i| content(i) != 0) {
+        // SAFETY: page i of the test's region; no other thread writes it.
+        let page = unsafe { std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE) };
+        common::fill(page, content(i));
+    }
+}
+
+/// Zero pages released before the pages around them merge (their duplicates were written
+/// later): they merge onto zero holes all the same once their neighbours merge, untouched
+/// since their release, so each half is one mapping of the store again.
+#[test]
+fn zero_pages_released_before_their_neighbours_merge_join_the_run() {
+    let Some((e, base, len)) = engine_with_zeros_released() else {
+        return;
+    };
+    let (distinct, zeros) = ((N - N / 8) as u64, (2 * N / 8) as u64);
+    write_second_half(base);
+    // SAFETY: the test's region, written by no other thread from here on.
+    let mem = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
+    let s = wait_for(&e, |s| {
+        s.pages_sharing >= distinct && s.zero_pages == zeros && mappings_over(base, len).len() == 2
+    });
+    assert_merged_whole(&s, mem);
+    e.unregister(base as *mut u8, len).unwrap();
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed by unmerging");
+    }
+}
+
+/// Zero pages released before their neighbours merge, written by another thread all along
+/// (before, while and after their neighbours merge, with them onto holes or not): every write
+/// is kept, and every page reads what was last written there.
+#[test]
+fn released_zero_pages_written_while_their_neighbours_merge_keep_every_write() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let Some((e, base, len)) = engine_with_zeros_released() else {
+        return;
+    };
+    // The writer writes word 1 of the zero pages at random (SeqCst: a test, plain reasoning).
+    let zero_pages: Vec<usize> = (0..2 * N).filter(|&i| content(i) == 0).collect();
+    let shadow: Arc<Vec<AtomicU64>> = Arc::new((0..2 * N).map(|_| AtomicU64::new(0)).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (shadow, stop) = (shadow.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let (mut x, mut n) = (0x9E37_79B9_7F4A_7C15u64, 0u64);
+            while !stop.load(Ordering::SeqCst) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let i = zero_pages[x as usize % zero_pages.len()];
+                n += 1;
+                let v = n << 16 | i as u64;
+                // SAFETY: word 1 of page i of the registered region, which stays mapped until
+                // the writer is joined; only this thread writes the zero pages meanwhile.
+                unsafe { std::ptr::write_volatile((base + i * PAGE + 8) as *mut u64, v) };
+                shadow[i].store(v, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        })
+    };
+    // The second half's duplicates come now, around its zero pages (the writer writes only
+    // those).
+    write_second_half(base);
+    let distinct = (N - N / 8) as u64;
+    let s = wait_for(&e, |s| s.pages_sharing >= distinct);
+    e.wait_periods(25, Duration::from_secs(10));
+    stop.store(true, Ordering::SeqCst);
+    writer.join().unwrap();
+    assert!(s.pages_sharing >= distinct, "{s:?}");
+    // SAFETY: the test's region, written by no other thread from here on.
+    let mem = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
+    let expected = |i: usize, p: &[u8]| {
+        let mut want = [0u8; PAGE];
+        common::fill(&mut want, content(i));
+        let v = shadow[i].load(Ordering::SeqCst);
+        if v != 0 {
+            want[8..16].copy_from_slice(&v.to_ne_bytes());
+        }
+        p == want
+    };
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        assert!(expected(i, p), "page {i} lost a write or changed");
+    }
+    e.unregister(base as *mut u8, len).unwrap();
+    for (i, p) in mem.chunks(PAGE).enumerate() {
+        assert!(expected(i, p), "page {i} changed by unmerging");
+    }
 }

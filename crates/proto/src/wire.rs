@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use pageone_sys as sys;
 
 /// 5: `OverCap` replies; `Status` shows a caller only its own user's scopes. 6: `Vacate`.
-pub const VERSION: u32 = 6;
+/// 7: zero holes (a zero page copied makes one; `HoldHoles`).
+pub const VERSION: u32 = 7;
 /// Most records in one request.
 pub const MAX_ITEMS: usize = 1 << 16;
 /// Largest frame either side accepts.
@@ -36,6 +37,7 @@ const T_COPY_FRESH: u32 = 7;
 const T_FORGET: u32 = 8;
 const T_GOODBYE: u32 = 9;
 const T_VACATE: u32 = 10;
+const T_HOLD_HOLES: u32 = 11;
 const T_WELCOME: u32 = 101;
 const T_ANSWERS: u32 = 102;
 const T_SLOTS: u32 = 103;
@@ -50,7 +52,9 @@ pub enum Request {
     Hello { version: u32, scope: String },
     /// Contents hashes (xxh3-128) of first sightings: which have a copy, which are wanted.
     Lookup(Vec<u128>),
-    /// Copy the `n` pages waiting in the client's pipe into the store.
+    /// Copy the `n` pages waiting in the client's pipe into the store. A page all zero gets a
+    /// zero hole of its own, held for this client: a slot never written (it reads zeros and
+    /// takes no memory) and never answered for its content.
     Copy(u32),
     /// Copy the `n` pages waiting in the pipe into new slots even where the store holds their content
     /// already: the client's pages of that content exceed its sharing limit per copy.
@@ -62,6 +66,10 @@ pub enum Request {
     /// not take other contents until it releases them. A slot every holder vacated is emptied
     /// (punched, out of the index); a later `Release` frees it.
     Vacate(Vec<u32>),
+    /// Zero holes (slots a zero page was copied into: they read zeros, take no memory and are
+    /// never answered for their content) that this client maps too, between copies it maps
+    /// around them: each is held for it as well.
+    HoldHoles(Vec<u32>),
     /// Hashes this client looked up earlier whose page it no longer has (written or released):
     /// it wants no copy of them offered, and the daemon stops remembering its note.
     Forget(Vec<u128>),
@@ -266,6 +274,11 @@ impl Request {
                 e.slots(ids);
                 e.finish()
             }
+            Request::HoldHoles(ids) => {
+                let mut e = Enc::with_room(T_HOLD_HOLES, 4 + 4 * ids.len());
+                e.slots(ids);
+                e.finish()
+            }
             Request::Forget(hs) => {
                 let mut e = Enc::with_room(T_FORGET, 4 + 16 * hs.len());
                 e.hashes(hs);
@@ -294,6 +307,7 @@ impl Request {
             T_COPY_FRESH => Request::CopyFresh(d.u32()?),
             T_RELEASE => Request::Release(d.slots()?),
             T_VACATE => Request::Vacate(d.slots()?),
+            T_HOLD_HOLES => Request::HoldHoles(d.slots()?),
             T_FORGET => Request::Forget(d.hashes()?),
             T_REPORT => Request::Report(d.string()?),
             T_STATUS => Request::Status,
@@ -552,6 +566,7 @@ mod tests {
             Request::CopyFresh(3),
             Request::Release(vec![3, 4]),
             Request::Vacate(vec![5, 6, 7]),
+            Request::HoldHoles(vec![8, 9]),
             Request::Forget(vec![5, u128::MAX]),
             Request::Report("{}".into()),
             Request::Status,

@@ -127,8 +127,22 @@ impl Pagemap {
             return_mask: mask,
             ..Default::default()
         };
+        self.pages_matching(start, n, &q)
+    }
+
+    /// Whether each of the `n` pages from `start` has any of the categories of `mask`.
+    pub fn pages_with_any(&self, start: usize, n: usize, mask: u64) -> io::Result<Vec<bool>> {
+        let q = ScanQuery {
+            category_anyof_mask: mask,
+            return_mask: mask,
+            ..Default::default()
+        };
+        self.pages_matching(start, n, &q)
+    }
+
+    fn pages_matching(&self, start: usize, n: usize, q: &ScanQuery) -> io::Result<Vec<bool>> {
         let mut found = Vec::new();
-        self.scan(start, start + n * PAGE_SIZE, &q, &mut found)?;
+        self.scan(start, start + n * PAGE_SIZE, q, &mut found)?;
         let mut out = vec![false; n];
         for r in &found {
             let lo = (r.start as usize - start) / PAGE_SIZE;

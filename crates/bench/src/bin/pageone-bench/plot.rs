@@ -161,6 +161,9 @@ struct KsmParams {
     /// The regions were locked (`--locked`); absent in older files.
     #[serde(default)]
     locked: bool,
+    /// One content in this many was all zero (`--zero-every`); absent in older files.
+    #[serde(default)]
+    zero_every: usize,
 }
 
 #[derive(Deserialize)]
@@ -194,10 +197,14 @@ fn ksm(f: KsmFile) -> Result<Figure> {
     };
     let mut title = match &f.params {
         Some(p) => format!(
-            "pageone vs KSM: {} x {} MiB{}, {}{} ms periods, medians of {} runs",
+            "pageone vs KSM: {} x {} MiB{}{}, {}{} ms periods, medians of {} runs",
             p.regions,
             p.region_mib,
             if p.locked { " locked" } else { "" },
+            match p.zero_every {
+                0 => String::new(),
+                n => format!(" (1 page in {n} zero)"),
+            },
             if p.processes {
                 "one process each through the daemon, "
             } else {
