@@ -9,7 +9,7 @@
 //! gives what it maps the advice the memory it replaces was given ([`over`]).
 //!
 //! One table for the process, by address: advice may come before the memory is registered. A
-//! range is forgotten where the program unmaps, maps over or moves memory, as the embedder or the
+//! range is forgotten where the program unmaps or maps over memory, as the embedder or the
 //! kernel (for registered memory) reports it ([`mapping_gone`]). Memory unmapped and mapped again
 //! where neither sees it (glibc's `free` and `malloc` of large blocks) would keep stale advice,
 //! so where the table holds advice over memory being registered, it is checked against the
@@ -22,9 +22,13 @@
 //! the kernel's reports of the program's unmaps and moves are applied with the rest of its
 //! changes (`layout::apply_changes`), before the engine maps anything there.
 //!
-//! Not carried: advice given with a raw system call the embedder does not see, and advice over
-//! memory the program moved (`mremap`: forgotten at both ends, so what the engine maps there
-//! later is dumped and inherited, as memory the program never advised).
+//! Memory the program moves (`mremap`) takes its advice along ([`mapping_moved`]), as the
+//! embedder or the kernel reports the move.
+//!
+//! Not carried: advice given with a raw system call the embedder does not see (a raw
+//! `MADV_DOFORK` leaves the engine giving `MADV_DONTFORK`), and the old place's advice after a
+//! move with `MREMAP_DONTUNMAP` that the embedder does not see (taken along; the kernel leaves
+//! it at both places).
 
 use std::ops::Range;
 // std's atomics: a process-wide static hint (loom models the lock-free index, not the engine).
@@ -79,13 +83,25 @@ const KINDS: [Kind; 4] = [
     },
 ];
 
-/// The program's advice in force, by address: a set per kind of [`KINDS`].
-struct Table([RangeSet; KINDS.len()]);
+/// The program's advice in force, by address.
+struct Table {
+    /// A set per kind of [`KINDS`].
+    sets: [RangeSet; KINDS.len()],
+    /// The moves the embedder reported lately, `(from, to)`: the kernel reports those of
+    /// registered memory again (see [`moved_by_kernel`]).
+    seen_moves: Vec<(usize, usize)>,
+}
+
+/// Moves remembered for the kernel's report (which comes within a period).
+const SEEN_MOVES: usize = 64;
 
 #[allow(clippy::declare_interior_mutable_const)] // The initialiser of the table below.
 const EMPTY: RangeSet = RangeSet::new();
 
-static TABLE: Mutex<Table> = Mutex::new(Table([EMPTY; KINDS.len()]));
+static TABLE: Mutex<Table> = Mutex::new(Table {
+    sets: [EMPTY; KINDS.len()],
+    seen_moves: Vec::new(),
+});
 
 /// Whether any advice was ever reported: until then, unmapping costs no lock. (Relaxed: a
 /// hint; an `advised` racing with a `mapping_gone` of the same range is the program's race.)
@@ -99,7 +115,7 @@ pub fn advised(range: Range<usize>, advice: i32) {
         ANY.store(true, Ordering::Relaxed);
     }
     let mut t = lock(&TABLE);
-    for (k, set) in KINDS.iter().zip(&mut t.0) {
+    for (k, set) in KINDS.iter().zip(&mut t.sets) {
         if advice == k.on {
             set.add(range.clone());
         } else if advice == k.off {
@@ -115,7 +131,79 @@ pub fn mapping_gone(range: Range<usize>) {
         return;
     }
     let mut t = lock(&TABLE);
-    t.0.iter_mut().for_each(|set| set.remove(range.clone()));
+    t.sets.iter_mut().for_each(|set| set.remove(range.clone()));
+}
+
+/// The program moved the memory at `from` to `to` (`mremap`; `to` as long as the memory is
+/// now), as the embedder saw it: its advice goes with it, as the kernel's flags go with the
+/// moved mapping. (The kernel reports the move of registered memory too; the engine then finds
+/// it done: see [`moved_by_kernel`].)
+pub fn mapping_moved(from: Range<usize>, to: Range<usize>) {
+    if !ANY.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut t = lock(&TABLE);
+    if t.seen_moves.len() == SEEN_MOVES {
+        t.seen_moves.remove(0);
+    }
+    t.seen_moves.push((from.start, to.start));
+    move_advice(&mut t, from, to);
+}
+
+/// The kernel reported that the program moved registered memory from `from` to `to`: done
+/// already if the embedder reported it, else (a raw `mremap`) the advice goes with the memory.
+/// Where nothing at `from` was advised, advice the table holds at `to` is stale (memory
+/// unmapped there unseen): the kernel's flags say what holds there now.
+pub(crate) fn moved_by_kernel(from: Range<usize>, to: Range<usize>) {
+    if !ANY.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut t = lock(&TABLE);
+    if let Some(i) = t
+        .seen_moves
+        .iter()
+        .position(|&m| m == (from.start, to.start))
+    {
+        t.seen_moves.remove(i);
+        return;
+    }
+    if holds(&t, &from) {
+        move_advice(&mut t, from, to);
+        return;
+    }
+    let stale = holds(&t, &to);
+    drop(t);
+    if stale {
+        refresh(to);
+    }
+}
+
+/// Moves the table's advice at `from` to `to`, dropping what it held at `to`.
+fn move_advice(t: &mut Table, from: Range<usize>, to: Range<usize>) {
+    for set in &mut t.sets {
+        let moved: Vec<Range<usize>> = set.within(from.clone()).collect();
+        set.remove(from.clone());
+        set.remove(to.clone());
+        for r in moved {
+            set.add(shifted(r, &from, &to));
+        }
+    }
+}
+
+/// Part `r` of `from`, where the memory moved to `to` holds it (clipped to `to` where the memory
+/// shrank; where it grew, a part at `from`'s end reaches `to`'s: the kernel's flags are the
+/// mapping's).
+fn shifted(r: Range<usize>, from: &Range<usize>, to: &Range<usize>) -> Range<usize> {
+    let at = |a: usize| (a - from.start + to.start).min(to.end);
+    let end = if r.end == from.end { to.end } else { at(r.end) };
+    at(r.start)..end
+}
+
+/// Whether the table holds any advice over `range`.
+fn holds(t: &Table, range: &Range<usize>) -> bool {
+    t.sets
+        .iter()
+        .any(|set| set.within(range.clone()).next().is_some())
 }
 
 /// `range` is being registered: where the table holds advice over it, that advice becomes the
@@ -124,21 +212,21 @@ pub(crate) fn check_registered(range: Range<usize>) {
     if !ANY.load(Ordering::Relaxed) {
         return;
     }
-    let held = {
-        let t = lock(&TABLE);
-        t.0.iter()
-            .any(|set| set.within(range.clone()).next().is_some())
-    };
-    if !held {
+    if !holds(&lock(&TABLE), &range) {
         return;
     }
+    refresh(range);
+}
+
+/// The table's advice over `range` becomes what the kernel's flags say (`/proc/self/smaps`).
+fn refresh(range: Range<usize>) {
     let flags = KINDS.map(|k| k.flag);
     let Ok(kernel) = sys::self_mappings_flagged_each(&flags) else {
         // Unread, the table stands.
         return;
     };
     let mut t = lock(&TABLE);
-    for (set, flagged) in t.0.iter_mut().zip(kernel) {
+    for (set, flagged) in t.sets.iter_mut().zip(kernel) {
         set.remove(range.clone());
         for m in flagged {
             set.add(m.start.max(range.start)..m.end.min(range.end));
@@ -161,7 +249,7 @@ pub(crate) fn over(range: Range<usize>) -> Advice {
         return out;
     }
     let t = lock(&TABLE);
-    for (kind, set) in t.0.iter().enumerate() {
+    for (kind, set) in t.sets.iter().enumerate() {
         out.parts
             .extend(set.within(range.clone()).map(|r| (r, kind)));
     }
@@ -207,8 +295,8 @@ mod tests {
 
     fn in_table(r: Range<usize>) -> (bool, bool) {
         let t = lock(&TABLE);
-        let dump = t.0[0].within(r.clone()).next().is_some();
-        let fork = t.0[1].within(r).next().is_some();
+        let dump = t.sets[0].within(r.clone()).next().is_some();
+        let fork = t.sets[1].within(r).next().is_some();
         (dump, fork)
     }
 
@@ -227,6 +315,54 @@ mod tests {
         assert_eq!(in_table(r), (false, false));
     }
 
+    /// Moved memory takes its advice along, part by part (grown, a part at the end reaches the
+    /// new end); the kernel's report of a move the embedder reported changes nothing, and a raw
+    /// move is applied as reported.
+    #[test]
+    fn moved_memory_takes_its_advice_along_once() {
+        let (a, b, c) = (range(2), range(3), range(4));
+        let page = 4096;
+        advised(a.start + page..a.start + 2 * page, libc::MADV_DONTDUMP);
+        advised(a.end - page..a.end, libc::MADV_DONTDUMP);
+        advised(a.clone(), libc::MADV_DONTFORK);
+        // Stale advice where it goes: dropped.
+        advised(b.clone(), libc::MADV_HUGEPAGE);
+        let grown = b.start..b.end + 2 * page;
+        mapping_moved(a.clone(), grown.clone());
+        let parts = |k: usize, r: Range<usize>| -> Vec<Range<usize>> {
+            lock(&TABLE).sets[k].within(r).collect()
+        };
+        assert_eq!(in_table(a.clone()), (false, false));
+        assert_eq!(
+            parts(0, grown.clone()),
+            [b.start + page..b.start + 2 * page, b.end - page..grown.end]
+        );
+        assert_eq!(parts(1, grown.clone()), std::slice::from_ref(&grown));
+        assert_eq!(parts(2, grown.clone()), []);
+        // The kernel's report of the same move: nothing more (the memory at `a` is gone).
+        moved_by_kernel(a.start..a.end, grown.start..grown.start + a.len());
+        assert_eq!(parts(1, grown.clone()), std::slice::from_ref(&grown));
+        // A move the embedder did not see, reported by the kernel: applied.
+        moved_by_kernel(grown.start..grown.start + a.len(), c.clone());
+        assert_eq!(parts(1, c.clone()), std::slice::from_ref(&c));
+        assert_eq!(in_table(grown.start..grown.start + a.len()), (false, false));
+        mapping_gone(grown);
+        mapping_gone(c);
+    }
+
+    /// A move the kernel reports from memory with no advice, to where the table holds advice
+    /// the kernel's flags do not (memory unmapped there unseen): that advice is dropped.
+    #[test]
+    fn a_reported_move_onto_stale_advice_drops_it() {
+        let len = 4 * 4096;
+        let p = sys::mmap_anonymous(len).unwrap() as usize;
+        advised(p..p + len, libc::MADV_DONTFORK);
+        moved_by_kernel(range(5), p..p + len);
+        assert_eq!(in_table(p..p + len), (false, false));
+        // SAFETY: the test's own mapping, which nothing refers to.
+        unsafe { sys::munmap(p as *mut u8, len) }.unwrap();
+    }
+
     /// Advice left by memory unmapped unseen is dropped when the range is registered: the
     /// kernel's flags are what holds.
     #[test]
@@ -240,9 +376,9 @@ mod tests {
         advised(p..p + len, libc::MADV_DONTFORK);
         check_registered(p..p + len);
         let t = lock(&TABLE);
-        let dump: Vec<_> = t.0[0].within(p..p + len).collect();
+        let dump: Vec<_> = t.sets[0].within(p..p + len).collect();
         assert_eq!(dump, vec![p + 4096..p + 2 * 4096]);
-        assert_eq!(t.0[1].within(p..p + len).next(), None);
+        assert_eq!(t.sets[1].within(p..p + len).next(), None);
         drop(t);
         mapping_gone(p..p + len);
         // SAFETY: the test's own mapping, which nothing refers to.

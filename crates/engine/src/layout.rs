@@ -225,8 +225,8 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
                 }
             }
             Change::Remap { from, to, len } => {
-                crate::advice::mapping_gone(from..from + len);
-                crate::advice::mapping_gone(to..to + len);
+                // The program's advice went with the memory (see `advice`).
+                crate::advice::moved_by_kernel(from..from + len, to..to + len);
                 moved(st, from, to, len);
             }
             Change::Remove { start, end } => dropped(st, start..end),

@@ -128,7 +128,7 @@ mod unfilled;
 mod watch;
 mod zero_holes;
 
-pub use advice::{advised, mapping_gone};
+pub use advice::{advised, mapping_gone, mapping_moved};
 pub use apart::{is_kept_apart, keep_apart, spawn as spawn_apart, EngineThread, KeptApart};
 pub use config::{Builder, Config, WatchMode};
 pub use dropping::DropAdvice;

@@ -1203,10 +1203,7 @@ pub unsafe extern "C" fn mremap(
     let moving = call.before();
     let p = remap(&call);
     if p != libc::MAP_FAILED {
-        // The advice moved with the memory, and what the engine maps at either place later
-        // does not carry it (see `pageone_engine::advised`).
-        mapping_gone(old as usize, old_len);
-        mapping_gone(p as usize, new_len);
+        call.move_advice(p as usize);
     }
     if let Some(cut) = moving {
         call.after(&cut, p);
@@ -1224,6 +1221,21 @@ struct Remap {
 }
 
 impl Remap {
+    /// After the call, the memory now at `to`: the program's advice goes with it (see
+    /// `pageone_engine::advised`); with `MREMAP_DONTUNMAP`, or a copy of a shared mapping
+    /// (`old_len` 0), the old place keeps its own, and only what was at `to` goes.
+    fn move_advice(&self, to: usize) {
+        let Some((a, e)) = page_range(to as *mut c_void, self.new_len) else {
+            return;
+        };
+        match page_range(self.old as *mut c_void, self.old_len) {
+            Some((fa, fe)) if self.flags & libc::MREMAP_DONTUNMAP == 0 => {
+                pageone_engine::mapping_moved(fa..fe, a..e);
+            }
+            _ => pageone_engine::mapping_gone(a..e),
+        }
+    }
+
     /// Before the call: the mergeable ranges waiting to be made read/write in the old range are
     /// taken out (to move with it), and those where a fixed new range goes are forgotten.
     fn before(&self) -> Option<pending::Cut> {

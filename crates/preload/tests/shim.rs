@@ -306,6 +306,13 @@ fn advice_not_to_dump_or_inherit_stays_with_merged_memory() {
     behaves("advice");
 }
 
+/// Memory advised not to be dumped keeps the advice where the program moves it (`mremap`,
+/// through the C library or a raw system call): a page merged again there carries it.
+#[test]
+fn advice_goes_with_memory_the_program_moves() {
+    behaves("advice-moved");
+}
+
 /// A program that locks all its memory (`mlockall`, as QEMU's `mem-lock=on`) gets it merged,
 /// and locked still.
 #[test]

@@ -5,7 +5,7 @@
  *   behaviour CHECK    (CHECK: partial-dontneed | child-drop | userfaultfd | unmap | remap |
  *                              protnone | guard | protnone-forgotten | protnone-remap |
  *                              protnone-ksm | mlockall | mlockall-after | mlock-limited |
- *                              wipe-on-fork | advice)
+ *                              wipe-on-fork | advice | advice-moved)
  *
  * protnone-ksm alone runs with the kernel's KSM running (the caller starts it).
  */
@@ -599,6 +599,41 @@ static void advice(void) {
     check(intact(p, 0, PAGES), "the pages keep their bytes");
 }
 
+/* Memory advised MADV_DONTDUMP and moved (mremap): what the engine maps where it went carries
+ * the advice. Moved through the C library (which the shim sees) before it is marked mergeable,
+ * or once merged (merged memory is many mappings, which a raw mremap refuses to move); moved by
+ * a raw system call (which only the kernel reports) once marked, before it merged. */
+static void advice_moved(void) {
+    for (int way = 0; way < 3; way++) {
+        unsigned char *p =
+            mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        unsigned char *to = mmap(NULL, PAGES * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        check(p != MAP_FAILED && to != MAP_FAILED, "mmap");
+        fill(p, PAGES);
+        check(madvise(p, PAGES * PAGE, MADV_DONTDUMP) == 0, "MADV_DONTDUMP");
+        int flags = MREMAP_MAYMOVE | MREMAP_FIXED;
+        if (way == 0) {
+            check(mremap(p, PAGES * PAGE, PAGES * PAGE, flags, to) == to, "moved by mremap");
+            check(madvise(to, PAGES * PAGE, MADV_MERGEABLE) == 0, "then MADV_MERGEABLE");
+        } else if (way == 1) {
+            check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE");
+            check(merges(p, PAGES, PAGES - 1), "merged");
+            check(mremap(p, PAGES * PAGE, PAGES * PAGE, flags, to) == to, "moved by mremap");
+            to[5 * PAGE] ^= 0xff;
+            to[5 * PAGE] ^= 0xff;
+            sleep(1);
+        } else {
+            check(madvise(p, PAGES * PAGE, MADV_MERGEABLE) == 0, "MADV_MERGEABLE");
+            void *q = (void *)syscall(SYS_mremap, p, PAGES * PAGE, PAGES * PAGE, flags, to);
+            check(q == to, "moved by a raw mremap before it merged");
+        }
+        check(merges(to, PAGES, PAGES - 1), "merged where it went");
+        check(flagged_pages(to, PAGES, "dd") == PAGES, "not dumped there");
+        check(intact(to, 0, PAGES), "the pages keep their bytes");
+        check(munmap(to, PAGES * PAGE) == 0, "munmap");
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc < 2)
         return 2;
@@ -632,6 +667,8 @@ int main(int argc, char **argv) {
         wipe_on_fork();
     else if (!strcmp(argv[1], "advice"))
         advice();
+    else if (!strcmp(argv[1], "advice-moved"))
+        advice_moved();
     else
         return 2;
     printf("OK\n");
