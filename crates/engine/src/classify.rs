@@ -747,7 +747,8 @@ impl Grouping {
     /// the store. The committer merges them onto holes only: released already, they are never
     /// released again. (Not in locked memory: the engine's locked area holds moved pages.)
     fn add_zero_gaps(&mut self, cx: &Ctx<'_>, st: &State) {
-        if cx.sh.store_uffd.is_none() || cx.sh.mode != WatchMode::UffdWp {
+        // (`st.zero` counts the pages released as zero pages.)
+        if st.zero == 0 || cx.sh.store_uffd.is_none() || cx.sh.mode != WatchMode::UffdWp {
             return;
         }
         // Candidates by (region, index): whether each is a zero page.
