@@ -57,6 +57,9 @@ pub struct Sample {
     pub settled: Settled,
     /// Writes the writers made during the run (all processes).
     pub writes: u64,
+    /// Pages of the regions' first and second halves mapping pageone's store once settled (the
+    /// scattered and the clustered half with `Layout::Mixed`; none on KSM's side).
+    pub merged_halves: [u64; 2],
     /// The saving over time, from registration.
     pub series: Series,
 }

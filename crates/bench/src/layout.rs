@@ -10,6 +10,9 @@
 //! * [`Layout::Runs`]: the contents are cut into runs of random length 1 to [`MAX_RUN`] pages (the
 //!   same runs in every region), and each region lays the runs out in its own random order: each
 //!   run is whole and in order, at a different place in each region.
+//! * [`Layout::Mixed`]: the first half of each region scattered (its contents in the region's own
+//!   random order), the second half clustered: where the mapping budget binds, merges that save
+//!   many pages per mapping should not wait behind single pages at lower addresses.
 //!
 //! The writers of the benchmark write every [`WRITER_STRIDE`]th position; [`possible_saving`]
 //! counts what can still be saved then.
@@ -34,6 +37,7 @@ pub enum Layout {
     Clustered,
     Scattered,
     Runs,
+    Mixed,
 }
 
 impl std::fmt::Display for Layout {
@@ -42,6 +46,7 @@ impl std::fmt::Display for Layout {
             Layout::Clustered => "clustered",
             Layout::Scattered => "scattered",
             Layout::Runs => "runs",
+            Layout::Mixed => "mixed",
         })
     }
 }
@@ -78,6 +83,13 @@ pub fn contents(layout: Layout, pages: usize, region: usize, seed: u64) -> Vec<u
             let mut rs = runs(pages, seed);
             rs.shuffle(&mut rng(seed, region));
             rs.into_iter().flatten().collect()
+        }
+        Layout::Mixed => {
+            let half = (pages / 2) as u32;
+            let mut v: Vec<u32> = (0..half).collect();
+            v.shuffle(&mut rng(seed, region));
+            v.extend(half..pages as u32);
+            v
         }
     }
 }
@@ -127,7 +139,8 @@ mod tests {
         prop_oneof![
             Just(Layout::Clustered),
             Just(Layout::Scattered),
-            Just(Layout::Runs)
+            Just(Layout::Runs),
+            Just(Layout::Mixed)
         ]
     }
 

@@ -235,6 +235,18 @@ impl Run {
         self.pids().filter_map(|p| procfs::map_count(p).ok()).sum()
     }
 
+    /// The processes' pages mapping pageone's store, by half of their regions.
+    fn merged_halves(&mut self) -> Result<[u64; 2], Error> {
+        let mut sum = [0u64; 2];
+        for line in ask_all(&mut self.clients, "HALVES")? {
+            let h: [u64; 2] = serde_json::from_str(&line)
+                .map_err(|e| Error::Run(format!("a HALVES line was not [n, m] ({e}): {line:?}")))?;
+            sum[0] += h[0];
+            sum[1] += h[1];
+        }
+        Ok(sum)
+    }
+
     /// Checks every process's bytes, then ends them (each verifies again and unregisters).
     fn finish(mut self) -> Result<(), Error> {
         for (k, v) in ask_all(&mut self.clients, "VERIFY")?
@@ -361,6 +373,7 @@ pub fn run(setup: &Setup, merger: Merger, data: Data) -> Result<Sample, Error> {
     let vmas_added = after.vmas as i64 - before.vmas as i64;
     let mapping_kernel = MappingCost::between(before.slab_bytes, after.slab_bytes, vmas_added);
     let saved_pss_kib = before.pss_kib.zip(after.pss_kib).map(|(b, a)| b - a);
+    let merged_halves = run.merged_halves()?;
     run.finish()?;
     let s = &race.series;
     Ok(Sample {
@@ -390,6 +403,7 @@ pub fn run(setup: &Setup, merger: Merger, data: Data) -> Result<Sample, Error> {
         mapping_kernel,
         settled,
         writes: race.writes,
+        merged_halves,
         series: race.series,
     })
 }

@@ -148,6 +148,28 @@ impl Regions {
         Ok(r)
     }
 
+    /// Pages of the regions' first halves, and of their second halves, that map pageone's store
+    /// (merged pages, zero holes among them): where the mapping budget went (see
+    /// `Layout::Mixed`).
+    fn merged_halves(&self) -> std::io::Result<[u64; 2]> {
+        let maps = sys::self_mappings()?;
+        let mut out = [0u64; 2];
+        for &b in &self.base {
+            let (b, mid, end) = (
+                b as usize,
+                b as usize + self.pages / 2 * PAGE,
+                b as usize + self.pages * PAGE,
+            );
+            for m in maps.iter().filter(|m| pageone_engine::is_merged_mapping(m)) {
+                for (h, r) in [(0, b..mid), (1, mid..end)] {
+                    let (lo, hi) = (m.start.max(r.start), m.end.min(r.end));
+                    out[h] += (hi.saturating_sub(lo) / PAGE) as u64;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn page(&self, slot: usize) -> *mut u8 {
         // SAFETY: slot < regions * pages: inside one of the mappings.
         unsafe { self.base[slot / self.pages].add(slot % self.pages * PAGE) }
@@ -365,6 +387,10 @@ pub fn serve(s: &Spec) -> Result<(), Error> {
                     "zero_pages": st.as_ref().map_or(0, |s| s.zero_pages),
                     "writes": writes,
                 });
+                writeln!(out, "{v}")?
+            }
+            "HALVES" => {
+                let v = serde_json::json!(regions.merged_halves()?);
                 writeln!(out, "{v}")?
             }
             "VERIFY" => match verify(&writers) {

@@ -27,7 +27,8 @@ pub enum DataSets {
 pub struct MoreArgs {
     /// Where the shared contents lie: `clustered` (the same order in every process), `scattered`
     /// (each process's, or region's, pages in its own random order), `runs` (runs of 1 to 64
-    /// pages at different places in each process).
+    /// pages at different places in each process), `mixed` (the first half of each region
+    /// scattered, the second clustered).
     #[arg(long, value_enum, default_value_t = Layout::Clustered)]
     pub layout: Layout,
     /// Writer threads per process, each writing random pages among every 16th page.
@@ -173,6 +174,13 @@ fn print_sample(s: &Sample, run: usize) {
         s.settled.core_percent_per_process,
         s.writes,
     );
+    if s.layout == Layout::Mixed && s.side != "ksm" {
+        eprintln!(
+            "    pages mapping the store, summed over the regions: {} in their scattered halves, \
+             {} in their clustered halves",
+            s.merged_halves[0], s.merged_halves[1],
+        );
+    }
 }
 
 pub fn run(o: &Options) -> Result<()> {
