@@ -149,9 +149,9 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
     if todo.is_empty() {
         return;
     }
-    let (scratch, file) = {
+    let (scratch, file, base_vmas) = {
         let st = lock(&sh.state);
-        (st.scratch, st.store.file.clone())
+        (st.scratch, st.store.file.clone(), st.base_vmas)
     };
     // (Before any run is frozen: it maps, registers and reads a setting.)
     if !config.stage_each_mapping {
@@ -160,7 +160,7 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
     let mut cx = CommitCtx {
         sh,
         config,
-        budget: VmaBudget::new(budget),
+        budget: VmaBudget::new(budget, base_vmas),
         recycler: lock(&sh.recycler).clone(),
         times: [0.0; 3],
         reader: PageReader::new(),
@@ -508,7 +508,7 @@ fn afford(
         };
         let cost = subrun_cost(&acts[..run.n], k, m, sid, sides);
         // (A region going to the kernel's KSM spends no more mappings.)
-        if !rs.region.wants_ksm && cx.budget.allows(rs.vmas, cost) {
+        if !rs.region.wants_ksm && cx.budget.allows(rs.vmas, cost, m) {
             *rs.vmas += cost;
             counted += cost;
             rs.region.spending.pages += m as u64;
@@ -1135,7 +1135,7 @@ unsafe fn map_copies(
     } = sub;
     let sh = cx.sh;
     let addr = rs.region.start + index * PAGE;
-    let mapped = if !cx.budget.allows(rs.vmas, cost) {
+    let mapped = if !cx.budget.allows(rs.vmas, cost, m) {
         sh.counters
             .vma_limited
             .fetch_add(m as u64, Ordering::Relaxed);
@@ -1253,7 +1253,7 @@ unsafe fn release_zeroed(
     const COST: usize = 2;
     let sh = cx.sh;
     let (addr, len) = (rs.region.start + index * PAGE, m * PAGE);
-    if !cx.budget.allows(rs.vmas, COST) {
+    if !cx.budget.allows(rs.vmas, COST, m) {
         return Ok(false);
     }
     // The store mapping replaced is reported by its context: the engine's own change.
@@ -1319,20 +1319,31 @@ fn settle(p: &mut Page, store: &mut Store, copy: KeyId, ok: bool, max_backoff: u
 /// `/proc/self/maps` costs milliseconds with tens of thousands of VMAs).
 struct VmaBudget {
     budget: usize,
+    /// The engine's share of it (see [`engine_room`]).
+    room: usize,
     recounted: bool,
 }
 
 impl VmaBudget {
-    fn new(budget: usize) -> Self {
+    /// `budget` VMAs at most, of which the process had `base` before it merged anything.
+    fn new(budget: usize, base: usize) -> Self {
         Self {
             budget,
+            room: engine_room(budget, base),
             recounted: false,
         }
     }
 
-    /// Whether `cost` more VMAs fit; `vmas` is the engine's count, corrected here if need be.
-    fn allows(&mut self, vmas: &mut usize, cost: usize) -> bool {
-        if *vmas + cost <= self.budget {
+    /// Whether a merge of `pages` pages costing `cost` more VMAs is afforded; `vmas` is the
+    /// engine's count, corrected here if need be. The budget is spent by profit (see
+    /// [`pages_per_vma_wanted`]): a merge must save as many pages per VMA as the room left after
+    /// it asks for, so that single pages do not take the room of long runs.
+    fn allows(&mut self, vmas: &mut usize, cost: usize, pages: usize) -> bool {
+        let fits = |v: usize| {
+            let left = self.budget.checked_sub(v + cost);
+            left.is_some_and(|left| pages >= cost * pages_per_vma_wanted(left, self.room))
+        };
+        if fits(*vmas) {
             return true;
         }
         if !self.recounted {
@@ -1341,7 +1352,26 @@ impl VmaBudget {
                 *vmas = n;
             }
         }
-        *vmas + cost <= self.budget
+        fits(*vmas)
+    }
+}
+
+/// The engine's room under a `budget` of VMAs: the budget less the `base` the process had
+/// before merging (its own mappings), 1 at least.
+pub(crate) fn engine_room(budget: usize, base: usize) -> usize {
+    budget.saturating_sub(base).max(1)
+}
+
+/// The pages a merge must save per VMA it costs when `left` VMAs of the engine's `room` would be
+/// left after it: any merge while half the room is left, then 2, 8 and 64 pages a VMA below a
+/// half, a quarter and an eighth of it. Single pages scattered among others (a VMA each, at
+/// best) take half the room at most; runs (hundreds of pages a VMA) merge until it is spent.
+pub(crate) fn pages_per_vma_wanted(left: usize, room: usize) -> usize {
+    match left {
+        l if l >= room / 2 => 0,
+        l if l >= room / 4 => 2,
+        l if l >= room / 8 => 8,
+        _ => 64,
     }
 }
 
@@ -1362,6 +1392,33 @@ fn merge_subrun(acts: &[Option<Action>], k: usize) -> Option<(KeyId, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Single pages (a VMA each) may take half the engine's room; runs of more pages per VMA
+    /// take more of it, the longest all of it; less room left never asks less.
+    #[test]
+    fn the_room_goes_to_single_pages_for_half_and_to_runs_after() {
+        let room = engine_room(65_530 - 1024, 300);
+        assert_eq!(room, 64_206);
+        assert_eq!(
+            engine_room(100, 300),
+            1,
+            "no room: a process over its budget already"
+        );
+        assert_eq!(pages_per_vma_wanted(room, room), 0);
+        assert_eq!(pages_per_vma_wanted(room / 2, room), 0);
+        assert_eq!(pages_per_vma_wanted(room / 2 - 1, room), 2);
+        assert_eq!(pages_per_vma_wanted(room / 4 - 1, room), 8);
+        assert_eq!(pages_per_vma_wanted(room / 8 - 1, room), 64);
+        assert_eq!(pages_per_vma_wanted(0, room), 64);
+        let mut last = 0;
+        for left in (0..=room).rev() {
+            let wanted = pages_per_vma_wanted(left, room);
+            assert!(wanted >= last, "less room asks no less");
+            last = wanted;
+        }
+        // A full run (512 pages) at a VMA or two still fits with nothing else left.
+        assert!(MAX_RUN >= 2 * pages_per_vma_wanted(0, room));
+    }
 
     #[test]
     fn merge_subruns_end_where_copies_stop_following_each_other() {

@@ -432,7 +432,11 @@ fn unpark_if_room(cx: &PeriodCtx<'_>, st: &mut State) {
     // Relaxed: read each period by this thread (written above in `run_period`).
     let limit = cx.sh.counters.vma_limit.load(Ordering::Relaxed) as usize;
     let budget = limit.saturating_sub(cx.config.vma_margin);
-    if st.vmas + UNPARK_ROOM > budget {
+    // Room for single pages again (half the engine's room left: see
+    // `commit::pages_per_vma_wanted`): parked pages are mostly such, and room a page cannot have
+    // would bring them back every period.
+    let half_room = crate::commit::engine_room(budget, st.base_vmas) / 2;
+    if st.vmas + UNPARK_ROOM + half_room > budget {
         return;
     }
     for r in st.regions.values_mut() {

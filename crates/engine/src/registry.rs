@@ -79,6 +79,9 @@ fn register_locked(
 ) -> Result<(), EngineError> {
     let (a, end) = (range.start, range.end);
     let unmergeable = registrable(st, maps, a, end)?;
+    if st.base_vmas == 0 {
+        st.base_vmas = maps.len();
+    }
     // What the engine maps here carries the program's advice (see `advice`): the kernel's.
     crate::advice::check_registered(a..end);
     // Nothing is mapped over untouched pages: registered for write-protection only, a first

@@ -225,6 +225,10 @@ pub(crate) struct State {
     pub(crate) zero: u64,
     /// VMAs of the process: counted at the start of each period, then kept by the committer.
     pub(crate) vmas: usize,
+    /// The process's VMAs when memory was first registered (0 until then): what is left of the
+    /// VMA budget above them is the engine's room, spent by profit (see
+    /// `commit::pages_per_vma_wanted`).
+    pub(crate) base_vmas: usize,
     /// First sightings: hash of contents -> (address, epoch) of a UNIQUE page.
     pub(crate) unstable: FirstSightings,
     /// Scratch space of the watch, kept between periods.
@@ -270,6 +274,7 @@ impl State {
             written: 0,
             zero: 0,
             vmas: 0,
+            base_vmas: 0,
             unstable: FirstSightings::default(),
             scan: ScanBuffers::default(),
             stale_sightings: 0,

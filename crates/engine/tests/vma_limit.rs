@@ -571,3 +571,57 @@ fn a_region_merging_a_mapping_per_page_beyond_the_budget_is_handed_to_the_kernel
     assert_eq!(e.stats().registered_bytes, 0);
     drop(ksm);
 }
+
+/// Where the VMA budget binds, it goes to the merges that save the most pages per VMA: single
+/// pages scattered among others (at lower addresses, so met first) take half the room at most,
+/// and two halves holding the same pages in the same order (runs, a VMA per hundreds of pages)
+/// merge whole.
+#[test]
+fn at_the_budget_runs_merge_before_single_pages() {
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .ksm_when_limited(false)
+        .build()
+        .unwrap();
+    // Singles: 2n pages whose merges are a VMA or two each; runs: two halves of `runs` pages.
+    let (n, runs) = (2048, 2048);
+    let mut r = e.alloc_region((2 * n + 2 * runs) * PAGE).unwrap();
+    // Room for about 300 more VMAs, set before the pages are written (see the test above).
+    let limit = sys::max_map_count().unwrap();
+    let margin = limit - sys::map_count().unwrap() - 300;
+    e.reconfigure(|c| c.vma_margin = margin).unwrap();
+    let content = |i: usize| {
+        if i < 2 * n {
+            content(n, i)
+        } else {
+            1_000_000 + ((i - 2 * n) % runs) as u64
+        }
+    };
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    let base = r.as_slice().as_ptr() as usize;
+    let in_store = |from: usize, to: usize| -> usize {
+        let (lo, hi) = (base + from * PAGE, base + to * PAGE);
+        sys::self_mappings()
+            .unwrap()
+            .iter()
+            .filter(|m| pageone_engine::is_merged_mapping(m))
+            .map(|m| m.end.min(hi).saturating_sub(m.start.max(lo)) / PAGE)
+            .sum()
+    };
+    let s = wait_for(&e, |s| {
+        s.pages_waiting_on_limit > 0 && in_store(2 * n, 2 * n + 2 * runs) == 2 * runs
+    });
+    let (singles, whole) = (in_store(0, 2 * n), in_store(2 * n, 2 * n + 2 * runs));
+    assert_eq!(whole, 2 * runs, "the runs merged whole: {s:?}");
+    assert!(
+        singles > 0,
+        "single pages merged while half the room was left: {s:?}"
+    );
+    assert!(s.pages_waiting_on_limit > 0, "{s:?}");
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i} changed");
+    }
+    drop(r);
+}
