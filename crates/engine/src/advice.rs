@@ -23,7 +23,9 @@
 //! changes (`layout::apply_changes`), before the engine maps anything there.
 //!
 //! Memory the program moves (`mremap`) takes its advice along ([`mapping_moved`]), as the
-//! embedder or the kernel reports the move.
+//! embedder or the kernel reports the move; the advice where it went is then checked against the
+//! kernel's flags, which drops huge-page advice over merged pages there (mappings of the store do
+//! not carry it: memory given back there later lacks it).
 //!
 //! Not carried: advice given with a raw system call the embedder does not see (a raw
 //! `MADV_DOFORK` leaves the engine giving `MADV_DONTFORK`), and the old place's advice after a
@@ -87,20 +89,13 @@ const KINDS: [Kind; 4] = [
 struct Table {
     /// A set per kind of [`KINDS`].
     sets: [RangeSet; KINDS.len()],
-    /// The moves the embedder reported lately, `(from, to)`: the kernel reports those of
-    /// registered memory again (see [`moved_by_kernel`]).
-    seen_moves: Vec<(usize, usize)>,
 }
-
-/// Moves remembered for the kernel's report (which comes within a period).
-const SEEN_MOVES: usize = 64;
 
 #[allow(clippy::declare_interior_mutable_const)] // The initialiser of the table below.
 const EMPTY: RangeSet = RangeSet::new();
 
 static TABLE: Mutex<Table> = Mutex::new(Table {
     sets: [EMPTY; KINDS.len()],
-    seen_moves: Vec::new(),
 });
 
 /// Whether any advice was ever reported: until then, unmapping costs no lock. (Relaxed: a
@@ -136,44 +131,41 @@ pub fn mapping_gone(range: Range<usize>) {
 
 /// The program moved the memory at `from` to `to` (`mremap`; `to` as long as the memory is
 /// now), as the embedder saw it: its advice goes with it, as the kernel's flags go with the
-/// moved mapping. (The kernel reports the move of registered memory too; the engine then finds
-/// it done: see [`moved_by_kernel`].)
+/// moved mapping. Where the table holds none at `from` but some at `to`, the kernel's report
+/// of the same move was applied first (see [`moved_by_kernel`]), which knows the old length
+/// only: the kernel's flags say what holds over all of `to`.
 pub fn mapping_moved(from: Range<usize>, to: Range<usize>) {
     if !ANY.load(Ordering::Relaxed) {
         return;
     }
     let mut t = lock(&TABLE);
-    if t.seen_moves.len() == SEEN_MOVES {
-        t.seen_moves.remove(0);
+    if holds(&t, &from) {
+        move_advice(&mut t, from, to);
+        return;
     }
-    t.seen_moves.push((from.start, to.start));
-    move_advice(&mut t, from, to);
+    let advised = holds(&t, &to);
+    drop(t);
+    if advised {
+        refresh(to);
+    }
 }
 
-/// The kernel reported that the program moved registered memory from `from` to `to`: done
-/// already if the embedder reported it, else (a raw `mremap`) the advice goes with the memory.
-/// Where nothing at `from` was advised, advice the table holds at `to` is stale (memory
-/// unmapped there unseen): the kernel's flags say what holds there now.
+/// The kernel reported that the program moved registered memory from `from` to `to`: the
+/// advice goes with it unless the embedder moved it already (it reports the moves it sees, in
+/// either order with this), and then the table's advice at `to` becomes what the kernel's
+/// flags say there (whoever moved it; advice the table held at `to` from memory unmapped there
+/// unseen is dropped).
 pub(crate) fn moved_by_kernel(from: Range<usize>, to: Range<usize>) {
     if !ANY.load(Ordering::Relaxed) {
         return;
     }
     let mut t = lock(&TABLE);
-    if let Some(i) = t
-        .seen_moves
-        .iter()
-        .position(|&m| m == (from.start, to.start))
-    {
-        t.seen_moves.remove(i);
-        return;
-    }
     if holds(&t, &from) {
-        move_advice(&mut t, from, to);
-        return;
+        move_advice(&mut t, from, to.clone());
     }
-    let stale = holds(&t, &to);
+    let advised = holds(&t, &to);
     drop(t);
-    if stale {
+    if advised {
         refresh(to);
     }
 }
@@ -315,39 +307,58 @@ mod tests {
         assert_eq!(in_table(r), (false, false));
     }
 
-    /// Moved memory takes its advice along, part by part (grown, a part at the end reaches the
-    /// new end); the kernel's report of a move the embedder reported changes nothing, and a raw
-    /// move is applied as reported.
+    /// A part of the memory moved goes where the memory went: clipped where it shrank, and a part
+    /// at its end reaches the new end where it grew.
     #[test]
-    fn moved_memory_takes_its_advice_along_once() {
-        let (a, b, c) = (range(2), range(3), range(4));
-        let page = 4096;
-        advised(a.start + page..a.start + 2 * page, libc::MADV_DONTDUMP);
-        advised(a.end - page..a.end, libc::MADV_DONTDUMP);
-        advised(a.clone(), libc::MADV_DONTFORK);
-        // Stale advice where it goes: dropped.
-        advised(b.clone(), libc::MADV_HUGEPAGE);
-        let grown = b.start..b.end + 2 * page;
-        mapping_moved(a.clone(), grown.clone());
-        let parts = |k: usize, r: Range<usize>| -> Vec<Range<usize>> {
-            lock(&TABLE).sets[k].within(r).collect()
-        };
-        assert_eq!(in_table(a.clone()), (false, false));
-        assert_eq!(
-            parts(0, grown.clone()),
-            [b.start + page..b.start + 2 * page, b.end - page..grown.end]
-        );
-        assert_eq!(parts(1, grown.clone()), std::slice::from_ref(&grown));
-        assert_eq!(parts(2, grown.clone()), []);
-        // The kernel's report of the same move: nothing more (the memory at `a` is gone).
-        moved_by_kernel(a.start..a.end, grown.start..grown.start + a.len());
-        assert_eq!(parts(1, grown.clone()), std::slice::from_ref(&grown));
-        // A move the embedder did not see, reported by the kernel: applied.
-        moved_by_kernel(grown.start..grown.start + a.len(), c.clone());
-        assert_eq!(parts(1, c.clone()), std::slice::from_ref(&c));
-        assert_eq!(in_table(grown.start..grown.start + a.len()), (false, false));
-        mapping_gone(grown);
-        mapping_gone(c);
+    fn a_moved_part_lands_where_the_memory_went() {
+        let (from, to) = (0x10000..0x20000, 0x50000..0x58000);
+        assert_eq!(shifted(0x11000..0x12000, &from, &to), 0x51000..0x52000);
+        assert_eq!(shifted(0x17000..0x1a000, &from, &to), 0x57000..0x58000);
+        assert_eq!(shifted(0x1a000..0x1b000, &from, &to), 0x58000..0x58000);
+        let grown = 0x50000..0x60000 + 0x4000;
+        assert_eq!(shifted(0x1f000..0x20000, &from, &grown), 0x5f000..0x64000);
+        assert_eq!(shifted(0x11000..0x12000, &from, &grown), 0x51000..0x52000);
+    }
+
+    /// Memory moved (and grown) takes its advice along, whichever reports the move first: the
+    /// embedder, or the kernel (whose report also checks the advice at the new place against
+    /// the kernel's flags).
+    #[test]
+    fn moved_memory_takes_its_advice_along_whoever_reports_it_first() {
+        let (len, grown) = (4 * 4096, 6 * 4096);
+        for embedder_first in [true, false] {
+            let a = sys::mmap_anonymous(len).unwrap() as usize;
+            let b = sys::mmap_anonymous(grown).unwrap() as usize;
+            // SAFETY: the test's own mappings, which nothing refers to.
+            let moved = unsafe {
+                sys::madvise(a as *mut u8, len, libc::MADV_DONTFORK).unwrap();
+                advised(a..a + len, libc::MADV_DONTFORK);
+                libc::mremap(
+                    a as *mut libc::c_void,
+                    len,
+                    grown,
+                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                    b as *mut libc::c_void,
+                )
+            };
+            assert_eq!(moved as usize, b);
+            if embedder_first {
+                mapping_moved(a..a + len, b..b + grown);
+                moved_by_kernel(a..a + len, b..b + len);
+            } else {
+                moved_by_kernel(a..a + len, b..b + len);
+                mapping_moved(a..a + len, b..b + grown);
+            }
+            assert_eq!(in_table(a..a + len), (false, false));
+            let t = lock(&TABLE);
+            let fork: Vec<_> = t.sets[1].within(b..b + grown).collect();
+            let whole = b..b + grown;
+            assert_eq!(fork, vec![whole], "embedder first: {embedder_first}");
+            drop(t);
+            mapping_gone(b..b + grown);
+            // SAFETY: the test's own mapping, which nothing refers to.
+            unsafe { sys::munmap(b as *mut u8, grown) }.unwrap();
+        }
     }
 
     /// A move the kernel reports from memory with no advice, to where the table holds advice
