@@ -325,6 +325,17 @@ impl ScopeState {
         true
     }
 
+    /// `Ok` if client `id` may hold `n` more slots under its cap, else the `OverCap` reply.
+    fn may_hold(&self, id: u64, n: usize, cap: u64) -> Result<(), Reply> {
+        let held = self.clients.get(&id).map_or(0, |c| c.held.len()) as u64;
+        if held.saturating_add(n as u64) > cap {
+            return Err(Reply::OverCap(format!(
+                "a client may hold {cap} store pages; this one holds {held}"
+            )));
+        }
+        Ok(())
+    }
+
     /// Whether `slot` is a zero hole.
     fn is_hole(&self, slot: u32) -> bool {
         self.hole.get(slot as usize).copied().unwrap_or(false)
@@ -625,13 +636,7 @@ pub(crate) fn copy(sc: &Scope, req: CopyRequest<'_>) -> Reply {
 fn take_slots(sc: &Scope, id: u64, n: usize) -> Result<Vec<Option<u32>>, Reply> {
     let limits = &sc.limits;
     let mut st = lock(&sc.state);
-    let held = st.clients.get(&id).map_or(0, |c| c.held.len()) as u64;
-    if held.saturating_add(n as u64) > limits.pages_per_client {
-        return Err(Reply::OverCap(format!(
-            "a client may hold {} store pages; this one holds {held}",
-            limits.pages_per_client
-        )));
-    }
+    st.may_hold(id, n, limits.pages_per_client)?;
     if !st.account.try_pages(n as u64, limits.pages_per_uid) {
         return Err(Reply::OverCap(format!(
             "the scopes of uid {} hold {} store pages, their cap is {}",
@@ -840,13 +845,9 @@ pub(crate) fn vacate(sc: &Scope, id: u64, slots: &[u32]) -> Reply {
 /// that is a zero hole is held for it as well. Per slot: the slot, or [`proto::FAILED`] where
 /// it is no zero hole. `OverCap` where the client would hold more slots than its cap.
 pub(crate) fn hold_holes(sc: &Scope, id: u64, slots: &[u32]) -> Reply {
-    let cap = sc.limits.pages_per_client;
     let mut st = lock(&sc.state);
-    let held = st.clients.get(&id).map_or(0, |c| c.held.len()) as u64;
-    if held.saturating_add(slots.len() as u64) > cap {
-        return Reply::OverCap(format!(
-            "a client may hold {cap} store pages; this one holds {held}"
-        ));
+    if let Err(over) = st.may_hold(id, slots.len(), sc.limits.pages_per_client) {
+        return over;
     }
     let out = slots
         .iter()

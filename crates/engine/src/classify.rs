@@ -658,6 +658,9 @@ impl Grouping {
         let wanted = {
             let st = lock(&cx.sh.state);
             let zero_at = self.zero_pages_for_holes(cx, &st);
+            if zero_at.is_empty() {
+                return Vec::new();
+            }
             let merged: HashMap<usize, KeyId> = self
                 .cands
                 .iter()
