@@ -4,7 +4,7 @@
 //!
 //! * `store`: joins, then tries every way to write the store it was handed.
 //! * `hostile`: takes connections until refused, vacates slots it does not hold (and one of its
-//!   own), floods lookups, fills the store with copies until refused, lies about counts and
+//!   own), holds zero holes and slots that are none, floods lookups, fills the store with copies until refused, lies about counts and
 //!   reports, stalls in the middle of a frame, idles without a greeting, stops reading replies,
 //!   and reopens its store for writing.
 //! * `env`: the engine settings this process takes from its environment.
@@ -154,6 +154,7 @@ fn hostile(path: &Path, scope: &str, flood: Duration) -> Result<Value> {
     let mut v = json!({});
     v["connections"] = connections_until_refused(path).context("taking connections")?;
     v["vacates"] = vacate_lies(path, scope).context("vacating")?;
+    v["holes"] = hole_lies(path, scope).context("holding holes")?;
     let until = Instant::now() + flood;
     let p = path.to_path_buf();
     let s = scope.to_string();
@@ -337,6 +338,64 @@ fn vacate_lies(path: &Path, scope: &str) -> Result<Value> {
         "own": format!("{own:?}"),
         "own_emptied": emptied,
         "own_other_kept": other_kept,
+    }))
+}
+
+/// Zero holes asked for by a client that did not make them: a maker copies two pages with a zero
+/// page between them (a hole), another asks to hold the copies, the hole, slots past the store's
+/// end and more slots than its cap. Then the maker releases all three and copies fresh pages
+/// while the other still holds the hole: none of them lands in the hole, which reads zeros.
+fn hole_lies(path: &Path, scope: &str) -> Result<Value> {
+    let maker = &join(path, scope)?;
+    let other = &join(path, scope)?;
+    let mut pages = vec![0u8; 3 * PAGE];
+    let mut noise = Noise(sys::random_u64()? | 1);
+    noise.page(&mut pages[..PAGE]);
+    noise.page(&mut pages[2 * PAGE..]);
+    std::fs::File::from(maker.pipe.try_clone()?).write_all(&pages)?;
+    let s = match proto::call(&maker.sock, &Request::CopyFresh(3), None)? {
+        (Reply::Slots(s), _) if s.len() == 3 && !s.contains(&proto::FAILED) => s,
+        (r, _) => bail!("a copy of three pages was answered {r:?}"),
+    };
+    let hold = |slots: Vec<u32>| proto::call(&other.sock, &Request::HoldHoles(slots), None);
+    let asked = vec![s[0], s[1], s[2], s[1], maker.capacity, u32::MAX];
+    let held = match hold(asked)? {
+        (Reply::Slots(got), _) => got,
+        (r, _) => bail!("holding holes was answered {r:?}"),
+    };
+    let over_cap = match hold(vec![s[1]; 1 << 16]) {
+        Err(ProtoError::OverCap(_)) => "over cap".to_string(),
+        r => format!("{:?}", r.map(|(r, _)| r)),
+    };
+    let read = |slot: u32| -> Result<Vec<u8>> {
+        let mut out = vec![0u8; PAGE];
+        // SAFETY: `out` is this function's own buffer of PAGE bytes.
+        unsafe {
+            sys::pread_into(
+                other.store.as_raw_fd(),
+                out.as_mut_ptr(),
+                PAGE,
+                slot as u64 * PAGE as u64,
+            )?
+        };
+        Ok(out)
+    };
+    let copies_kept = read(s[0])? == pages[..PAGE] && read(s[2])? == pages[2 * PAGE..];
+    proto::call(&maker.sock, &Request::Release(s.clone()), None)?;
+    let mut fresh = vec![0u8; 64 * PAGE];
+    noise.page(&mut fresh);
+    std::fs::File::from(maker.pipe.try_clone()?).write_all(&fresh)?;
+    let after = match proto::call(&maker.sock, &Request::Copy(64), None)? {
+        (Reply::Slots(t), _) => t,
+        (r, _) => bail!("a copy of 64 pages was answered {r:?}"),
+    };
+    Ok(json!({
+        "asked": [s[0], s[1], s[2], s[1], maker.capacity, u32::MAX],
+        "held": held,
+        "over_cap": over_cap,
+        "copies_kept": copies_kept,
+        "hole_reused_while_held": after.contains(&s[1]),
+        "hole_reads_zeros": read(s[1])?.iter().all(|&b| b == 0),
     }))
 }
 

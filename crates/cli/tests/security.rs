@@ -454,6 +454,7 @@ fn a_hostile_client_is_bounded_and_honest_ones_keep_merging() {
     let limits = [
         "connections-per-uid=8",
         "pages-per-uid=4096",
+        "pages-per-client=3000",
         "notes-per-uid=100000",
         "notes-per-client=60000",
         "report-bytes=4096",
@@ -523,6 +524,16 @@ fn hostile_was_bounded(v: &serde_json::Value) {
     assert_eq!(vac["own"], "Ok(Ok)", "{v}");
     assert_eq!(vac["own_emptied"], true, "{v}");
     assert_eq!(vac["own_other_kept"], true, "{v}");
+    // Only the hole is held (twice asked, held once); copies and slots out of the store are not.
+    let holes = &v["holes"];
+    let (asked, held) = (&holes["asked"], &holes["held"]);
+    let failed = serde_json::json!(pageone_engine::proto::FAILED);
+    let want = serde_json::json!([failed, asked[1], failed, asked[1], failed, failed]);
+    assert_eq!(held, &want, "{v}");
+    assert_eq!(holes["over_cap"], "over cap", "{v}");
+    assert_eq!(holes["copies_kept"], true, "{v}");
+    assert_eq!(holes["hole_reused_while_held"], false, "{v}");
+    assert_eq!(holes["hole_reads_zeros"], true, "{v}");
     assert!(
         v["reopen_read_write"]
             .as_str()
