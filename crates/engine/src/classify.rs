@@ -34,6 +34,10 @@ pub(crate) struct Classified {
     pub(crate) actions: Vec<Option<Action>>,
     /// Copies made for this batch; those that merged nothing are freed after its commit.
     pub(crate) new_copies: Vec<KeyId>,
+    /// The copies this batch made of its own pages (not those another process made): the
+    /// first page to take each is the one it was made of, whose merge says nothing of where its
+    /// duplicates lie (see `ksm::better_with_ksm`).
+    pub(crate) made_here: Vec<KeyId>,
 }
 
 /// What classification needs of the store without its lock: fixed for the engine's life.
@@ -92,6 +96,7 @@ pub(crate) fn classify(
             cands,
             actions: vec![None; n],
             new_copies: Vec::new(),
+            made_here: Vec::new(),
         };
     };
     // Phase 2: group first sightings by hash, with this period's candidates and with the UNIQUE
@@ -117,7 +122,7 @@ pub(crate) fn classify(
         chunk_leaders.insert(l);
     }
     if g.groups.is_empty() && g.adopted.is_empty() && fresh.is_empty() {
-        return g.classified(Vec::new());
+        return g.classified(Vec::new(), Vec::new());
     }
     // New copies lie in the order the pages, in address order, first take them: runs of pages
     // map runs of copies (a stripe in turn, interleaved contents' copies in turn).
@@ -126,7 +131,7 @@ pub(crate) fn classify(
     let mut copies = g.copies(&cx, guard, fresh, &first_use);
     write_local_copies(&cx, &mut copies);
     let t_copy = Instant::now();
-    let mut new_copies = g.publish(&cx, &copies.todo, &chunk_leaders);
+    let (mut new_copies, made_here) = g.publish(&cx, &copies.todo, &chunk_leaders);
     // The committer merges zero pages onto the holes between the copies around them (this
     // batch's or a later one's); those left unmapped are freed after the commit.
     new_copies.extend(copies.holes.iter().map(|&(_, id)| id));
@@ -139,7 +144,7 @@ pub(crate) fn classify(
         publish_ms = t_copy.elapsed().as_secs_f64() * 1e3,
         "classify"
     );
-    g.classified(new_copies)
+    g.classified(new_copies, made_here)
 }
 
 /// A candidate as phase 1 reads it.
@@ -264,12 +269,14 @@ struct Asked {
     grouped: bool,
 }
 
-/// The copy the first candidate of a group gets, made for this batch (`is_new`) or not.
+/// The copy the first candidate of a group gets, made for this batch (`is_new`) or not, and
+/// whether it was made of this batch's own pages (`made_here`: not a copy another process made).
 #[derive(Clone, Copy)]
 struct GroupCopy {
     first: u32,
     id: KeyId,
     is_new: bool,
+    made_here: bool,
 }
 
 /// Where the pages of a batch, in address order, first take each new copy, by the page leading
@@ -311,11 +318,12 @@ impl Grouping {
         }
     }
 
-    fn classified(self, new_copies: Vec<KeyId>) -> Classified {
+    fn classified(self, new_copies: Vec<KeyId>, made_here: Vec<KeyId>) -> Classified {
         Classified {
             cands: self.cands,
             actions: self.actions,
             new_copies,
+            made_here,
         }
     }
 
@@ -572,6 +580,7 @@ impl Grouping {
                     first: g,
                     id,
                     is_new: fresh,
+                    made_here: true,
                 });
             }
         }
@@ -581,6 +590,7 @@ impl Grouping {
                     first: i,
                     id: slot,
                     is_new: fresh,
+                    made_here: false,
                 });
             }
         }
@@ -816,13 +826,13 @@ impl Grouping {
 
     /// Indexes the new copies on the workers (the SD tree takes concurrent inserts), then records
     /// the outcomes serially and gives every page of a group its copy. Returns the copies made
-    /// for this batch.
+    /// for this batch, and those of them made of its own pages (see `Classified::made_here`).
     fn publish(
         &mut self,
         cx: &Ctx<'_>,
         todo: &[GroupCopy],
         chunk_leaders: &CandidateSet,
-    ) -> Vec<KeyId> {
+    ) -> (Vec<KeyId>, Vec<KeyId>) {
         let fresh: Vec<KeyId> = todo
             .iter()
             .filter(|t| t.is_new && !chunk_leaders.contains(t.first))
@@ -835,13 +845,14 @@ impl Grouping {
         .into_iter();
         let mut guard = lock(&cx.sh.state);
         let st = &mut *guard;
-        let mut new_copies = Vec::new();
+        let (mut new_copies, mut made_here) = (Vec::new(), Vec::new());
         // The copy of each group, by its first candidate.
         let mut id_of_first: Vec<Option<KeyId>> = vec![None; self.cands.len()];
         for &GroupCopy {
             first: g,
             id,
             is_new,
+            made_here: ours,
         } in todo
         {
             let used = if is_new && chunk_leaders.contains(g) {
@@ -870,13 +881,16 @@ impl Grouping {
             };
             id_of_first[g as usize] = Some(used);
             self.actions[g as usize] = Some(Action::Merge(used));
+            if ours {
+                made_here.push(used);
+            }
         }
         for &(i, f) in &self.member_of {
             if let Some(id) = id_of_first[f as usize] {
                 self.actions[i as usize] = Some(Action::Merge(id));
             }
         }
-        new_copies
+        (new_copies, made_here)
     }
 }
 

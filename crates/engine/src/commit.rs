@@ -8,6 +8,7 @@
 //! run at a time (at most `MAX_RUN` pages), so the classifier can record its next batch between
 //! runs.
 
+use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -58,22 +59,66 @@ struct CommitCtx<'a> {
     colocated: Option<Colocated>,
     /// Whether the kernel's KSM runs, asked once per batch when needed.
     ksm_running: Option<bool>,
+    /// Copies this batch made of its own pages that no page took yet (see
+    /// `Classified::made_here`).
+    untaken: HashSet<KeyId>,
 }
 
 impl CommitCtx<'_> {
-    /// Marks `region` for the kernel's KSM if its merges cost half a mapping per page or more
-    /// (`refused`: the budget refused some, which judges sooner), and KSM runs (see the `ksm`
-    /// module).
-    fn judge_for_ksm(&mut self, region: &mut RegionState, refused: bool) {
-        // (Only where a region handed over can stay registered for the kernel's reports of
-        // unmapping and moving without faults: the write-protect watch.)
-        if self.config.ksm_when_limited
+    /// Whether memory may be handed to the kernel's KSM: asked for, and KSM runs (see the `ksm`
+    /// module). (Only where memory handed over can stay registered for the kernel's reports of
+    /// unmapping and moving without faults: the write-protect watch.)
+    fn ksm_may_take(&mut self) -> bool {
+        self.config.ksm_when_limited
             && self.sh.mode == WatchMode::UffdWp
-            && !region.wants_ksm
-            && (crate::ksm::better_with_ksm(region, refused) || crate::ksm::refuses_pageone(region))
             && *self.ksm_running.get_or_insert_with(crate::ksm::running)
-        {
+    }
+
+    /// Marks `region` for the kernel's KSM, whole, if the kernel refuses to freeze its pages.
+    fn judge_region_for_ksm(&mut self, region: &mut RegionState) {
+        if !region.wants_ksm && crate::ksm::refuses_pageone(region) && self.ksm_may_take() {
             region.wants_ksm = true;
+        }
+    }
+
+    /// Adds the merge of the `m` pages from page `at` of `region` onto copies `sid..sid + m`,
+    /// costing `cost` mappings, to its chunk's spending, unless each page takes the copy made of
+    /// it (the first in address order to take a copy this batch made of its own pages): the
+    /// copies lie as this process laid them out, side by side, so those merges are runs wherever
+    /// the duplicates lie elsewhere, and say nothing of that. A merge the budget refused
+    /// (`merging` false) counts all the same. Returns whether it counted.
+    fn charge_chunk(
+        &mut self,
+        region: &mut RegionState,
+        (at, sid, m): (usize, KeyId, usize),
+        cost: usize,
+        merging: bool,
+    ) -> bool {
+        let ids = (0..m as u32).map(|j| sid.wrapping_add(j));
+        let makers = if merging {
+            ids.filter(|id| self.untaken.remove(id)).count()
+        } else {
+            ids.filter(|id| self.untaken.contains(id)).count()
+        };
+        if makers == m {
+            return false;
+        }
+        let chunk = &mut region.chunk_mut(at).spending;
+        chunk.pages += m as u64;
+        chunk.vmas += cost as u64;
+        true
+    }
+
+    /// Marks the chunk of `region` holding page `index` for the kernel's KSM if its merges cost
+    /// half a mapping per page or more (`refused`: the budget refused some, which judges
+    /// sooner).
+    fn judge_chunk_for_ksm(&mut self, region: &mut RegionState, index: usize, refused: bool) {
+        let chunk = *region.chunk_mut(index);
+        if !chunk.wants_ksm
+            && crate::ksm::better_with_ksm(&chunk.spending, refused)
+            && self.ksm_may_take()
+        {
+            region.chunk_mut(index).wants_ksm = true;
         }
     }
 
@@ -168,6 +213,7 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
         priority: None,
         colocated: None,
         ksm_running: None,
+        untaken: batch.made_here.iter().copied().collect(),
     };
     todo.sort_unstable_by_key(|&i| cands[i].addr());
     let t_end = Instant::now();
@@ -507,17 +553,23 @@ fn afford(
             continue;
         };
         let cost = subrun_cost(&acts[..run.n], k, m, sid, sides);
-        // (A region going to the kernel's KSM spends no more mappings.)
-        if !rs.region.wants_ksm && cx.budget.allows(rs.vmas, cost, m) {
+        // (Memory going to the kernel's KSM spends no more mappings.)
+        let at = run.first_index + k;
+        let to_ksm = rs.region.wants_ksm_at(at);
+        if !to_ksm && cx.budget.allows(rs.vmas, cost, m) {
             *rs.vmas += cost;
             counted += cost;
             rs.region.spending.pages += m as u64;
             rs.region.spending.vmas += cost as u64;
-            cx.judge_for_ksm(rs.region, false);
+            if cx.charge_chunk(rs.region, (at, sid, m), cost, true) {
+                cx.judge_chunk_for_ksm(rs.region, at, false);
+            }
             k += m;
             continue;
         }
-        let to_ksm = rs.region.wants_ksm;
+        if !to_ksm {
+            cx.charge_chunk(rs.region, (at, sid, m), cost, false);
+        }
         for (q, a) in acts.iter_mut().enumerate().take(k + m).skip(k) {
             if holes.contains(q) {
                 // A zero page: released as such, which costs no mapping.
@@ -541,7 +593,7 @@ fn afford(
         .vma_limited
         .fetch_add(limited, Ordering::Relaxed);
     if limited > 0 {
-        cx.judge_for_ksm(rs.region, true);
+        cx.judge_chunk_for_ksm(rs.region, run.first_index, true);
     }
     counted
 }
@@ -931,7 +983,7 @@ fn record_outcome(cx: &mut CommitCtx<'_>, st: &mut State, run: &Run, plan: &Plan
         // Memory that is not read/write (or locked, where the locked area could not be
         // locked), which the kernel's KSM merges where it runs.
         rs.region.spending.refused += refused;
-        cx.judge_for_ksm(rs.region, false);
+        cx.judge_region_for_ksm(rs.region);
     }
 }
 

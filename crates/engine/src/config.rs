@@ -78,12 +78,12 @@ pub struct Config {
     /// for the fault thread to read the kernel's report while it holds the allocator's lock:
     /// safe because that thread never allocates.)
     pub trim_c_heap: bool,
-    /// Hand a region whose merges cost half a mapping per page or more (whatever the mapping
-    /// budget, `vm.max_map_count`, allows: KSM merges such memory faster, with less CPU) to the
-    /// kernel's KSM whole, where the host runs it: its pages
-    /// become private again, the engine stops watching it, and it is marked
+    /// Hand the parts of a region (64 MiB chunks) whose merges cost half a mapping per page or
+    /// more (whatever the mapping budget, `vm.max_map_count`, allows: KSM merges such memory
+    /// faster, with less CPU) to the kernel's KSM, where the host runs it: their pages
+    /// become private again, the engine stops watching them, and they are marked
     /// `madvise(MADV_MERGEABLE)` for `ksmd`, which merges single pages without a mapping each.
-    /// Regions whose pages merge in runs stay the engine's. A region most of whose pages the
+    /// Parts whose pages merge in runs stay the engine's. A region most of whose pages the
     /// kernel refuses to freeze (not read/write, which KSM merges: see `ksm::refuses_pageone`)
     /// is handed over too. On by default; nothing is handed over where KSM does not run.
     /// See the `ksm` module and `docs/DESIGN.md`, "Handing memory to the kernel's KSM".

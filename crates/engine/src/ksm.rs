@@ -2,41 +2,47 @@
 //! pages of a file, and one mapping maps one run of consecutive file pages, so a merged page
 //! that is not next to its copy's neighbours costs a mapping (VMA) of its own, and the process's
 //! `vm.max_map_count` stops it. The kernel's KSM shares a page between anonymous mappings with no
-//! mapping at all, faster and with less CPU. So a region whose merges so far cost half a mapping
-//! per page or more is handed to KSM whole, where the host runs it (`/sys/kernel/mm/ksm/run` =
-//! 1): its merged pages become private again, the engine stops watching it, and it is marked
-//! `MADV_MERGEABLE` for `ksmd`. Regions whose pages merge in runs stay pageone's. So is a region
-//! pageone cannot merge at all, not read/write (see the `refusals` module), which KSM merges. See
+//! mapping at all, faster and with less CPU. So a chunk of a region ([`CHUNK_PAGES`]) whose
+//! merges so far cost half a mapping per page or more is handed to KSM, where the host runs it
+//! (`/sys/kernel/mm/ksm/run` = 1): its merged pages become private again, the engine stops
+//! watching it, and it is marked `MADV_MERGEABLE` for `ksmd`. Chunks whose pages merge in runs
+//! stay pageone's. A region pageone cannot merge at all, not read/write (see the `refusals`
+//! module), which KSM merges, is handed over whole. See
 //! `Config::ksm_when_limited` and `docs/DESIGN.md`, "Handing memory to the kernel's KSM".
+
+use std::ops::Range;
 
 use pageone_sync::lock;
 use pageone_sys as sys;
 
 use crate::access::PAGE;
-use crate::state::{RegionState, Shared};
+use crate::state::{RegionState, Shared, Spending};
 
-/// Merged pages a region is judged from at the least (fewer say little of its layout: a guest's
+/// Pages of a region judged apart (64 MiB): memory whose duplicates lie scattered in one part
+/// and in runs in another (a guest's page cache beside its kernel) is handed to KSM only where
+/// they lie scattered.
+pub(crate) const CHUNK_PAGES: usize = 16_384;
+/// Merged pages a chunk is judged from at the least (fewer say little of its layout: a guest's
 /// first merges may be single pages before the runs of its kernel's).
-const SAMPLE_PAGES: u64 = 1024;
-/// Merged pages that judge a region the budget already refused (it cannot wait for more).
-const REFUSED_SAMPLE_PAGES: u64 = 64;
+const SAMPLE_PAGES: u64 = 64;
+/// Merged pages that judge a chunk the budget already refused (it cannot wait for more).
+const REFUSED_SAMPLE_PAGES: u64 = 32;
 
-/// Whether `region` is better merged by the kernel's KSM: its merges so far cost half a mapping
-/// per page or more (runs of four pages or fewer on average: single pages among others), judged
-/// after [`SAMPLE_PAGES`] merged pages, or after [`REFUSED_SAMPLE_PAGES`] if the budget already
-/// refused some of its merges (`refused`). Whatever the budget: where mappings are to spare
-/// (`vm.max_map_count` raised), KSM still merged such memory in less time and with less CPU
-/// (`docs/benchmarks.md`, "Scattered duplicates"), and a region kept while its partners go to
-/// KSM would keep a copy of its own of what they share. Regions whose pages merge in runs never
-/// qualify.
-pub(crate) fn better_with_ksm(region: &RegionState, refused: bool) -> bool {
-    let s = region.spending;
+/// Whether a chunk whose merges cost `s` is better merged by the kernel's KSM: its merges so far
+/// cost half a mapping per page or more (runs of four pages or fewer on average: single pages
+/// among others), judged after [`SAMPLE_PAGES`] merged pages, or after [`REFUSED_SAMPLE_PAGES`]
+/// if the budget already refused some of its merges (`refused`). Whatever the budget: where
+/// mappings are to spare (`vm.max_map_count` raised), KSM still merged such memory in less time
+/// and with less CPU (`docs/benchmarks.md`, "Scattered duplicates"), and a chunk kept while its
+/// partners go to KSM would keep a copy of its own of what they share. Chunks whose pages merge
+/// in runs never qualify.
+pub(crate) fn better_with_ksm(s: &Spending, refused: bool) -> bool {
     let sample = if refused {
         REFUSED_SAMPLE_PAGES
     } else {
         SAMPLE_PAGES
     };
-    !region.to_ksm && s.pages >= sample && 2 * s.vmas >= s.pages
+    s.pages >= sample && 2 * s.vmas >= s.pages
 }
 
 /// Refused pages (see the `refusals` module) a region is judged from at the least.
@@ -56,14 +62,14 @@ pub(crate) fn running() -> bool {
     std::fs::read_to_string("/sys/kernel/mm/ksm/run").is_ok_and(|s| s.trim() == "1")
 }
 
-/// Hands the regions that want it to the kernel's KSM, if it runs (see the module). Called
-/// between periods, holding no lock.
+/// Hands what wants it to the kernel's KSM, if it runs (see the module): whole regions, and the
+/// chunks of others, side by side ones together. Called between periods, holding no lock.
 pub(crate) fn hand_over_wanted(sh: &Shared) {
-    let wanted: Vec<usize> = lock(&sh.state)
+    let wanted: Vec<(usize, Range<usize>)> = lock(&sh.state)
         .regions
         .values()
-        .filter(|r| r.wants_ksm && !r.to_ksm)
-        .map(|r| r.start)
+        .filter(|r| !r.to_ksm)
+        .flat_map(|r| wanted_ranges(r).into_iter().map(|range| (r.start, range)))
         .collect();
     if wanted.is_empty() {
         return;
@@ -72,23 +78,43 @@ pub(crate) fn hand_over_wanted(sh: &Shared) {
         // KSM stopped since the commit judged them: they are pageone's to merge again (and are
         // judged again while KSM does not run: never handed over).
         let mut st = lock(&sh.state);
-        for start in wanted {
-            if let Some(r) = st.regions.get_mut(&start) {
-                r.wants_ksm = false;
-            }
+        for r in st.regions.values_mut() {
+            r.wants_ksm = false;
+            r.chunks.iter_mut().for_each(|c| c.wants_ksm = false);
         }
         return;
     }
-    for start in wanted {
-        if let Some(len) = crate::registry::hand_to_ksm(sh, start) {
+    // From the top down: a range handed over splits its region, and the part below keeps the
+    // region's start.
+    for (start, range) in wanted.into_iter().rev() {
+        if let Some(len) = crate::registry::hand_to_ksm(sh, start, range.clone()) {
             tracing::info!(
-                start = format_args!("{start:#x}"),
+                start = format_args!("{:#x}", range.start),
                 pages = len / PAGE,
-                "a region pageone merges at a mapping per page, or cannot merge (not read/write), is \
+                "memory pageone merges at a mapping per page, or cannot merge (not read/write), is \
                  handed to the kernel's KSM"
             );
         }
     }
+}
+
+/// The ranges of `r` to hand to the kernel's KSM: all of it, or its chunks that want it, side
+/// by side ones as one range, in address order.
+pub(crate) fn wanted_ranges(r: &RegionState) -> Vec<Range<usize>> {
+    let end = r.start + r.len();
+    if r.wants_ksm {
+        return std::iter::once(r.start..end).collect();
+    }
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for (c, _) in r.chunks.iter().enumerate().filter(|(_, c)| c.wants_ksm) {
+        let s = r.start + c * CHUNK_PAGES * PAGE;
+        let e = (s + CHUNK_PAGES * PAGE).min(end);
+        match out.last_mut() {
+            Some(last) if last.end == s => last.end = e,
+            _ => out.push(s..e),
+        }
+    }
+    out
 }
 
 /// Marks `[start, start+len)` mergeable for the kernel's KSM. Nothing changes for its pages
@@ -126,23 +152,55 @@ mod tests {
         }
     }
 
+    fn spent(pages: u64, vmas: u64) -> Spending {
+        Spending {
+            pages,
+            vmas,
+            refused: 0,
+        }
+    }
+
     #[test]
-    fn a_region_merging_single_pages_goes_to_ksm() {
-        // Two mappings per page, one, a half: gone, however large the region.
-        assert!(better_with_ksm(&region(131_072, 2000, 4000), false));
-        assert!(better_with_ksm(&region(16_384, 2000, 2000), false));
-        assert!(better_with_ksm(&region(16_384, 2000, 1000), false));
+    fn a_chunk_merging_single_pages_goes_to_ksm() {
+        // Two mappings per page, one, a half: gone.
+        assert!(better_with_ksm(&spent(2000, 4000), false));
+        assert!(better_with_ksm(&spent(2000, 2000), false));
+        assert!(better_with_ksm(&spent(2000, 1000), false));
         // Runs of three or more on average, and runs of 64, stay, even refused.
-        assert!(!better_with_ksm(&region(16_384, 3000, 999), false));
-        assert!(!better_with_ksm(&region(131_072, 6400, 200), false));
-        assert!(!better_with_ksm(&region(131_072, 6400, 200), true));
+        assert!(!better_with_ksm(&spent(3000, 999), false));
+        assert!(!better_with_ksm(&spent(6400, 200), false));
+        assert!(!better_with_ksm(&spent(6400, 200), true));
         // Too few merged pages to judge from; refused, fewer do.
-        assert!(!better_with_ksm(&region(131_072, 100, 200), false));
-        assert!(better_with_ksm(&region(131_072, 100, 200), true));
-        assert!(!better_with_ksm(&region(131_072, 10, 20), true));
-        let mut handed = region(131_072, 2000, 4000);
-        handed.to_ksm = true;
-        assert!(!better_with_ksm(&handed, true));
+        assert!(!better_with_ksm(&spent(63, 126), false));
+        assert!(better_with_ksm(&spent(64, 128), false));
+        assert!(better_with_ksm(&spent(32, 64), true));
+        assert!(!better_with_ksm(&spent(31, 62), true));
+    }
+
+    #[test]
+    fn only_the_chunks_that_want_ksm_are_handed_over_side_by_side_ones_together() {
+        let chunk = CHUNK_PAGES * PAGE;
+        // Five chunks and a half: the second, third and the last half want KSM.
+        let base = 1 << 40;
+        let mut r = region(5 * CHUNK_PAGES + CHUNK_PAGES / 2, 0, 0);
+        r.start = base;
+        for c in [1, 2, 5] {
+            r.chunk_mut(c * CHUNK_PAGES).wants_ksm = true;
+        }
+        assert_eq!(
+            wanted_ranges(&r),
+            [
+                base + chunk..base + 3 * chunk,
+                base + 5 * chunk..base + 5 * chunk + chunk / 2
+            ]
+        );
+        assert!(r.wants_ksm_at(CHUNK_PAGES) && r.wants_ksm_at(3 * CHUNK_PAGES - 1));
+        assert!(!r.wants_ksm_at(0) && !r.wants_ksm_at(3 * CHUNK_PAGES));
+        // A region the kernel refuses goes whole.
+        r.wants_ksm = true;
+        let whole: Vec<_> = std::iter::once(base..base + r.len()).collect();
+        assert_eq!(wanted_ranges(&r), whole);
+        assert!(r.wants_ksm_at(0));
     }
 
     #[test]

@@ -179,6 +179,20 @@ fn split_off(r: &mut RegionState, at: usize) -> RegionState {
         to_ksm: r.to_ksm,
         wants_ksm: r.wants_ksm,
         spending: r.spending,
+        chunks: split_chunks(&mut r.chunks, i),
+    }
+}
+
+/// The chunks (see `RegionState::chunks`) of the pages from `i` on, taken from `chunks`: where
+/// `i` starts a chunk they keep their places; otherwise chunks no longer line up with the
+/// region's start and the upper part starts with none.
+fn split_chunks(chunks: &mut Vec<crate::state::Chunk>, i: usize) -> Vec<crate::state::Chunk> {
+    let c = i / crate::ksm::CHUNK_PAGES;
+    if i % crate::ksm::CHUNK_PAGES == 0 {
+        chunks.split_off(c.min(chunks.len()))
+    } else {
+        chunks.truncate(c + 1);
+        Vec::new()
     }
 }
 
@@ -368,5 +382,24 @@ mod tests {
         assert_eq!((r.start, r.pages.len(), r.sums.len()), (10 * PAGE, 3, 3));
         assert_eq!((right.start, right.pages.len()), (13 * PAGE, 5));
         assert_eq!(right.pages[0].epoch, 3);
+    }
+
+    #[test]
+    fn split_at_a_chunk_the_chunks_keep_their_places_elsewhere_the_upper_part_has_none() {
+        use crate::ksm::CHUNK_PAGES as C;
+        let mut r = region(0, 3 * C + 5);
+        for (c, pages) in [(0, 10), (1, 20), (2, 30), (3, 40)] {
+            r.chunk_mut(c * C).spending.pages = pages;
+        }
+        let spent = |r: &RegionState| {
+            r.chunks
+                .iter()
+                .map(|c| c.spending.pages)
+                .collect::<Vec<_>>()
+        };
+        let right = split_off(&mut r, 2 * C * PAGE);
+        assert_eq!((spent(&r), spent(&right)), (vec![10, 20], vec![30, 40]));
+        let right = split_off(&mut r, (C + 7) * PAGE);
+        assert_eq!((spent(&r), spent(&right)), (vec![10, 20], vec![]));
     }
 }

@@ -542,6 +542,7 @@ fn hand_over_tickets(cx: &PeriodCtx<'_>, tickets: &Tickets, budget: usize) -> bo
         cands: tickets.cands.clone(),
         actions,
         new_copies: Vec::new(),
+        made_here: Vec::new(),
     };
     // A send fails only when the committer is gone; then nothing is released, and the
     // tickets are ended all the same.
@@ -603,7 +604,7 @@ fn classify_batches(
     handed
 }
 
-/// `batch` less the candidates of regions an earlier batch's commit marked for the kernel's KSM
+/// `batch` less the candidates of regions (or chunks) an earlier batch's commit marked for the kernel's KSM
 /// (see the `ksm` module): they are handed over at the end of this period, and classifying the
 /// rest of such a region, the whole of it in the first period, would only delay that.
 /// `None` if that leaves nothing of a batch that had candidates (an empty batch still collects
@@ -613,7 +614,11 @@ fn without_regions_for_ksm(sh: &Shared, mut batch: Vec<Candidate>) -> Option<Vec
         return Some(batch);
     }
     let st = lock(&sh.state);
-    let for_ksm = |c: &Candidate| st.regions.get(&c.region).is_some_and(|r| r.wants_ksm);
+    let for_ksm = |c: &Candidate| {
+        st.regions
+            .get(&c.region)
+            .is_some_and(|r| r.wants_ksm_at((c.addr() - r.start) / PAGE))
+    };
     if !batch.iter().any(for_ksm) {
         return Some(batch);
     }

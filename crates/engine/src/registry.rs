@@ -293,38 +293,42 @@ pub(crate) fn dropped_pages(st: &mut State, range: Range<usize>) {
     }
 }
 
-/// Hands the region at `start` to the kernel's KSM (see the `ksm` module), if it still wants
-/// it: its pages become the program's private memory again, as on unregistering, and the region
-/// stays registered in name only, marked mergeable for the kernel. Returns its length.
-pub(crate) fn hand_to_ksm(sh: &Shared, start: usize) -> Option<usize> {
+/// Hands `range` of the region at `start` to the kernel's KSM (see the `ksm` module), if it
+/// still wants it: its pages become the program's private memory again, as on unregistering,
+/// and the range stays registered in name only, a region of its own marked mergeable for the
+/// kernel; the rest of the region stays pageone's. Returns its length.
+pub(crate) fn hand_to_ksm(sh: &Shared, start: usize, range: Range<usize>) -> Option<usize> {
     let _change = changing_mappings();
     let mut st = lock(&sh.state);
     apply_changes(sh, &mut st);
-    if !st
-        .regions
-        .get(&start)
-        .is_some_and(|r| r.wants_ksm && !r.to_ksm)
-    {
+    let still_wanted = st.regions.get(&start).is_some_and(|r| {
+        !r.to_ksm
+            && crate::ksm::wanted_ranges(r)
+                .iter()
+                .any(|w| w.start <= range.start && range.end <= w.end)
+    });
+    if !still_wanted {
         return None;
     }
     forget_read_ahead(&mut st);
-    let r = st.regions.remove(&start)?;
-    let (len, pages) = (r.len(), r.pages.len());
-    unregister_region(sh, &mut st, r);
+    let len = range.len();
+    for piece in cut(&mut st, range.clone()) {
+        unregister_region(sh, &mut st, piece);
+    }
     // Registered again, for write-protection that is never armed: nothing faults, and the kernel
     // still reports the range unmapped, moved or dropped, so the engine forgets or moves it as
     // the program changes it.
-    if let Err(e) = sh.uffd.register(start, len, sh.reg_mode) {
-        tracing::warn!(error = %e, "a region handed to the kernel's KSM is no longer watched for unmapping");
+    if let Err(e) = sh.uffd.register(range.start, len, sh.reg_mode) {
+        tracing::warn!(error = %e, "memory handed to the kernel's KSM is no longer watched for unmapping");
     }
     st.regions.insert(
-        start,
+        range.start,
         RegionState {
             to_ksm: true,
-            ..RegionState::new(start, vec![Page::default(); pages])
+            ..RegionState::new(range.start, vec![Page::default(); len / PAGE])
         },
     );
-    crate::ksm::mark(start, len);
+    crate::ksm::mark(range.start, len);
     Some(len)
 }
 

@@ -109,11 +109,23 @@ pub(crate) struct RegionState {
     /// Handed to the kernel's KSM whole (see the `ksm` module): registered in name only (so that
     /// nothing registers it again), no longer watched or merged by the engine.
     pub(crate) to_ksm: bool,
-    /// Its merges cost half a mapping per page or more (see `ksm::better_with_ksm`): to be
-    /// handed to the kernel's KSM at the end of the period.
+    /// The kernel refuses to freeze its pages (see `ksm::refuses_pageone`): to be handed to the
+    /// kernel's KSM whole at the end of the period.
     pub(crate) wants_ksm: bool,
-    /// What its merges cost in mappings so far.
+    /// What its merges cost in mappings so far, and the pages refused.
     pub(crate) spending: Spending,
+    /// The same per chunk of `ksm::CHUNK_PAGES` pages from `start` (grown as merges reach
+    /// them), merges the budget refused counted as if made and merges of pages onto the copies
+    /// made of them left out (see `CommitCtx::charge_chunk`), and whether the chunk is to be
+    /// handed to the kernel's KSM (see `ksm::better_with_ksm`).
+    pub(crate) chunks: Vec<Chunk>,
+}
+
+/// What merges cost in a chunk of a region, and whether the chunk goes to the kernel's KSM.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Chunk {
+    pub(crate) spending: Spending,
+    pub(crate) wants_ksm: bool,
 }
 
 /// Pages merged in a region and the mappings (VMAs) counted for them (see
@@ -141,7 +153,26 @@ impl RegionState {
             to_ksm: false,
             wants_ksm: false,
             spending: Spending::default(),
+            chunks: Vec::new(),
         }
+    }
+
+    /// The chunk holding page `index`.
+    pub(crate) fn chunk_mut(&mut self, index: usize) -> &mut Chunk {
+        let c = index / crate::ksm::CHUNK_PAGES;
+        if self.chunks.len() <= c {
+            self.chunks.resize(c + 1, Chunk::default());
+        }
+        &mut self.chunks[c]
+    }
+
+    /// Whether page `index` is to be handed to the kernel's KSM (its region or its chunk).
+    pub(crate) fn wants_ksm_at(&self, index: usize) -> bool {
+        self.wants_ksm
+            || self
+                .chunks
+                .get(index / crate::ksm::CHUNK_PAGES)
+                .is_some_and(|c| c.wants_ksm)
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -462,6 +462,31 @@ fn a_written_merged_page_the_budget_refuses_reads_zeros_once_dropped() {
     drop(r);
 }
 
+/// A writer thread, stopped and joined when finished or dropped: before the memory it writes is
+/// unmapped, even when the test fails (else it would fault there, and the process die before
+/// `KsmRunning` restores the kernel's KSM).
+struct Writer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<u64>>,
+}
+
+impl Writer {
+    /// Stops the thread; returns its rounds.
+    fn finish(mut self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle.take().expect("joined once").join().unwrap()
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
 /// With the kernel's KSM running, a region whose merges cost a mapping per page, more than the
 /// VMA budget has, is handed to KSM whole: pageone's merges there are undone (its copies
 /// released), the engine stops watching it, and KSM merges every duplicate without a mapping
@@ -491,23 +516,27 @@ fn a_region_merging_a_mapping_per_page_beyond_the_budget_is_handed_to_the_kernel
     // A writer rewrites every 16th page throughout, across the hand-over.
     let written = |i: usize| i % 16 == 8;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = {
-        let (base, stop) = (r.as_ptr() as usize, stop.clone());
-        std::thread::spawn(move || {
-            let mut round = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                round += 1;
-                for i in (0..2 * n).filter(|&i| written(i)) {
-                    // SAFETY: only this thread touches these pages of the test's region until
-                    // it is joined; the region outlives it.
-                    let page = unsafe {
-                        std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE)
-                    };
-                    fill(page, (round << 32) + i as u64);
+    let writer = Writer {
+        stop: stop.clone(),
+        handle: Some({
+            let base = r.as_ptr() as usize;
+            std::thread::spawn(move || {
+                let mut round = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    round += 1;
+                    for i in (0..2 * n).filter(|&i| written(i)) {
+                        // SAFETY: only this thread touches these pages of the test's region
+                        // until it is joined, which `Writer` does before the region (declared
+                        // before it) is dropped, even when the test fails.
+                        let page = unsafe {
+                            std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE)
+                        };
+                        fill(page, (round << 32) + i as u64);
+                    }
                 }
-            }
-            round
-        })
+                round
+            })
+        }),
     };
     let s = wait_for(&e, |s| s.regions_to_ksm > 0);
     assert_eq!(s.regions_to_ksm, 1, "{s:?}");
@@ -530,8 +559,7 @@ fn a_region_merging_a_mapping_per_page_beyond_the_budget_is_handed_to_the_kernel
         e.stats()
     );
     std::thread::sleep(Duration::from_millis(200));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let rounds = writer.join().unwrap();
+    let rounds = writer.finish();
     for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
         let want = if written(i) {
             (rounds << 32) + i as u64

@@ -215,9 +215,9 @@ pub unsafe extern "C" fn pageone_config_set_restore_huge_pages(
     unsafe { config_setter!(cfg.restore_huge_pages = on) }
 }
 
-/// Sets whether a region whose merges cost a mapping per page, beyond the mapping limit, or
-/// whose pages are not read/write, is handed to the kernel's KSM where it runs (the default;
-/// `ksm_when_limited` in the Rust API).
+/// Sets whether memory whose merges cost a mapping per page (the 64 MiB parts of a region where
+/// they do), or a region whose pages are not read/write, is handed to the kernel's KSM where it
+/// runs (the default; `ksm_when_limited` in the Rust API).
 ///
 /// # Safety
 ///

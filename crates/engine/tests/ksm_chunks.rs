@@ -1,0 +1,112 @@
+//! Memory whose duplicates lie scattered in one part and in runs in another: with the kernel's
+//! KSM running, only the scattered part is handed to it, and pageone keeps merging the runs.
+
+use std::time::{Duration, Instant};
+
+use pageone_engine::Engine;
+
+mod common;
+use common::{check, fill, wait_for, KsmRunning, PAGE};
+
+/// Pages of a chunk the engine judges apart (`ksm::CHUNK_PAGES`, 64 MiB).
+const CHUNK: usize = 16_384;
+
+/// Page `i` of a region of two chunks. The first chunk's even pages in its lower half have a
+/// twin `CHUNK / 2` pages higher, among pages of their own: each merge there is a single page,
+/// a mapping each. The second chunk's halves hold the same pages in the same order: runs.
+fn content(i: usize) -> u64 {
+    let half = CHUNK / 2;
+    match (i / CHUNK, i % CHUNK) {
+        (0, j) if j % 2 == 0 => (j % half) as u64 + 1,
+        (0, j) => (j + 10 * CHUNK) as u64,
+        (_, j) => (j % half + 100 * CHUNK) as u64,
+    }
+}
+
+#[test]
+fn only_the_chunk_merging_single_pages_goes_to_ksm_and_the_runs_stay_merged() {
+    let Some(_ksm) = KsmRunning::start() else {
+        eprintln!("skipped: the kernel's KSM is not there or not writable (needs root)");
+        return;
+    };
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .ksm_when_limited(true)
+        .build()
+        .unwrap();
+    let mut r = e.alloc_region(2 * CHUNK * PAGE).unwrap();
+    let before = KsmRunning::sharing();
+    for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+        fill(p, content(i));
+    }
+    let runs = (CHUNK / 2) as u64;
+    let s = wait_for(&e, |s| s.regions_to_ksm > 0 && s.pages_sharing >= runs);
+    assert_eq!(s.regions_to_ksm, 1, "{s:?}");
+    assert_eq!(
+        (s.pages_shared, s.pages_sharing),
+        (runs, runs),
+        "the runs' chunk is pageone's, merged, and nothing of the other: {s:?}"
+    );
+    // The first chunk is the kernel's: marked mergeable, and merged by it (its pairs).
+    let base = r.as_ptr() as usize;
+    let (ksm, pageone) = mergeable_bytes(base, 2 * CHUNK * PAGE);
+    assert_eq!(
+        (ksm, pageone),
+        (CHUNK * PAGE, 0),
+        "bytes marked for KSM in each chunk"
+    );
+    let pairs = (CHUNK / 4) as u64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while KsmRunning::sharing() - before < pairs && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(KsmRunning::sharing() - before >= pairs, "{:?}", e.stats());
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        assert!(check(p, content(i)), "page {i}");
+    }
+    // Written, every page keeps what was written, on either side.
+    let mem = r.as_mut_slice();
+    for i in (0..2 * CHUNK).step_by(3) {
+        fill(&mut mem[i * PAGE..(i + 1) * PAGE], 1 << 40 | i as u64);
+    }
+    e.wait_periods(3, Duration::from_secs(10));
+    for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
+        let want = if i % 3 == 0 {
+            1 << 40 | i as u64
+        } else {
+            content(i)
+        };
+        assert!(check(p, want), "page {i} lost a write");
+    }
+    let (p, len) = (r.as_ptr(), r.len());
+    e.unregister(p, len).unwrap();
+    assert_eq!(mergeable_bytes(base, len), (0, 0), "taken back from KSM");
+}
+
+/// Bytes of `[base, base + len)` in mappings marked mergeable (`mg` in `/proc/self/smaps`), in
+/// its first chunk and in the rest.
+fn mergeable_bytes(base: usize, len: usize) -> (usize, usize) {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let (mut first, mut rest) = (0, 0);
+    let mut range = 0..0;
+    for line in smaps.lines() {
+        if let Some((s, e)) = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'))
+            .and_then(|(s, e)| {
+                Some((
+                    usize::from_str_radix(s, 16).ok()?,
+                    usize::from_str_radix(e, 16).ok()?,
+                ))
+            })
+        {
+            range = s.max(base)..e.min(base + len);
+        } else if line.starts_with("VmFlags:") && line.split_whitespace().any(|f| f == "mg") {
+            let split = base + CHUNK * PAGE;
+            first += range.end.min(split).saturating_sub(range.start);
+            rest += range.end.saturating_sub(range.start.max(split));
+        }
+    }
+    (first, rest)
+}
