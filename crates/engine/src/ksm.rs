@@ -16,7 +16,7 @@ use pageone_sync::lock;
 use pageone_sys as sys;
 
 use crate::access::PAGE;
-use crate::state::{RegionState, Shared, Spending};
+use crate::state::{PageKind, RegionState, Shared, Spending};
 
 /// Pages of a region judged apart (64 MiB): memory whose duplicates lie scattered in one part
 /// and in runs in another (a guest's page cache beside its kernel) is handed to KSM only where
@@ -94,6 +94,31 @@ pub(crate) fn hand_over_wanted(sh: &Shared) {
                 "memory pageone merges at a mapping per page, or cannot merge (not read/write), is \
                  handed to the kernel's KSM"
             );
+        }
+    }
+    want_chunks_left_alone(&mut lock(&sh.state));
+}
+
+/// Marks for the kernel's KSM (at the next hand-over) the chunks whose merged pages mostly map
+/// copies no other page maps any more: with a store of the process's own, where the counts are
+/// all of them, such merges save nothing. They are the pages copies were made of, whose
+/// duplicates lay scattered in memory just handed to KSM (their merges were runs, which never
+/// judge a chunk: see `CommitCtx::charge_chunk`); handed over too, KSM merges them with those.
+fn want_chunks_left_alone(st: &mut crate::state::State) {
+    if !st.store.is_local() {
+        return;
+    }
+    let crate::state::State { regions, store, .. } = st;
+    for r in regions.values_mut().filter(|r| !r.to_ksm && !r.wants_ksm) {
+        for c in 0..r.pages.len().div_ceil(CHUNK_PAGES) {
+            let pages = &r.pages[c * CHUNK_PAGES..((c + 1) * CHUNK_PAGES).min(r.pages.len())];
+            let merged = pages.iter().filter(|p| p.kind == PageKind::Merged);
+            let (n, alone) = merged.fold((0u64, 0u64), |(n, alone), p| {
+                (n + 1, alone + u64::from(store.refs(p.sid) == 1))
+            });
+            if n >= SAMPLE_PAGES && 2 * alone >= n {
+                r.chunk_mut(c * CHUNK_PAGES).wants_ksm = true;
+            }
         }
     }
 }

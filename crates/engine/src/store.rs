@@ -568,6 +568,12 @@ impl Store {
         }
     }
 
+    /// Whether this is a store of the process's own (no daemon): its counts of the pages
+    /// mapping each copy are then all of them.
+    pub(crate) fn is_local(&self) -> bool {
+        self.remote.is_none()
+    }
+
     pub(crate) fn refs(&self, id: KeyId) -> u32 {
         self.refs[id as usize]
     }

@@ -23,17 +23,31 @@ fn content(i: usize) -> u64 {
     }
 }
 
-#[test]
-fn only_the_chunk_merging_single_pages_goes_to_ksm_and_the_runs_stay_merged() {
-    let Some(_ksm) = KsmRunning::start() else {
+/// The tests share the kernel's KSM: one at a time.
+static KSM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The kernel's KSM running for this test alone, and an engine handing memory to it (dropped in
+/// the reverse order, the engine first); `None` where KSM is not there or not writable (the test
+/// is skipped, and says so).
+fn with_ksm() -> Option<(std::sync::MutexGuard<'static, ()>, KsmRunning, Engine)> {
+    let one = KSM.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ksm) = KsmRunning::start() else {
         eprintln!("skipped: the kernel's KSM is not there or not writable (needs root)");
-        return;
+        return None;
     };
     let e = Engine::builder()
         .merge_period(Duration::from_millis(20))
         .ksm_when_limited(true)
         .build()
         .unwrap();
+    Some((one, ksm, e))
+}
+
+#[test]
+fn only_the_chunk_merging_single_pages_goes_to_ksm_and_the_runs_stay_merged() {
+    let Some((_one, _ksm, e)) = with_ksm() else {
+        return;
+    };
     let mut r = e.alloc_region(2 * CHUNK * PAGE).unwrap();
     let before = KsmRunning::sharing();
     for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
@@ -109,4 +123,42 @@ fn mergeable_bytes(base: usize, len: usize) -> (usize, usize) {
         }
     }
     (first, rest)
+}
+
+/// One process, two regions of a chunk each holding the same pages: the first in order, the
+/// second in another order. The first region's pages merge onto the copies made of them, in
+/// runs, which judge nothing; the second's merge one by one, and it goes to KSM. Then the first
+/// region's copies are mapped by no other page: it goes to KSM too, which merges the pairs.
+#[test]
+fn a_chunk_left_holding_copies_no_other_page_maps_follows_its_twins_to_ksm() {
+    let Some((_one, _ksm, e)) = with_ksm() else {
+        return;
+    };
+    let content = |region: usize, j: usize| {
+        let k = if region == 0 { j } else { (j * 1237) % CHUNK };
+        k as u64 + 1
+    };
+    let mut regions = [
+        e.alloc_region(CHUNK * PAGE).unwrap(),
+        e.alloc_region(CHUNK * PAGE).unwrap(),
+    ];
+    let before = KsmRunning::sharing();
+    for (n, r) in regions.iter_mut().enumerate() {
+        for (j, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
+            fill(p, content(n, j));
+        }
+    }
+    let s = wait_for(&e, |s| s.regions_to_ksm == 2 && s.pages_shared == 0);
+    assert_eq!((s.regions_to_ksm, s.pages_shared), (2, 0), "{s:?}");
+    let pairs = CHUNK as u64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while KsmRunning::sharing() - before < pairs && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(KsmRunning::sharing() - before >= pairs, "{:?}", e.stats());
+    for (n, r) in regions.iter().enumerate() {
+        for (j, p) in r.as_slice().chunks(PAGE).enumerate() {
+            assert!(check(p, content(n, j)), "region {n} page {j}");
+        }
+    }
 }
