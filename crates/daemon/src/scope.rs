@@ -292,10 +292,14 @@ impl ScopeState {
         }
     }
 
-    /// Holds `slot` (a copy the index answered with, or one just made) for `client`; a hold it
-    /// had vacated needs the bytes again.
+    /// Holds `slot` (a copy the index answered with, one just made, or a zero hole) for
+    /// `client`; a hold it had vacated needs the bytes again. (A zero hole every holder vacated
+    /// may be held again: it has no bytes to lose.)
     pub(crate) fn hold(&mut self, client: u64, slot: u32) {
-        debug_assert!(!self.is_empty_slot(slot), "an emptied slot is in no answer");
+        debug_assert!(
+            self.is_hole(slot) || !self.is_empty_slot(slot),
+            "an emptied slot is in no answer"
+        );
         if let Some(c) = self.clients.get_mut(&client) {
             let i = slot as usize;
             if c.held.insert(slot) {
@@ -1014,6 +1018,29 @@ mod tests {
         assert_eq!(copy(&mut a, &pa, 10), s[1]);
         assert_eq!(first_byte(&store, s[1]), 10);
         drop(b);
+        h.check().unwrap();
+    }
+
+    /// A zero hole its maker vacated may still be held by another client (it has no bytes to
+    /// lose), and is then kept for it when the maker releases it. Found by fuzzing: the daemon's
+    /// debug check took such a hole for an emptied copy.
+    #[test]
+    fn a_vacated_zero_hole_can_be_held_by_another_client() {
+        let h = Harness::new(Limits::for_ram(1 << 30), 64);
+        let (mut a, pa, _store) = joined(&h);
+        let (mut b, _pb, _) = joined(&h);
+        let s = copy_pages(&mut a, &pa, &[5, 0, 6]);
+        assert_eq!(ask(&mut a, Request::Vacate(vec![s[1]])), Reply::Ok);
+        h.check().unwrap();
+        assert_eq!(
+            ask(&mut b, Request::HoldHoles(vec![s[1]])),
+            Reply::Slots(vec![s[1]])
+        );
+        h.check().unwrap();
+        assert_eq!(ask(&mut a, Request::Release(s.clone())), Reply::Ok);
+        h.check().unwrap();
+        // Still B's hole: a fresh copy does not land there.
+        assert_ne!(copy(&mut a, &pa, 9), s[1]);
         h.check().unwrap();
     }
 
