@@ -64,6 +64,23 @@ struct Joined {
     capacity: u32,
 }
 
+impl Joined {
+    /// The bytes of store slot `slot` as this client's mapping of the store reads them.
+    fn read_slot(&self, slot: u32) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; PAGE];
+        // SAFETY: `out` is this function's own buffer of PAGE bytes.
+        unsafe {
+            sys::pread_into(
+                self.store.as_raw_fd(),
+                out.as_mut_ptr(),
+                PAGE,
+                slot as u64 * PAGE as u64,
+            )?
+        };
+        Ok(out)
+    }
+}
+
 fn join(path: &Path, scope: &str) -> Result<Joined> {
     let sock = UnixStream::connect(path)?;
     sock.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -314,23 +331,11 @@ fn vacate_lies(path: &Path, scope: &str) -> Result<Value> {
     let all: Vec<u32> = (0..holder.capacity.min(1 << 16)).collect();
     let every = proto::call(&other.sock, &Request::Vacate(all), None).map(|(r, _)| r);
     let past = proto::call(&other.sock, &Request::Vacate(vec![u32::MAX]), None).map(|(r, _)| r);
-    let read = |slot: u32| -> Result<Vec<u8>> {
-        let mut out = vec![0u8; PAGE];
-        // SAFETY: `out` is this function's own buffer of PAGE bytes.
-        unsafe {
-            sys::pread_into(
-                holder.store.as_raw_fd(),
-                out.as_mut_ptr(),
-                PAGE,
-                slot as u64 * PAGE as u64,
-            )?
-        };
-        Ok(out)
-    };
-    let kept = read(slots[0])? == pages[..PAGE] && read(slots[1])? == pages[PAGE..];
+    let kept = holder.read_slot(slots[0])? == pages[..PAGE]
+        && holder.read_slot(slots[1])? == pages[PAGE..];
     let own = proto::call(&holder.sock, &Request::Vacate(vec![slots[0]]), None).map(|(r, _)| r);
-    let emptied = read(slots[0])?.iter().all(|&b| b == 0);
-    let other_kept = read(slots[1])? == pages[PAGE..];
+    let emptied = holder.read_slot(slots[0])?.iter().all(|&b| b == 0);
+    let other_kept = holder.read_slot(slots[1])? == pages[PAGE..];
     Ok(json!({
         "every_slot": format!("{every:?}"),
         "past_the_end": format!("{past:?}"),
@@ -367,20 +372,8 @@ fn hole_lies(path: &Path, scope: &str) -> Result<Value> {
         Err(ProtoError::OverCap(_)) => "over cap".to_string(),
         r => format!("{:?}", r.map(|(r, _)| r)),
     };
-    let read = |slot: u32| -> Result<Vec<u8>> {
-        let mut out = vec![0u8; PAGE];
-        // SAFETY: `out` is this function's own buffer of PAGE bytes.
-        unsafe {
-            sys::pread_into(
-                other.store.as_raw_fd(),
-                out.as_mut_ptr(),
-                PAGE,
-                slot as u64 * PAGE as u64,
-            )?
-        };
-        Ok(out)
-    };
-    let copies_kept = read(s[0])? == pages[..PAGE] && read(s[2])? == pages[2 * PAGE..];
+    let copies_kept =
+        other.read_slot(s[0])? == pages[..PAGE] && other.read_slot(s[2])? == pages[2 * PAGE..];
     proto::call(&maker.sock, &Request::Release(s.clone()), None)?;
     let mut fresh = vec![0u8; 64 * PAGE];
     noise.page(&mut fresh);
@@ -395,7 +388,7 @@ fn hole_lies(path: &Path, scope: &str) -> Result<Value> {
         "over_cap": over_cap,
         "copies_kept": copies_kept,
         "hole_reused_while_held": after.contains(&s[1]),
-        "hole_reads_zeros": read(s[1])?.iter().all(|&b| b == 0),
+        "hole_reads_zeros": other.read_slot(s[1])?.iter().all(|&b| b == 0),
     }))
 }
 

@@ -213,7 +213,7 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
         priority: None,
         colocated: None,
         ksm_running: None,
-        untaken: batch.made_here.iter().copied().collect(),
+        untaken: untaken_copies(sh, config, batch),
     };
     todo.sort_unstable_by_key(|&i| cands[i].addr());
     let t_end = Instant::now();
@@ -232,6 +232,17 @@ pub(crate) fn commit(sh: &Shared, config: &Config, batch: &Classified, budget: u
     sh.counters
         .vmas
         .store(lock(&sh.state).vmas as u64, Ordering::Relaxed);
+}
+
+/// The copies `batch` made of its own pages, which the chunks' judgement for the kernel's KSM
+/// leaves out (see `CommitCtx::charge_chunk`); none where memory is never handed to KSM (not
+/// asked for, or the checksum watch), where nothing reads them.
+fn untaken_copies(sh: &Shared, config: &Config, batch: &Classified) -> HashSet<KeyId> {
+    if config.ksm_when_limited && sh.mode == WatchMode::UffdWp {
+        batch.made_here.iter().copied().collect()
+    } else {
+        HashSet::new()
+    }
 }
 
 /// Commits the run of candidates `todo` starts with (candidate numbers in address order);

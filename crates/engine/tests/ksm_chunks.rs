@@ -3,10 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use pageone_engine::Engine;
-
 mod common;
-use common::{check, fill, wait_for, KsmRunning, PAGE};
+use common::{check, fill, wait_for, with_ksm, KsmRunning, PAGE};
 
 /// Pages of a chunk the engine judges apart (`ksm::CHUNK_PAGES`, 64 MiB).
 const CHUNK: usize = 16_384;
@@ -23,29 +21,9 @@ fn content(i: usize) -> u64 {
     }
 }
 
-/// The tests share the kernel's KSM: one at a time.
-static KSM: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// The kernel's KSM running for this test alone, and an engine handing memory to it (dropped in
-/// the reverse order, the engine first); `None` where KSM is not there or not writable (the test
-/// is skipped, and says so).
-fn with_ksm() -> Option<(std::sync::MutexGuard<'static, ()>, KsmRunning, Engine)> {
-    let one = KSM.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(ksm) = KsmRunning::start() else {
-        eprintln!("skipped: the kernel's KSM is not there or not writable (needs root)");
-        return None;
-    };
-    let e = Engine::builder()
-        .merge_period(Duration::from_millis(20))
-        .ksm_when_limited(true)
-        .build()
-        .unwrap();
-    Some((one, ksm, e))
-}
-
 #[test]
 fn only_the_chunk_merging_single_pages_goes_to_ksm_and_the_runs_stay_merged() {
-    let Some((_one, _ksm, e)) = with_ksm() else {
+    let Some((_ksm, e)) = with_ksm() else {
         return;
     };
     let mut r = e.alloc_region(2 * CHUNK * PAGE).unwrap();
@@ -131,7 +109,7 @@ fn mergeable_bytes(base: usize, len: usize) -> (usize, usize) {
 /// region's copies are mapped by no other page: it goes to KSM too, which merges the pairs.
 #[test]
 fn a_chunk_left_holding_copies_no_other_page_maps_follows_its_twins_to_ksm() {
-    let Some((_one, _ksm, e)) = with_ksm() else {
+    let Some((_ksm, e)) = with_ksm() else {
         return;
     };
     let content = |region: usize, j: usize| {

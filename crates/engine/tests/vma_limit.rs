@@ -7,7 +7,7 @@ use pageone_engine::{DropAdvice, Engine, Region};
 use pageone_sys as sys;
 
 mod common;
-use common::{check, fill, filled, wait_for, KsmRunning, PAGE};
+use common::{check, fill, filled, wait_for, with_ksm, KsmRunning, PAGE};
 
 /// Restores `vm.max_map_count` when dropped, even if the test fails.
 struct MapCountGuard(usize);
@@ -494,15 +494,9 @@ impl Drop for Writer {
 /// registered (nothing registers it again) and unregistering gives its pages back private.
 #[test]
 fn a_region_merging_a_mapping_per_page_beyond_the_budget_is_handed_to_the_kernels_ksm() {
-    let Some(ksm) = KsmRunning::start() else {
-        eprintln!("skipped: the kernel's KSM is not there or not writable (needs root)");
+    let Some((ksm, e)) = with_ksm() else {
         return;
     };
-    let e = Engine::builder()
-        .merge_period(Duration::from_millis(20))
-        .ksm_when_limited(true)
-        .build()
-        .unwrap();
     let n = 4096;
     let mut r = e.alloc_region(2 * n * PAGE).unwrap();
     let limit = sys::max_map_count().unwrap();

@@ -48,11 +48,35 @@ pub fn wait_for(e: &Engine, what: impl Fn(&Stats) -> bool) -> Stats {
     }
 }
 
-/// The kernel's KSM running, as fast as it goes, for one test: every knob it changed is restored
-/// when dropped, and `run` is left as it was (never 1: 2 if it was running, after unmerging).
-pub struct KsmRunning(Vec<(&'static str, String)>);
+/// The kernel's KSM running, as fast as it goes, for one test at a time in its binary: every
+/// knob it changed is restored when dropped, and `run` is left as it was (never 1: 2 if it was
+/// running, after unmerging).
+pub struct KsmRunning {
+    saved: Vec<(&'static str, String)>,
+    /// Held until the knobs are restored (fields drop after `drop`).
+    _one: std::sync::MutexGuard<'static, ()>,
+}
 
 const KSM: &str = "/sys/kernel/mm/ksm";
+
+/// The tests of a binary share the kernel's KSM: one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The kernel's KSM running for this test alone, and an engine of 20 ms periods handing memory to
+/// it (dropped in the reverse order, the engine first); `None` where KSM is not there or not
+/// writable (the test is skipped, and says so).
+pub fn with_ksm() -> Option<(KsmRunning, Engine)> {
+    let Some(ksm) = KsmRunning::start() else {
+        eprintln!("skipped: the kernel's KSM is not there or not writable (needs root)");
+        return None;
+    };
+    let e = Engine::builder()
+        .merge_period(Duration::from_millis(20))
+        .ksm_when_limited(true)
+        .build()
+        .unwrap();
+    Some((ksm, e))
+}
 
 impl KsmRunning {
     /// `None` where KSM is not there or its knobs are not writable (not root).
@@ -62,7 +86,8 @@ impl KsmRunning {
             .into_iter()
             .map(|k| Some((k, read(k)?.trim().to_string())))
             .collect::<Option<_>>()?;
-        let guard = Self(saved);
+        let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = Self { saved, _one: one };
         for (k, v) in [
             ("run", "2"),
             ("pages_to_scan", "100000"),
@@ -83,10 +108,10 @@ impl KsmRunning {
 impl Drop for KsmRunning {
     fn drop(&mut self) {
         let _ = std::fs::write(format!("{KSM}/run"), "2");
-        for (k, v) in self.0.iter().filter(|(k, _)| *k != "run") {
+        for (k, v) in self.saved.iter().filter(|(k, _)| *k != "run") {
             let _ = std::fs::write(format!("{KSM}/{k}"), v);
         }
-        let run = self.0.iter().find(|(k, _)| *k == "run").map(|(_, v)| v);
+        let run = self.saved.iter().find(|(k, _)| *k == "run").map(|(_, v)| v);
         let run = if run.is_some_and(|v| v == "1") {
             "2"
         } else {
