@@ -24,8 +24,8 @@
 //!
 //! Memory the program moves (`mremap`) takes its advice along ([`mapping_moved`]), as the
 //! embedder or the kernel reports the move; the advice where it went is then checked against the
-//! kernel's flags, which drops huge-page advice over merged pages there (mappings of the store do
-//! not carry it: memory given back there later lacks it).
+//! kernel's flags, except huge-page advice over merged pages, which mappings of the store do not
+//! carry: the table's stands there.
 //!
 //! Not carried: advice given with a raw system call the embedder does not see (a raw
 //! `MADV_DOFORK` leaves the engine giving `MADV_DONTFORK`), and the old place's advice after a
@@ -210,18 +210,34 @@ pub(crate) fn check_registered(range: Range<usize>) {
     refresh(range);
 }
 
-/// The table's advice over `range` becomes what the kernel's flags say (`/proc/self/smaps`).
+/// The table's advice over `range` becomes what the kernel's flags say (`/proc/self/smaps`),
+/// except advice that mappings of the store never carry (huge pages), which stands over them:
+/// the kernel's flags there say what the engine gave, not what the program asked.
 fn refresh(range: Range<usize>) {
     let flags = KINDS.map(|k| k.flag);
-    let Ok(kernel) = sys::self_mappings_flagged_each(&flags) else {
+    let (Ok(kernel), Ok(maps)) = (
+        sys::self_mappings_flagged_each(&flags),
+        sys::self_mappings_in(range.start, range.end),
+    ) else {
         // Unread, the table stands.
         return;
     };
+    let store: Vec<Range<usize>> = maps
+        .iter()
+        .filter(|m| crate::store::is_store_mapping(m))
+        .map(|m| m.start..m.end)
+        .collect();
+    let clip = |m: &Range<usize>| m.start.max(range.start)..m.end.min(range.end);
     let mut t = lock(&TABLE);
-    for (set, flagged) in t.sets.iter_mut().zip(kernel) {
+    for ((set, flagged), kind) in t.sets.iter_mut().zip(kernel).zip(&KINDS) {
+        let standing: Vec<Range<usize>> = if kind.on_copies {
+            Vec::new()
+        } else {
+            store.iter().flat_map(|m| set.within(clip(m))).collect()
+        };
         set.remove(range.clone());
-        for m in flagged {
-            set.add(m.start.max(range.start)..m.end.min(range.end));
+        for m in flagged.iter().map(clip).chain(standing) {
+            set.add(m);
         }
     }
 }

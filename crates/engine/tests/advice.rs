@@ -195,6 +195,65 @@ fn stale_advice_of_memory_mapped_again_unseen_is_not_carried() {
     unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
 }
 
+/// Moves `len` bytes of registered memory at `from` to a new place, as the shim does where they
+/// are several mappings (merged pages among them): a range reserved, each mapping moved onto its
+/// place in it, the engine told. Returns the new place.
+fn move_piecewise(from: usize, len: usize) -> usize {
+    let to = sys::mmap_anonymous(len).unwrap() as usize;
+    for m in sys::self_mappings_in(from, from + len).unwrap() {
+        let (s, e) = (m.start.max(from), m.end.min(from + len));
+        // SAFETY: a whole mapping of the test's own memory moves onto its place in the range
+        // reserved above; nothing else refers to either.
+        let moved = unsafe {
+            libc::syscall(
+                libc::SYS_mremap,
+                s,
+                e - s,
+                e - s,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                to + (s - from),
+            )
+        };
+        assert_eq!(
+            moved as usize,
+            to + (s - from),
+            "{}",
+            std::io::Error::last_os_error()
+        );
+    }
+    pageone_engine::mapping_moved(from..from + len, to..to + len);
+    to
+}
+
+/// Merged memory the program moves keeps its advice to use huge pages: mappings of the store do
+/// not carry it, but the anonymous memory given back there later does.
+#[test]
+fn huge_page_advice_moves_with_merged_memory() {
+    let e = small_engine(false);
+    let n = 64;
+    let (base, len) = (halves_unregistered(n), 2 * n * PAGE);
+    advise(base, len, libc::MADV_HUGEPAGE);
+    e.merge(base as *mut u8, len).unwrap();
+    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
+    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
+    let to = move_piecewise(base, len);
+    // The kernel's reports of the moves applied.
+    e.wait_periods(2, std::time::Duration::from_secs(10));
+    assert!(store_mappings(to, len) > 0, "the merged pages did not move");
+    assert!(e.is_registered(to as *mut u8, len));
+    e.unregister(to as *mut u8, len).unwrap();
+    assert_eq!(store_mappings(to, len), 0);
+    assert_eq!(
+        pages_without("hg", to, 2 * n),
+        [0usize; 0],
+        "memory given back without huge pages after the move"
+    );
+    for i in 0..2 * n {
+        assert!(holds(to, i, (i % n) as u64 + 1), "page {i}");
+    }
+    unmap(to, len);
+}
+
 /// The engine's view of its store (every copy it holds) is not dumped.
 #[test]
 fn the_stores_view_is_left_out_of_core_dumps() {
