@@ -51,7 +51,9 @@
 //! still merges in one pass.
 //!
 //! A process whose memory has settled is scanned less often: after a few periods that changed
-//! little, the engine waits 2, 4, then 8 periods between scans until something changes again.
+//! little, the engine waits 2, 4, then 8 periods between scans, and at least 100 times what its
+//! last scan cost (more below a GiB registered: 1% of a core per GiB), until something changes
+//! again.
 //!
 //! Every non-coalescing merge costs VMAs; the committer counts them and stays under
 //! `vm.max_map_count` with a margin: a merge that would cross it is not even frozen, the page

@@ -38,8 +38,9 @@ const RELOOK_PERIODS: u64 = 16;
 const RELOOK_SKIPS: u32 = 3;
 /// Periods without anything to merge before the engine scans less often (see `engine_loop`).
 const IDLE_PERIODS: u32 = 8;
-/// Once idle, the engine sleeps at least this many times the CPU its last period took: an idle
-/// engine costs about 1% of a core, however many pages and mappings each scan walks.
+/// Once idle, the engine sleeps at least this many times the CPU its last period took, with a
+/// GiB or more registered (more below: see `idle_share_inv`): an idle engine costs about 1% of a
+/// core, however many pages and mappings each scan walks.
 const IDLE_CPU_SHARE_INV: u32 = 100;
 /// The longest sleep between idle periods (a write to an idle region waits this long at most
 /// before it counts).
@@ -129,25 +130,51 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
     }
 }
 
-/// How long after its start the next period begins, when no kick or registration comes first:
-/// one period while busy; after `IDLE_PERIODS` idle ones, 2, 4, then 8 periods, and never sooner
-/// than `IDLE_CPU_SHARE_INV` times the CPU the last period `spent` (up to `MAX_IDLE_SLEEP`).
-fn pace(period: Duration, idle: u32, spent: Duration) -> Duration {
-    let Some(n) = idle.checked_sub(IDLE_PERIODS) else {
-        return period;
-    };
-    let stretched = period * (1u32 << (n + 1).min(3));
-    stretched.max(cpu_pace(period, idle, spent))
+/// What sets when the next period begins (see [`Pace::next`]).
+#[derive(Clone, Copy, Debug)]
+struct Pace {
+    period: Duration,
+    /// Idle periods in a row.
+    idle: u32,
+    /// The CPU the last period took.
+    spent: Duration,
+    /// Once idle, the engine sleeps at least this many times `spent` (see [`idle_share_inv`]).
+    share_inv: u32,
 }
 
-/// The part of [`pace`] that bounds an idle engine's CPU: one period while busy, else at least
-/// `IDLE_CPU_SHARE_INV` times what the last period `spent`. The rest of an idle stretch is cut
-/// short when the program writes (see [`written_meanwhile`]).
-fn cpu_pace(period: Duration, idle: u32, spent: Duration) -> Duration {
-    if idle < IDLE_PERIODS {
-        return period;
+impl Pace {
+    /// How long after its start the next period begins, when no kick or registration comes
+    /// first: one period while busy; after `IDLE_PERIODS` idle ones, 2, 4, then 8 periods, and
+    /// never sooner than the CPU bound ([`cpu_bound`](Self::cpu_bound)).
+    fn next(self) -> Duration {
+        let Some(n) = self.idle.checked_sub(IDLE_PERIODS) else {
+            return self.period;
+        };
+        let stretched = self.period * (1u32 << (n + 1).min(3));
+        stretched.max(self.cpu_bound())
     }
-    period.max(spent.saturating_mul(IDLE_CPU_SHARE_INV).min(MAX_IDLE_SLEEP))
+
+    /// The part of [`next`](Self::next) that bounds an idle engine's CPU: one period while
+    /// busy, else at least `share_inv` times what the last period `spent` (up to
+    /// `MAX_IDLE_SLEEP`). The rest of an idle stretch is cut short when the program writes (see
+    /// [`written_meanwhile`]).
+    fn cpu_bound(self) -> Duration {
+        if self.idle < IDLE_PERIODS {
+            return self.period;
+        }
+        let sleep = self.spent.saturating_mul(self.share_inv);
+        self.period.max(sleep.min(MAX_IDLE_SLEEP))
+    }
+}
+
+/// How many times the CPU of its last period an idle engine watching `registered_bytes` sleeps:
+/// `IDLE_CPU_SHARE_INV` (1% of a core) from a GiB up, in proportion below, down to 1/64 GiB. So
+/// an idle engine costs at most 1% of a core per GiB it watches, and many small processes, each
+/// with an engine of its own, cost no more when idle than one large one.
+fn idle_share_inv(registered_bytes: u64) -> u32 {
+    const GIB: u64 = 1 << 30;
+    let inv = u64::from(IDLE_CPU_SHARE_INV) * GIB / registered_bytes.clamp(GIB / 64, GIB);
+    u32::try_from(inv).unwrap_or(u32::MAX)
 }
 
 /// Minor faults since the last period that end an idle stretch: as many as the pages a busy
@@ -227,10 +254,18 @@ fn sleep_out_period(
     spent: Duration,
     idle: &mut u32,
 ) -> bool {
+    let pages = sh.registered_pages();
+    let share_inv = idle_share_inv(pages as u64 * PAGE as u64);
+    let pace = |idle: u32| Pace {
+        period,
+        idle,
+        spent,
+        share_inv,
+    };
     // Past the CPU bound, an idle stretch checks every period whether the program wrote.
-    let earliest = t0 + cpu_pace(period, *idle, spent);
+    let earliest = t0 + pace(*idle).cpu_bound();
     let faults = sys::minor_faults().unwrap_or(0);
-    let threshold = wake_threshold(sh.registered_pages());
+    let threshold = wake_threshold(pages);
     let (m, cv) = &sh.kick;
     let mut k = lock(m);
     while !*k && !sh.stop.load(Ordering::SeqCst) {
@@ -247,7 +282,7 @@ fn sleep_out_period(
                 *idle = 0;
                 (t.min(cap), true)
             }
-            None => (t0 + pace(period, *idle, spent), false),
+            None => (t0 + pace(*idle).next(), false),
         };
         let now = Instant::now();
         if now >= deadline {
@@ -733,27 +768,54 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn pace(period: Duration, idle: u32, spent: Duration) -> Pace {
+        Pace {
+            period,
+            idle,
+            spent,
+            share_inv: IDLE_CPU_SHARE_INV,
+        }
+    }
+
     /// Busy: one period. Idle: stretched 2, 4, 8 periods, and never sooner than 100 times the
     /// CPU of the last period, up to the cap.
     #[test]
     fn an_idle_engine_sleeps_in_proportion_to_what_a_period_costs() {
         let p = Duration::from_millis(50);
         let ms = Duration::from_millis;
-        assert_eq!(pace(p, 0, ms(400)), p, "busy periods keep the pace");
-        assert_eq!(pace(p, IDLE_PERIODS - 1, ms(400)), p);
-        assert_eq!(pace(p, IDLE_PERIODS, ms(0)), 2 * p);
-        assert_eq!(pace(p, IDLE_PERIODS + 1, ms(1)), 4 * p);
-        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(1)), 8 * p);
-        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(100)), ms(10_000));
-        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(5_000)), MAX_IDLE_SLEEP);
+        assert_eq!(pace(p, 0, ms(400)).next(), p, "busy periods keep the pace");
+        assert_eq!(pace(p, IDLE_PERIODS - 1, ms(400)).next(), p);
+        assert_eq!(pace(p, IDLE_PERIODS, ms(0)).next(), 2 * p);
+        assert_eq!(pace(p, IDLE_PERIODS + 1, ms(1)).next(), 4 * p);
+        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(1)).next(), 8 * p);
+        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(100)).next(), ms(10_000));
+        assert_eq!(pace(p, IDLE_PERIODS + 9, ms(5_000)).next(), MAX_IDLE_SLEEP);
         for spent_ms in [0, 1, 3, 10, 50, 299] {
             let spent = ms(spent_ms);
-            let sleep = pace(p, IDLE_PERIODS + 2, spent);
+            let sleep = pace(p, IDLE_PERIODS + 2, spent).next();
             assert!(
                 sleep >= spent * IDLE_CPU_SHARE_INV,
                 "{spent_ms} ms: {sleep:?}"
             );
         }
+    }
+
+    /// 1% of a core from a GiB up; below, 1% per GiB, down to 1/64 GiB.
+    #[test]
+    fn an_idle_engine_costs_at_most_one_percent_of_a_core_per_gib() {
+        let gib = 1u64 << 30;
+        assert_eq!(idle_share_inv(64 * gib), 100);
+        assert_eq!(idle_share_inv(gib), 100);
+        assert_eq!(idle_share_inv(gib / 2), 200);
+        assert_eq!(idle_share_inv(gib / 64), 6400);
+        assert_eq!(idle_share_inv(4096), 6400);
+        assert_eq!(idle_share_inv(0), 6400);
+        let p = Duration::from_millis(200);
+        let half_gib = Pace {
+            share_inv: idle_share_inv(gib / 2),
+            ..pace(p, IDLE_PERIODS + 9, Duration::from_millis(18))
+        };
+        assert_eq!(half_gib.next(), Duration::from_millis(3600));
     }
 
     /// Busy: changes of 1/1024 of the pages, or writes to 1/64 of them.
@@ -773,13 +835,13 @@ mod tests {
     fn writes_end_an_idle_stretch_past_the_cpu_bound() {
         let p = Duration::from_millis(50);
         let ms = Duration::from_millis;
-        assert_eq!(cpu_pace(p, 0, ms(400)), p, "busy: one period");
-        assert_eq!(cpu_pace(p, IDLE_PERIODS, ms(1)), ms(100));
-        assert_eq!(cpu_pace(p, IDLE_PERIODS, ms(0)), p);
+        assert_eq!(pace(p, 0, ms(400)).cpu_bound(), p, "busy: one period");
+        assert_eq!(pace(p, IDLE_PERIODS, ms(1)).cpu_bound(), ms(100));
+        assert_eq!(pace(p, IDLE_PERIODS, ms(0)).cpu_bound(), p);
         for idle in [IDLE_PERIODS, IDLE_PERIODS + 5] {
             for spent_ms in [0, 1, 3, 10, 50, 299] {
                 let spent = ms(spent_ms);
-                assert!(cpu_pace(p, idle, spent) <= pace(p, idle, spent));
+                assert!(pace(p, idle, spent).cpu_bound() <= pace(p, idle, spent).next());
             }
         }
         assert_eq!(wake_threshold(0), 16);
