@@ -46,6 +46,16 @@ pub(crate) fn better_with_ksm(s: &Spending, refused: bool) -> bool {
     s.pages >= sample && 2 * s.vmas >= s.pages
 }
 
+/// Whether a chunk goes to the kernel's KSM because its pages' duplicates did (`c.twins_to_ksm`,
+/// counted as a batch leaves out the pages of chunks marked for KSM: see
+/// `period::without_regions_for_ksm`): [`SAMPLE_PAGES`] of them at the least, and no fewer than
+/// the merges counted in the chunk. Left to pageone, such pages find no duplicate (theirs are
+/// no longer classified) and KSM cannot merge them with theirs: the pages copies were made of,
+/// mostly, which merge onto those copies in runs and so never judge their chunk by its merges.
+pub(crate) fn twins_went_to_ksm(c: &crate::state::Chunk) -> bool {
+    c.twins_to_ksm >= SAMPLE_PAGES && c.twins_to_ksm >= c.spending.pages
+}
+
 /// Refused pages (see the `refusals` module) a region is judged from at the least.
 const REFUSED_PAGES: u64 = 64;
 
@@ -291,5 +301,21 @@ mod tests {
         let few: Vec<Page> = (0..63).map(merged).collect();
         assert!(!mostly_alone(&few, refs));
         assert!(mostly_alone(&[few, vec![merged(63)]].concat(), refs));
+    }
+
+    #[test]
+    fn a_chunk_whose_duplicates_went_to_ksm_follows_them_unless_it_merged_more() {
+        let chunk = |twins: u64, merged: u64| crate::state::Chunk {
+            twins_to_ksm: twins,
+            spending: spent(merged, merged / 64),
+            ..Default::default()
+        };
+        assert!(twins_went_to_ksm(&chunk(64, 0)));
+        assert!(!twins_went_to_ksm(&chunk(63, 0)), "too few to judge from");
+        assert!(twins_went_to_ksm(&chunk(1000, 1000)));
+        assert!(
+            !twins_went_to_ksm(&chunk(1000, 1001)),
+            "runs merged in it outweigh them"
+        );
     }
 }

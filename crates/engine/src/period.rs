@@ -639,27 +639,50 @@ fn classify_batches(
     handed
 }
 
-/// `batch` less the candidates of regions (or chunks) an earlier batch's commit marked for the kernel's KSM
-/// (see the `ksm` module): they are handed over at the end of this period, and classifying the
-/// rest of such a region, the whole of it in the first period, would only delay that.
-/// `None` if that leaves nothing of a batch that had candidates (an empty batch still collects
-/// the copies other processes made).
+/// `batch` less the candidates of regions (or chunks) an earlier batch's commit marked for the
+/// kernel's KSM (see the `ksm` module): they are handed over at the end of this period, and
+/// classifying the rest of such a region, the whole of it in the first period, would only delay
+/// that. A page left whose content (read ahead) is one of theirs counts for its chunk as a page
+/// whose duplicate went to KSM, and a chunk with enough of those goes too, left out from this
+/// batch on (see `ksm::twins_went_to_ksm`). `None` if that leaves nothing of a batch that had
+/// candidates (an empty batch still collects the copies other processes made).
 fn without_regions_for_ksm(sh: &Shared, mut batch: Vec<Candidate>) -> Option<Vec<Candidate>> {
     if batch.is_empty() {
         return Some(batch);
     }
-    let st = lock(&sh.state);
-    let for_ksm = |c: &Candidate| {
+    let mut st = lock(&sh.state);
+    let for_ksm = |st: &State, c: &Candidate| {
         st.regions
             .get(&c.region)
-            .is_some_and(|r| r.wants_ksm_at((c.addr() - r.start) / PAGE))
+            .is_some_and(|r| r.wants_ksm_at(c.index()))
     };
-    if !batch.iter().any(for_ksm) {
+    if !batch.iter().any(|c| for_ksm(&st, c)) {
         return Some(batch);
     }
-    batch.retain(|c| !for_ksm(c));
+    let (out, kept): (Vec<Candidate>, Vec<Candidate>) =
+        batch.drain(..).partition(|c| for_ksm(&st, c));
+    let theirs: HashSet<[u64; 2]> = out.iter().filter_map(hash_read_ahead).collect();
+    for c in kept
+        .iter()
+        .filter(|c| hash_read_ahead(c).is_some_and(|h| theirs.contains(&h)))
+    {
+        if let Some(r) = st.regions.get_mut(&c.region) {
+            let chunk = r.chunk_mut(c.index());
+            chunk.twins_to_ksm += 1;
+            chunk.wants_ksm |= crate::ksm::twins_went_to_ksm(chunk);
+        }
+    }
+    batch.extend(kept.into_iter().filter(|c| !for_ksm(&st, c)));
     drop(st);
     (!batch.is_empty()).then_some(batch)
+}
+
+/// The hash of a candidate's contents, where it was read ahead.
+fn hash_read_ahead(c: &Candidate) -> Option<[u64; 2]> {
+    match c.pre() {
+        Pre::Hash(h) => Some(h),
+        _ => None,
+    }
 }
 
 /// Ends every ticket of this period, released or not, so no slot stays claimed.

@@ -125,6 +125,9 @@ pub(crate) struct RegionState {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Chunk {
     pub(crate) spending: Spending,
+    /// Pages of the chunk whose duplicates in the same batch were left out for the kernel's KSM
+    /// (see `ksm::twins_went_to_ksm`).
+    pub(crate) twins_to_ksm: u64,
     pub(crate) wants_ksm: bool,
 }
 

@@ -140,3 +140,47 @@ fn a_chunk_left_holding_copies_no_other_page_maps_follows_its_twins_to_ksm() {
         }
     }
 }
+
+/// One process, four regions of several chunks, filled before they are registered, holding the
+/// same pages in four orders. The lowest region's pages are the ones copies are made of: its
+/// merges are runs, which judge nothing. The others' chunks merge one page at a time and are
+/// marked for KSM within the first period; from then on their pages are left out of the
+/// batches, and the lowest region's pages there find no duplicate. They count for their chunks
+/// as pages whose duplicates went to KSM, and those chunks go too: KSM merges every page.
+#[test]
+fn chunks_whose_duplicates_went_to_ksm_follow_them() {
+    let Some((_ksm, e)) = with_ksm() else {
+        return;
+    };
+    let n = 4 * CHUNK;
+    let content = |region: usize, j: usize| {
+        let step = [1, 1237, 4111, 7919][region];
+        ((j * step) % n) as u64 + 1
+    };
+    let regions: Vec<&mut [u8]> = (0..4)
+        .map(|k| common::filled(n, |j| content(k, j)))
+        .collect();
+    let before = KsmRunning::sharing();
+    for r in &regions {
+        e.merge(r.as_ptr().cast_mut(), n * PAGE).unwrap();
+    }
+    // Every region is KSM's, whole, and pageone merges nothing.
+    let s = wait_for(&e, |s| s.regions_to_ksm == 4 && s.pages_shared == 0);
+    for r in &regions {
+        let (first, rest) = mergeable_bytes(r.as_ptr() as usize, n * PAGE);
+        assert_eq!(first + rest, n * PAGE, "not all marked for KSM: {s:?}");
+    }
+    // KSM merges the three duplicates of every content.
+    let sharing = 3 * n as u64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while KsmRunning::sharing() - before < sharing && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(KsmRunning::sharing() - before >= sharing, "{:?}", e.stats());
+    for (k, r) in regions.iter().enumerate() {
+        for (j, p) in r.chunks(PAGE).enumerate() {
+            assert!(check(p, content(k, j)), "region {k} page {j}");
+        }
+        e.unregister(r.as_ptr().cast_mut(), n * PAGE).unwrap();
+    }
+}

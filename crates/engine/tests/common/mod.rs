@@ -81,12 +81,13 @@ pub fn with_ksm() -> Option<(KsmRunning, Engine)> {
 impl KsmRunning {
     /// `None` where KSM is not there or its knobs are not writable (not root).
     pub fn start() -> Option<Self> {
+        // Before the knobs are read: another test's KSM is no state to restore.
+        let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let read = |k: &str| std::fs::read_to_string(format!("{KSM}/{k}")).ok();
         let saved: Vec<_> = ["run", "pages_to_scan", "sleep_millisecs"]
             .into_iter()
             .map(|k| Some((k, read(k)?.trim().to_string())))
             .collect::<Option<_>>()?;
-        let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let guard = Self { saved, _one: one };
         for (k, v) in [
             ("run", "2"),
