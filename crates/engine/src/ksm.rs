@@ -166,6 +166,10 @@ pub(crate) fn wanted_ranges(r: &RegionState) -> Vec<Range<usize>> {
     let mut out: Vec<Range<usize>> = Vec::new();
     for (c, _) in r.chunks.iter().enumerate().filter(|(_, c)| c.wants_ksm) {
         let s = r.start + c * CHUNK_PAGES * PAGE;
+        if s >= end {
+            // (Past the region's end: it shrank.)
+            break;
+        }
         let e = (s + CHUNK_PAGES * PAGE).min(end);
         match out.last_mut() {
             Some(last) if last.end == s => last.end = e,
@@ -254,6 +258,9 @@ mod tests {
         );
         assert!(r.wants_ksm_at(CHUNK_PAGES) && r.wants_ksm_at(3 * CHUNK_PAGES - 1));
         assert!(!r.wants_ksm_at(0) && !r.wants_ksm_at(3 * CHUNK_PAGES));
+        // A chunk marked past the region's end (it shrank) hands nothing over.
+        r.chunk_mut(7 * CHUNK_PAGES).wants_ksm = true;
+        assert_eq!(wanted_ranges(&r).len(), 2);
         // A region the kernel refuses goes whole.
         r.wants_ksm = true;
         let whole: Vec<_> = std::iter::once(base..base + r.len()).collect();

@@ -666,7 +666,9 @@ fn without_regions_for_ksm(sh: &Shared, mut batch: Vec<Candidate>) -> Option<Vec
         .iter()
         .filter(|c| hash_read_ahead(c).is_some_and(|h| theirs.contains(&h)))
     {
-        if let Some(r) = st.regions.get_mut(&c.region) {
+        // (Not a page of a region that shrank since the watch.)
+        let region = st.regions.get_mut(&c.region);
+        if let Some(r) = region.filter(|r| c.index() < r.pages.len()) {
             let chunk = r.chunk_mut(c.index());
             chunk.twins_to_ksm += 1;
             chunk.wants_ksm |= crate::ksm::twins_went_to_ksm(chunk);
