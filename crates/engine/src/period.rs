@@ -76,7 +76,7 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
     // Periods in a row that changed little (merges, zero pages released and copy-on-write
     // breaks under 1/1024 of the registered pages): after IDLE_PERIODS of them the engine
     // sleeps 2, 4, then 8 periods between scans, and at least 100 times what the last period
-    // cost (see `pace`). Scanning tens of thousands of VMAs is most of a
+    // cost (see `Pace`). Scanning tens of thousands of VMAs is most of a
     // settled process's cost, and a settled guest keeps rewriting a few hundred unique pages,
     // which become candidates again and again without merging, so "no candidates" never
     // comes. A busy period, a registration or a kick brings the period back.
@@ -126,7 +126,13 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
         let cpu_now = sh.cpu_ns();
         let spent = Duration::from_nanos(cpu_now.saturating_sub(cpu_before));
         cpu_before = cpu_now;
-        kicked = sleep_out_period(sh, t0, config.merge_period, spent, &mut idle);
+        let end = PeriodEnd {
+            t0,
+            period: config.merge_period,
+            spent,
+            wake_at: rejoin.wake_at(sh, &config),
+        };
+        kicked = sleep_out_period(sh, end, &mut idle);
     }
 }
 
@@ -244,16 +250,27 @@ fn is_busy(done: u64, written: u64, pages: u64) -> bool {
     (done > 0 && done * 1024 >= pages) || (written > 0 && written * 64 >= pages)
 }
 
-/// Sleeps out the period that began at `t0` unless kicked or stopped: one `period`, stretched
-/// after idle periods (see [`pace`]; the period `spent` that much CPU), or until the deadline
-/// registrations set (see `Shared::not_before`). Returns whether it was kicked.
-fn sleep_out_period(
-    sh: &Shared,
+/// When the period that began at `t0` ends (see [`sleep_out_period`]).
+struct PeriodEnd {
     t0: Instant,
     period: Duration,
+    /// The CPU the period took.
     spent: Duration,
-    idle: &mut u32,
-) -> bool {
+    /// The latest time to wake whatever the pace: the next try to join the daemon, when the
+    /// engine has lost it (see `Rejoin::wake_at`).
+    wake_at: Option<Instant>,
+}
+
+/// Sleeps out the period that began at `t0` unless kicked or stopped: one `period`, stretched
+/// after idle periods (see [`Pace`]; the period `spent` that much CPU), or until the deadline
+/// registrations set (see `Shared::not_before`), or `wake_at`. Returns whether it was kicked.
+fn sleep_out_period(sh: &Shared, end: PeriodEnd, idle: &mut u32) -> bool {
+    let PeriodEnd {
+        t0,
+        period,
+        spent,
+        wake_at,
+    } = end;
     let pages = sh.registered_pages();
     let share_inv = idle_share_inv(pages as u64 * PAGE as u64);
     let pace = |idle: u32| Pace {
@@ -284,6 +301,7 @@ fn sleep_out_period(
             }
             None => (t0 + pace(*idle).next(), false),
         };
+        let deadline = wake_at.map_or(deadline, |w| deadline.min(w));
         let now = Instant::now();
         if now >= deadline {
             break;

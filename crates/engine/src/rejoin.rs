@@ -61,6 +61,24 @@ impl Rejoin {
     }
 }
 
+impl Rejoin {
+    /// When the engine must wake to try joining its configured daemon again, however idle: it
+    /// has no link to it. (An idle engine may sleep for many seconds; its clients should be back
+    /// within about a second of a restarted daemon.)
+    pub(crate) fn wake_at(&self, sh: &Shared, config: &Config) -> Option<Instant> {
+        (config.daemon.is_some() && !linked(sh)).then_some(self.next_join)
+    }
+}
+
+/// Whether the engine has a live link to a daemon.
+fn linked(sh: &Shared) -> bool {
+    lock(&sh.state)
+        .store
+        .remote
+        .as_ref()
+        .is_some_and(|r| !r.is_lost())
+}
+
 /// Joins the configured daemon when the engine has no link to one (lost, or unreachable at the
 /// start): the new scope store replaces the current one between periods, and every merged page
 /// becomes `Foreign`, to be merged again onto the new store (given a copy of its own if no other
@@ -70,12 +88,7 @@ fn join_again(sh: &Shared, config: &Config) -> bool {
     let Some(path) = &config.daemon else {
         return false;
     };
-    let linked = lock(&sh.state)
-        .store
-        .remote
-        .as_ref()
-        .is_some_and(|r| !r.is_lost());
-    if linked {
+    if linked(sh) {
         return false;
     }
     // Connecting and greeting happen without locks: the program's calls go on meanwhile.
