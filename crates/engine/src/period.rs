@@ -45,6 +45,9 @@ const IDLE_CPU_SHARE_INV: u32 = 100;
 /// The longest sleep between idle periods (a write to an idle region waits this long at most
 /// before it counts).
 const MAX_IDLE_SLEEP: Duration = Duration::from_secs(30);
+/// How often an idle engine looks whether its daemon closed the connection (see
+/// `sleep_out_period`).
+const DAEMON_CHECK: Duration = Duration::from_secs(1);
 /// Every this many periods the VMA count is read again once it is large (see `observe`).
 const VMA_RECOUNT_PERIODS: u64 = 16;
 /// Below this many VMAs, counting them (reading `/proc/self/maps`) every period is cheap.
@@ -283,6 +286,13 @@ fn sleep_out_period(sh: &Shared, end: PeriodEnd, idle: &mut u32) -> bool {
     let earliest = t0 + pace(*idle).cpu_bound();
     let faults = sys::minor_faults().unwrap_or(0);
     let threshold = wake_threshold(pages);
+    // A daemon that dies while the engine idles is noticed within `DAEMON_CHECK`, and joined
+    // again once it is back (see `PeriodEnd::wake_at`), however long the idle sleep.
+    let daemon = lock(&sh.state)
+        .store
+        .remote
+        .clone()
+        .filter(|r| !r.is_lost());
     let (m, cv) = &sh.kick;
     let mut k = lock(m);
     while !*k && !sh.stop.load(Ordering::SeqCst) {
@@ -318,10 +328,18 @@ fn sleep_out_period(sh: &Shared, end: PeriodEnd, idle: &mut u32) -> bool {
         } else {
             deadline.min(earliest)
         };
+        let next = if daemon.is_some() {
+            next.min(now + DAEMON_CHECK)
+        } else {
+            next
+        };
         k = cv
             .wait_timeout(k, next - now)
             .unwrap_or_else(|e| e.into_inner())
             .0;
+        if daemon.as_ref().is_some_and(|r| r.peer_closed()) {
+            break;
+        }
     }
     let kicked = *k;
     *k = false;

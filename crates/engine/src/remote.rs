@@ -53,6 +53,8 @@ pub(crate) type Offers = Vec<(u128, u32)>;
 pub(crate) struct Remote {
     /// The connection; locked for each request and its reply (and the pipe with it).
     sock: Mutex<UnixStream>,
+    /// Its descriptor, for [`Remote::peer_closed`] (valid as long as `sock`).
+    sock_fd: std::os::fd::RawFd,
     /// The write end of the pipe the daemon copies from.
     pipe: OwnedFd,
     /// Its read end, kept so the pipe always has a reader (writing to a pipe nobody reads raises
@@ -132,6 +134,7 @@ impl Remote {
         tracing::info!(client, %scope, capacity, "joined the pageone daemon");
         Ok((
             Self {
+                sock_fd: sock.as_raw_fd(),
                 sock: Mutex::new(sock),
                 pipe,
                 pipe_reader: pipe_r,
@@ -150,6 +153,22 @@ impl Remote {
             store,
             capacity,
         ))
+    }
+
+    /// Whether the daemon closed the connection (it died or was stopped), asked without waiting
+    /// and without the socket's lock (a request under way finds out itself): then the link is
+    /// lost, as a failed call finds it. For an idle engine, which calls the daemon only when it
+    /// wakes.
+    pub(crate) fn peer_closed(&self) -> bool {
+        if !self.is_lost() && sys::peer_closed(self.sock_fd) {
+            tracing::warn!(
+                client = self.client,
+                "lost the pageone daemon; running unshared (merged pages stay merged)"
+            );
+            // Relaxed: see is_lost.
+            self.lost.store(true, Ordering::Relaxed);
+        }
+        self.is_lost()
     }
 
     pub(crate) fn is_lost(&self) -> bool {

@@ -148,3 +148,34 @@ pub fn shutdown_socket(fd: RawFd) -> io::Result<()> {
     // SAFETY: no memory is passed to the kernel.
     cvt(unsafe { libc::shutdown(fd, libc::SHUT_RDWR) } as libc::c_long).map(drop)
 }
+
+/// Whether the peer of a connected stream socket closed it (or it failed), asked without
+/// waiting: what a reader would find is the end of the stream.
+pub fn peer_closed(sock: RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: sock,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: `p` is one live pollfd; a timeout of 0 never blocks.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r == 1 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    /// Open, a socket's peer is not closed, with or without data waiting; closed, it is.
+    #[test]
+    fn a_closed_peer_is_seen_without_waiting() {
+        let (a, b) = UnixStream::pair().unwrap();
+        assert!(!peer_closed(a.as_raw_fd()));
+        std::io::Write::write_all(&mut &b, b"x").unwrap();
+        assert!(!peer_closed(a.as_raw_fd()), "data waiting is not a close");
+        drop(b);
+        assert!(peer_closed(a.as_raw_fd()));
+    }
+}
