@@ -301,6 +301,14 @@ mod tests {
         base..base + 64 * 4096
     }
 
+    /// Held by the tests that advise memory they map: one unmaps an address another may map and
+    /// advise next, and the table is the process's (a test found another's advice where its own
+    /// memory had been).
+    fn own_mappings() -> std::sync::MutexGuard<'static, ()> {
+        static ONE: Mutex<()> = Mutex::new(());
+        ONE.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn in_table(r: Range<usize>) -> (bool, bool) {
         let t = lock(&TABLE);
         let dump = t.sets[0].within(r.clone()).next().is_some();
@@ -341,6 +349,7 @@ mod tests {
     /// the kernel's flags).
     #[test]
     fn moved_memory_takes_its_advice_along_whoever_reports_it_first() {
+        let _one = own_mappings();
         let (len, grown) = (4 * 4096, 6 * 4096);
         for embedder_first in [true, false] {
             let a = sys::mmap_anonymous(len).unwrap() as usize;
@@ -381,6 +390,7 @@ mod tests {
     /// the kernel's flags do not (memory unmapped there unseen): that advice is dropped.
     #[test]
     fn a_reported_move_onto_stale_advice_drops_it() {
+        let _one = own_mappings();
         let len = 4 * 4096;
         let p = sys::mmap_anonymous(len).unwrap() as usize;
         advised(p..p + len, libc::MADV_DONTFORK);
@@ -394,6 +404,7 @@ mod tests {
     /// kernel's flags are what holds.
     #[test]
     fn registering_checks_the_tables_advice_against_the_kernels() {
+        let _one = own_mappings();
         let len = 4 * 4096;
         let p = sys::mmap_anonymous(len).unwrap() as usize;
         // SAFETY: the test's own mapping.
@@ -415,6 +426,7 @@ mod tests {
     /// What the engine maps is given the advice the table holds for it, part by part.
     #[test]
     fn mapped_memory_carries_the_advice_part_by_part() {
+        let _one = own_mappings();
         let n = 19;
         let len = 2 * n * 4096;
         let p = sys::mmap_anonymous(len).unwrap() as usize;
