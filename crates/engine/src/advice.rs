@@ -155,7 +155,22 @@ pub fn mapping_moved(from: Range<usize>, to: Range<usize>) {
 /// either order with this), and then the table's advice at `to` becomes what the kernel's
 /// flags say there (whoever moved it; advice the table held at `to` from memory unmapped there
 /// unseen is dropped).
+#[cfg(test)]
 pub(crate) fn moved_by_kernel(from: Range<usize>, to: Range<usize>) {
+    let mut later = Vec::new();
+    moved_by_kernel_later(from, to, &mut later);
+    refresh_all(&later);
+}
+
+/// As `moved_by_kernel`, with the check against the kernel's flags put off: the range to check
+/// is added to `later`, for one read of the kernel's flags after all the moves reported
+/// together ([`refresh_all`]). (A move of many mappings is reported one by one: a read of
+/// `/proc/self/smaps` for each, each of them long with many merged pages, took minutes.)
+pub(crate) fn moved_by_kernel_later(
+    from: Range<usize>,
+    to: Range<usize>,
+    later: &mut Vec<Range<usize>>,
+) {
     if !ANY.load(Ordering::Relaxed) {
         return;
     }
@@ -163,10 +178,8 @@ pub(crate) fn moved_by_kernel(from: Range<usize>, to: Range<usize>) {
     if holds(&t, &from) {
         move_advice(&mut t, from, to.clone());
     }
-    let advised = holds(&t, &to);
-    drop(t);
-    if advised {
-        refresh(to);
+    if holds(&t, &to) {
+        later.push(to);
     }
 }
 
@@ -210,34 +223,48 @@ pub(crate) fn check_registered(range: Range<usize>) {
     refresh(range);
 }
 
-/// The table's advice over `range` becomes what the kernel's flags say (`/proc/self/smaps`),
-/// except advice that mappings of the store never carry (huge pages), which stands over them:
-/// the kernel's flags there say what the engine gave, not what the program asked.
+/// The table's advice over `range` becomes what the kernel's flags say (see [`refresh_all`]).
 fn refresh(range: Range<usize>) {
+    refresh_all(&[range]);
+}
+
+/// The table's advice over each of `ranges` becomes what the kernel's flags say
+/// (`/proc/self/smaps`, read once), except advice that mappings of the store never carry (huge
+/// pages), which stands over them: the kernel's flags there say what the engine gave, not what
+/// the program asked.
+pub(crate) fn refresh_all(ranges: &[Range<usize>]) {
+    if ranges.is_empty() {
+        return;
+    }
     let flags = KINDS.map(|k| k.flag);
-    let (Ok(kernel), Ok(maps)) = (
-        sys::self_mappings_flagged_each(&flags),
-        sys::self_mappings_in(range.start, range.end),
-    ) else {
+    let Ok(kernel) = sys::self_mappings_flagged_each(&flags) else {
         // Unread, the table stands.
         return;
     };
-    let store: Vec<Range<usize>> = maps
-        .iter()
-        .filter(|m| crate::store::is_store_mapping(m))
-        .map(|m| m.start..m.end)
-        .collect();
-    let clip = |m: &Range<usize>| m.start.max(range.start)..m.end.min(range.end);
-    let mut t = lock(&TABLE);
-    for ((set, flagged), kind) in t.sets.iter_mut().zip(kernel).zip(&KINDS) {
-        let standing: Vec<Range<usize>> = if kind.on_copies {
-            Vec::new()
-        } else {
-            store.iter().flat_map(|m| set.within(clip(m))).collect()
+    for range in ranges {
+        let Ok(maps) = sys::self_mappings_in(range.start, range.end) else {
+            continue;
         };
-        set.remove(range.clone());
-        for m in flagged.iter().map(clip).chain(standing) {
-            set.add(m);
+        let store: Vec<Range<usize>> = maps
+            .iter()
+            .filter(|m| crate::store::is_store_mapping(m))
+            .map(|m| m.start..m.end)
+            .collect();
+        let clip = |m: &Range<usize>| m.start.max(range.start)..m.end.min(range.end);
+        let mut t = lock(&TABLE);
+        for ((set, flagged), kind) in t.sets.iter_mut().zip(&kernel).zip(&KINDS) {
+            let standing: Vec<Range<usize>> = if kind.on_copies {
+                Vec::new()
+            } else {
+                store.iter().flat_map(|m| set.within(clip(m))).collect()
+            };
+            set.remove(range.clone());
+            // (In address order: those ending after the range's start, up to its end.)
+            let first = flagged.partition_point(|m| m.end <= range.start);
+            let within = flagged[first..].iter().take_while(|m| m.start < range.end);
+            for m in within.map(clip).chain(standing) {
+                set.add(m);
+            }
         }
     }
 }

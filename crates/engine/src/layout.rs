@@ -229,6 +229,9 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
     if changes.iter().any(|c| !matches!(c, Change::Remove { .. })) {
         forget_read_ahead(st);
     }
+    // Where memory moved, the program's advice is checked against the kernel's once, after all
+    // the moves (see `advice::moved_by_kernel_later`).
+    let mut moved_to = Vec::new();
     for c in changes.iter() {
         match c {
             Change::Unmap { start, end } => {
@@ -240,12 +243,13 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
             }
             Change::Remap { from, to, len } => {
                 // The program's advice went with the memory (see `advice`).
-                crate::advice::moved_by_kernel(from..from + len, to..to + len);
+                crate::advice::moved_by_kernel_later(from..from + len, to..to + len, &mut moved_to);
                 moved(st, from, to, len);
             }
             Change::Remove { start, end } => dropped(st, start..end),
         }
     }
+    crate::advice::refresh_all(&moved_to);
     if let Some(mut spill) = changes.spill {
         // Emptied (its memory given back) before the log's lock, which the fault thread needs.
         spill.clear();
