@@ -161,14 +161,17 @@ impl Remote {
     /// wakes.
     pub(crate) fn peer_closed(&self) -> bool {
         if !self.is_lost() && sys::peer_closed(self.sock_fd) {
-            tracing::warn!(
-                client = self.client,
-                "lost the pageone daemon; running unshared (merged pages stay merged)"
-            );
-            // Relaxed: see is_lost.
-            self.lost.store(true, Ordering::Relaxed);
+            self.mark_lost(&"the daemon closed the connection");
         }
         self.is_lost()
+    }
+
+    /// The link is lost (`why`): every later call fails at once, and the engine joins a daemon
+    /// again when it can.
+    fn mark_lost(&self, why: &dyn std::fmt::Display) {
+        tracing::warn!(error = %why, client = self.client, "lost the pageone daemon; running unshared (merged pages stay merged)");
+        // Relaxed: see is_lost.
+        self.lost.store(true, Ordering::Relaxed);
     }
 
     pub(crate) fn is_lost(&self) -> bool {
@@ -188,9 +191,7 @@ impl Remote {
                 None
             }
             Err(e) => {
-                tracing::warn!(error = %e, client = self.client, "lost the pageone daemon; running unshared (merged pages stay merged)");
-                // Relaxed: see is_lost.
-                self.lost.store(true, Ordering::Relaxed);
+                self.mark_lost(&e);
                 None
             }
         }
