@@ -174,7 +174,8 @@ impl Writer {
 /// `MADV_DONTNEED` straight from the program (not through the engine) and prints `OK` if each
 /// reads zeros or the first content it held (a page written after its merge reads its copy
 /// again), else `BAD <page>`; the client's contents are unknown afterwards, so it is ended by
-/// a signal.
+/// a signal. `UNREGISTER` unregisters the memory (the engine stays, joined) and prints
+/// `UNREGISTERED`.
 pub fn client(o: ClientOptions) -> Result<()> {
     let ClientOptions {
         mib,
@@ -216,6 +217,7 @@ pub fn client(o: ClientOptions) -> Result<()> {
         // SAFETY: page i of a fresh private mapping owned by this function.
         unsafe { fill_page(r.add(i * PAGE), data, content(i)) };
     }
+    let registered = std::cell::Cell::new(!defer);
     if !defer {
         engine.register(r, len)?;
     }
@@ -277,7 +279,13 @@ pub fn client(o: ClientOptions) -> Result<()> {
             },
             "GO" if defer => {
                 engine.register(r, len)?;
+                registered.set(true);
                 writeln!(out, "GOING")?
+            }
+            "UNREGISTER" if registered.get() => {
+                engine.unregister(r, len)?;
+                registered.set(false);
+                writeln!(out, "UNREGISTERED")?
             }
             "REWRITE" => {
                 generation.set(generation.get() + 1);
@@ -310,7 +318,9 @@ pub fn client(o: ClientOptions) -> Result<()> {
     if let Some(w) = &mut writer {
         w.stop();
     }
-    engine.unregister(r, len)?;
+    if registered.get() {
+        engine.unregister(r, len)?;
+    }
     engine.shutdown();
     if let Some(i) = bad {
         bail!("page {i} does not hold what was written");

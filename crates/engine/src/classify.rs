@@ -477,7 +477,8 @@ impl Grouping {
     /// Copies other processes made for content waiting here: its page joins the batch to adopt
     /// them.
     fn take_offers(&mut self, st: &mut State, offers: Offers) {
-        for (h, slot) in offers {
+        let aside = std::mem::take(&mut st.offers_aside);
+        for (h, slot) in offers.into_iter().chain(aside) {
             match take_waiting(st, h) {
                 Some(c) => {
                     st.offered = true;

@@ -23,7 +23,8 @@ use crate::config::Config;
 use crate::layout::apply_changes;
 use crate::pool::Pool;
 use crate::read_ahead::use_read_ahead;
-use crate::rejoin::Rejoin;
+use crate::rejoin::{live_link, Rejoin};
+use crate::remote::Remote;
 use crate::sightings::sweep_first_sightings;
 use crate::state::{page_at, PageKind, Shared, State};
 use crate::stats::stats_of;
@@ -129,11 +130,13 @@ pub(crate) fn engine_loop(sh: &Shared, pool: &Pool, committer: SyncSender<ToComm
         let cpu_now = sh.cpu_ns();
         let spent = Duration::from_nanos(cpu_now.saturating_sub(cpu_before));
         cpu_before = cpu_now;
+        let link = live_link(sh);
         let end = PeriodEnd {
             t0,
             period: config.merge_period,
             spent,
-            wake_at: rejoin.wake_at(sh, &config),
+            wake_at: rejoin.wake_at(&config, link.as_ref()),
+            link,
         };
         kicked = sleep_out_period(sh, end, &mut idle);
     }
@@ -262,6 +265,9 @@ struct PeriodEnd {
     /// The latest time to wake whatever the pace: the next try to join the daemon, when the
     /// engine has lost it (see `Rejoin::wake_at`).
     wake_at: Option<Instant>,
+    /// The engine's live link to a daemon, if any: a daemon that dies while the engine idles is
+    /// noticed within `DAEMON_CHECK`.
+    link: Option<Arc<Remote>>,
 }
 
 /// Sleeps out the period that began at `t0` unless kicked or stopped: one `period`, stretched
@@ -273,6 +279,7 @@ fn sleep_out_period(sh: &Shared, end: PeriodEnd, idle: &mut u32) -> bool {
         period,
         spent,
         wake_at,
+        link: daemon,
     } = end;
     let pages = sh.registered_pages();
     let share_inv = idle_share_inv(pages as u64 * PAGE as u64);
@@ -288,11 +295,6 @@ fn sleep_out_period(sh: &Shared, end: PeriodEnd, idle: &mut u32) -> bool {
     let threshold = wake_threshold(pages);
     // A daemon that dies while the engine idles is noticed within `DAEMON_CHECK`, and joined
     // again once it is back (see `PeriodEnd::wake_at`), however long the idle sleep.
-    let daemon = lock(&sh.state)
-        .store
-        .remote
-        .clone()
-        .filter(|r| !r.is_lost());
     let (m, cv) = &sh.kick;
     let mut k = lock(m);
     while !*k && !sh.stop.load(Ordering::SeqCst) {
@@ -755,6 +757,8 @@ fn tidy_up(sh: &Shared, many: bool, worked: bool, period: u64) {
         let mut st = lock(&sh.state);
         sweep_first_sightings(&mut st);
         st.store.reclaim(held);
+        // (Cut tables go back to the kernel with the heap's free memory, below.)
+        st.heap_dirty |= !worked && st.store.shrink_unused_tables();
         // A period with many candidates made large short-lived allocations (candidates,
         // batches, read-ahead results, offers): their memory goes back at once, it counts
         // against the saving. Smaller ones go back every few periods of work, or at the first
@@ -764,8 +768,48 @@ fn tidy_up(sh: &Shared, many: bool, worked: bool, period: u64) {
         st.heap_dirty &= !trim;
         trim
     };
+    fetch_offers_for_forgotten(sh);
     if trim && lock(&sh.config).trim_c_heap {
         sys::release_free_heap();
+    }
+}
+
+/// Fetches the offers that may wait at the daemon for content this process forgot (see
+/// `Remote::offers_may_wait`) with a lookup of nothing, outside the state lock: the slots of
+/// content no longer waiting here go back at once, the others wait for the next batch
+/// (`State::offers_aside`). Without it an engine whose memory went to the kernel's KSM, or that
+/// stopped classifying, kept those copies allocated in the store.
+fn fetch_offers_for_forgotten(sh: &Shared) {
+    let remote = lock(&sh.state)
+        .store
+        .remote
+        .clone()
+        .filter(|r| r.offers_may_wait());
+    let Some(remote) = remote else {
+        return;
+    };
+    let Some((_, offers)) = remote.lookup(&[]) else {
+        return;
+    };
+    let mut st = lock(&sh.state);
+    let same = st
+        .store
+        .remote
+        .as_ref()
+        .is_some_and(|r| std::sync::Arc::ptr_eq(r, &remote));
+    if !same {
+        // (Another daemon's store since: these slots are held there, not here.)
+        return;
+    }
+    for (h, slot) in offers {
+        if st.unstable.contains(h) {
+            st.offers_aside.push((h, slot));
+        } else if st.store.adopt(slot) == Some(true) {
+            st.store.unadopt(slot);
+        }
+    }
+    if let Some(r) = &st.store.remote {
+        r.flush();
     }
 }
 

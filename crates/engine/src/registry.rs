@@ -349,9 +349,7 @@ fn unregister_region(sh: &Shared, st: &mut State, mut r: RegionState) {
     if r.to_ksm {
         crate::ksm::take_back(start, r.len());
     }
-    // First sightings in the range are forgotten: the range may be registered again later, with
-    // page epochs starting over.
-    st.unstable.retain(|_, addr, _| addr < start || addr >= end);
+    crate::sightings::forget_range(st, start..end);
     // Merged and COW-broken pages live in mappings of the store: turn those back into anonymous
     // memory, so the range behaves exactly as before registering (e.g. MADV_DONTNEED gives zeros).
     // First, while the store mappings' context still holds them: before Linux 6.17, unregistering

@@ -3,6 +3,7 @@
 //! new store, and what is left on the replaced stores some periods later is made private.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pageone_sync::lock;
@@ -13,6 +14,7 @@ use crate::anonymize::anonymize;
 use crate::config::{Config, WatchMode};
 use crate::error::Chain;
 use crate::read_ahead::forget_read_ahead;
+use crate::remote::Remote;
 use crate::state::{PageKind, Shared, State};
 use crate::store::Store;
 
@@ -65,18 +67,24 @@ impl Rejoin {
     /// When the engine must wake to try joining its configured daemon again, however idle: it
     /// has no link to it. (An idle engine may sleep for many seconds; its clients should be back
     /// within about a second of a restarted daemon.)
-    pub(crate) fn wake_at(&self, sh: &Shared, config: &Config) -> Option<Instant> {
-        (config.daemon.is_some() && !linked(sh)).then_some(self.next_join)
+    /// `link` is the engine's live link to a daemon, if any (see [`live_link`]).
+    pub(crate) fn wake_at(&self, config: &Config, link: Option<&Arc<Remote>>) -> Option<Instant> {
+        (config.daemon.is_some() && link.is_none()).then_some(self.next_join)
     }
+}
+
+/// The engine's link to a daemon, if it has a live one.
+pub(crate) fn live_link(sh: &Shared) -> Option<Arc<Remote>> {
+    lock(&sh.state)
+        .store
+        .remote
+        .clone()
+        .filter(|r| !r.is_lost())
 }
 
 /// Whether the engine has a live link to a daemon.
 fn linked(sh: &Shared) -> bool {
-    lock(&sh.state)
-        .store
-        .remote
-        .as_ref()
-        .is_some_and(|r| !r.is_lost())
+    live_link(sh).is_some()
 }
 
 /// Joins the configured daemon when the engine has no link to one (lost, or unreachable at the
@@ -105,6 +113,8 @@ fn join_again(sh: &Shared, config: &Config) -> bool {
     let mut st = lock(&sh.state);
     // Read-ahead results may name copies of the old store.
     forget_read_ahead(&mut st);
+    // Offers set aside name slots of the old store (held there, not here).
+    st.offers_aside.clear();
     let old = std::mem::replace(&mut st.store, store);
     st.store.take_over(old);
     sh.staging.release(sh);

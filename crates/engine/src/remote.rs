@@ -81,6 +81,10 @@ pub(crate) struct Remote {
     copies_paused: Mutex<Option<Instant>>,
     /// Whether an `OverCap` was logged already (once per connection at `warn`).
     over_cap_seen: AtomicBool,
+    /// Hashes were forgotten since the last lookup: copies the daemon made for them before it
+    /// took the forget may wait there as offers, each a slot held for this process, until a
+    /// lookup fetches them (see [`Remote::offers_may_wait`]).
+    forgot_since_lookup: AtomicBool,
 }
 
 impl Remote {
@@ -149,6 +153,7 @@ impl Remote {
                 capacity,
                 copies_paused: Mutex::new(None),
                 over_cap_seen: AtomicBool::new(false),
+                forgot_since_lookup: AtomicBool::new(false),
             },
             store,
             capacity,
@@ -240,6 +245,8 @@ impl Remote {
     /// when the daemon is gone.
     pub(crate) fn lookup(&self, hashes: &[u128]) -> Option<(Vec<u32>, Offers)> {
         let sock = lock(&self.sock);
+        // Relaxed: set and cleared with the socket held (see `flush`), which orders them.
+        self.forgot_since_lookup.store(false, Ordering::Relaxed);
         let mut answers = Vec::with_capacity(hashes.len());
         let mut offers = Vec::new();
         // Even with nothing to look up, one call fetches the offers.
@@ -426,8 +433,11 @@ impl Remote {
         for req in requests {
             failed = failed || !matches!(self.call(&sock, &req), Some(Reply::Ok));
             if !failed {
-                if let Request::Vacate(slots) = &req {
-                    lock(&self.vacated).extend(slots);
+                match &req {
+                    Request::Vacate(slots) => lock(&self.vacated).extend(slots),
+                    // Relaxed: see `lookup`.
+                    Request::Forget(_) => self.forgot_since_lookup.store(true, Ordering::Relaxed),
+                    _ => {}
                 }
             } else if !self.is_lost() {
                 match req {
@@ -438,6 +448,17 @@ impl Remote {
                 }
             }
         }
+    }
+
+    /// Whether offers may wait at the daemon for hashes this process forgot: its pages of them
+    /// went (unregistered, handed to the kernel's KSM, rewritten) after the daemon noted them,
+    /// and a copy another process made meanwhile was offered here. An engine that looks nothing
+    /// up any more (all its memory gone or idle) would leave those slots held, and their pages
+    /// allocated in the store, for as long as it lives: it fetches them with an empty lookup
+    /// (see `period::fetch_offers_for_forgotten`).
+    pub(crate) fn offers_may_wait(&self) -> bool {
+        // Relaxed: a hint; the lookup that acts on it takes the socket.
+        self.forgot_since_lookup.load(Ordering::Relaxed) && !self.is_lost()
     }
 
     /// Tells the daemon that this process maps none of its copies any more, so that it frees

@@ -54,6 +54,10 @@ impl FirstSightings {
         });
     }
 
+    pub(crate) fn contains(&self, h: u128) -> bool {
+        self.0.contains_key(&HashKey::new(h))
+    }
+
     pub(crate) fn keys(&self) -> impl Iterator<Item = u128> + Clone + '_ {
         self.0.keys().map(|k| k.get())
     }
@@ -96,6 +100,24 @@ pub(crate) fn take_waiting(st: &mut State, h: u128) -> Option<Candidate> {
 fn still_waiting(regions: &BTreeMap<usize, RegionState>, addr: usize, epoch: u8) -> Option<usize> {
     let (start, _, p) = page_at(regions, addr)?;
     (p.kind == PageKind::Unique && p.epoch == epoch).then_some(start)
+}
+
+/// Drops the first sightings of pages in `range` (unregistered, or handed to the kernel's KSM:
+/// the range may be registered again later, with page epochs starting over), and tells the
+/// daemon, if any, that this process no longer has them: else it keeps its notes of them, and
+/// offers this process, held for it, every copy another process makes of them.
+pub(crate) fn forget_range(st: &mut State, range: std::ops::Range<usize>) {
+    let mut gone = Vec::new();
+    st.unstable.retain(|h, addr, _| {
+        let keep = !range.contains(&addr);
+        if !keep {
+            gone.push(h);
+        }
+        keep
+    });
+    if let Some(r) = &st.store.remote {
+        r.forget(gone);
+    }
 }
 
 /// Drops first-sighting entries whose page was written or released since (found by the page's

@@ -276,6 +276,10 @@ pub(crate) struct State {
     /// began, and relooks skipped in a row because such copies kept coming (see `relook_due`).
     pub(crate) offered: bool,
     pub(crate) relooks_skipped: u32,
+    /// Offers fetched between periods for content still waiting here (see
+    /// `period::fetch_offers_for_forgotten`), each a slot held for this process: the next batch
+    /// adopts them, as it does its lookup's.
+    pub(crate) offers_aside: crate::remote::Offers,
     /// Read-ahead of newly registered pages (see `read_ahead`): jobs still running, and the
     /// results of finished ones by address, with the periods since they were installed.
     pub(crate) ahead_jobs: Vec<AheadJob>,
@@ -315,6 +319,7 @@ impl State {
             heap_dirty: false,
             offered: false,
             relooks_skipped: 0,
+            offers_aside: Vec::new(),
             ahead_jobs: Vec::new(),
             ahead: Vec::new(),
             ahead_age: 0,

@@ -150,6 +150,9 @@ impl KeySource for StoreKeys {
     }
 }
 
+/// Ids below which the per-id tables are never cut (see [`Store::shrink_unused_tables`]).
+const SHRINK_MIN_IDS: usize = 4096;
+
 /// The stable store and its index. Mutated only by the committer; `tree` and `file` are read
 /// concurrently by workers.
 pub(crate) struct Store {
@@ -700,6 +703,43 @@ impl Store {
         }
     }
 
+    /// With a daemon, ids are the scope's slots, and the per-id tables reach the highest slot this
+    /// process ever used (20 bytes an id: 2.6 MiB for a scope of 512 MiB of copies, in every
+    /// process of it). Where none of the top half of the tables is in use here any more (this
+    /// process's merged memory went: unregistered, unmerged, handed to the kernel's KSM), they are
+    /// cut to the last id in use and their memory goes back. Called between periods that did no
+    /// work; it reads the tables only when few copies are mapped here.
+    /// Returns whether it cut them.
+    pub(crate) fn shrink_unused_tables(&mut self) -> bool {
+        let len = self.refs.len();
+        if self.remote.is_none() || len < SHRINK_MIN_IDS || self.shared as usize * 4 > len {
+            return false;
+        }
+        let in_use = |i: usize| {
+            self.refs[i] != 0
+                || self.allocated[i]
+                || self.indexed[i]
+                || self.in_tree[i] != 0
+                || self.zero_hole[i]
+                || self.mapped[i]
+        };
+        let Some(keep) = unused_tail_from(len, in_use) else {
+            return false;
+        };
+        fn cut<T>(v: &mut Vec<T>, keep: usize) {
+            v.truncate(keep);
+            v.shrink_to_fit();
+        }
+        cut(&mut self.refs, keep);
+        cut(&mut self.indexed, keep);
+        cut(&mut self.in_tree, keep);
+        cut(&mut self.allocated, keep);
+        cut(&mut self.allocated_at, keep);
+        cut(&mut self.zero_hole, keep);
+        cut(&mut self.mapped, keep);
+        true
+    }
+
     fn ensure(&mut self, id: KeyId) {
         let need = id as usize + 1;
         if self.refs.len() < need {
@@ -765,12 +805,21 @@ impl Store {
 
     /// Bytes of engine metadata attributable to the store (tree nodes and per-copy arrays).
     pub(crate) fn metadata_bytes(&self) -> u64 {
-        // Per id: refs and in_tree (4 bytes each), indexed, allocated and mapped (1 each); tree
-        // entries only up to the highest id ever inserted.
-        let per_id = 2 * std::mem::size_of::<u32>() + 3 * std::mem::size_of::<bool>();
+        // Per id: refs and in_tree (4 bytes each), allocated_at (8), indexed, allocated,
+        // zero_hole and mapped (1 each); tree entries only up to the highest id ever inserted.
+        let per_id = 2 * std::mem::size_of::<u32>()
+            + std::mem::size_of::<u64>()
+            + 4 * std::mem::size_of::<bool>();
         let entries = self.entries.len() * std::mem::size_of::<Option<pageone_index::Entry>>();
         (self.tree.nodes_allocated() * 32 + self.refs.len() * per_id + entries) as u64
     }
+}
+
+/// Where per-id tables of `len` ids can be cut (see [`Store::shrink_unused_tables`]): after the
+/// last id `in_use`, if that leaves half of them or less.
+fn unused_tail_from(len: usize, in_use: impl Fn(usize) -> bool) -> Option<usize> {
+    let keep = (0..len).rposition(in_use).map_or(0, |i| i + 1);
+    (keep * 2 <= len).then_some(keep)
 }
 
 /// Writes the pages at `srcs` into the store file `fd` as copies `ids`, one `pwritev` per run of
@@ -796,7 +845,30 @@ pub(crate) fn reads_zero(fd: i32, id: KeyId) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::Store;
+    use super::{unused_tail_from, Store};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The tables are cut only after the last id in use, and only when that frees half of
+        /// them or more.
+        #[test]
+        fn tables_are_cut_only_past_the_last_id_in_use(
+            used in proptest::collection::vec(any::<bool>(), 0..300),
+        ) {
+            let len = used.len();
+            match unused_tail_from(len, |i| used[i]) {
+                Some(keep) => {
+                    prop_assert!(keep * 2 <= len);
+                    prop_assert!(used[keep..].iter().all(|&u| !u));
+                    prop_assert!(keep == 0 || used[keep - 1]);
+                }
+                None => {
+                    let last = used.iter().rposition(|&u| u).map_or(0, |i| i + 1);
+                    prop_assert!(last * 2 > len);
+                }
+            }
+        }
+    }
 
     /// A slot that was a zero hole here, freed and taken again (a daemon that gave it other
     /// contents meanwhile), is a copy again: merges onto it compare with its bytes.
