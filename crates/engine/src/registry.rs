@@ -100,7 +100,7 @@ fn register_locked(
     let n = (end - a) / PAGE;
     // Checksums: every page in checksum mode, COW-broken pages in both modes.
     let sums = vec![0; n];
-    let mut pages = vec![Page::default(); n];
+    let mut pages = Page::fresh(n);
     for r in &unmergeable {
         for p in &mut pages[(r.start - a) / PAGE..(r.end - a) / PAGE] {
             p.kind = PageKind::Broken;
@@ -325,7 +325,7 @@ pub(crate) fn hand_to_ksm(sh: &Shared, start: usize, range: Range<usize>) -> Opt
         range.start,
         RegionState {
             to_ksm: true,
-            ..RegionState::new(range.start, vec![Page::default(); len / PAGE])
+            ..RegionState::new(range.start, Page::fresh(len / PAGE))
         },
     );
     crate::ksm::mark(range.start, len);

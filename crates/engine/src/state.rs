@@ -80,8 +80,31 @@ pub(crate) struct Page {
 
 // One per registered page: 8 bytes.
 const _: () = assert!(std::mem::size_of::<Page>() == 8);
+// A page's first state is all-zero bytes (see `Page::fresh`).
+const _: () = assert!(PageKind::Anon as u8 == 0);
 
 impl Page {
+    /// `n` pages in their first state (`Page::default()`), in memory left untouched until an
+    /// entry is written (the kernel's zero page: `alloc_zeroed` of a large block maps fresh
+    /// memory). A region handed to the kernel's KSM never writes its entries: 1 MiB per 512 MiB
+    /// otherwise written with defaults and kept for the region's life.
+    pub(crate) fn fresh(n: usize) -> Vec<Page> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let layout = std::alloc::Layout::array::<Page>(n).expect("a region's page table size");
+        // SAFETY: `layout` has a nonzero size (n >= 1, and a Page is 8 bytes).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<Page>();
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: `ptr` is a fresh allocation of the global allocator with the layout of a
+        // `Vec<Page>` of capacity n, and n all-zero pages are initialized values: a `KeyId` of 0,
+        // `PageKind::Anon` (discriminant 0, asserted above) and zero counters, which is
+        // `Page::default()` (a test compares them).
+        unsafe { Vec::from_raw_parts(ptr, n, n) }
+    }
+
     /// Doubles the periods this page waits before its next merge attempt (two at least), up to
     /// `max`: for pages whose merges keep failing or being undone.
     pub(crate) fn back_off(&mut self, max: u8) {
@@ -434,4 +457,24 @@ pub(crate) struct Counters {
     pub(crate) faults_answered: AtomicU64,
     /// Huge pages collapsed again (see the `huge` module).
     pub(crate) huge_restored: AtomicU64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Page;
+
+    /// Fresh pages are in their first state, as `Page::default()` makes them.
+    #[test]
+    fn fresh_pages_are_default_pages() {
+        for n in [0, 1, 511, 131_072] {
+            let fresh = Page::fresh(n);
+            assert_eq!(fresh.len(), n);
+            let d = Page::default();
+            assert!(fresh.iter().all(|p| p.sid == d.sid
+                && p.kind == d.kind
+                && p.unchanged == d.unchanged
+                && p.writes == d.writes
+                && p.epoch == d.epoch));
+        }
+    }
 }
