@@ -64,52 +64,35 @@ impl Client {
     fn start(path: &Path, scope: &str, mib: usize) -> Self {
         Self::start_with(path, scope, mib, false)
     }
+    /// The command of a client of `mib` MiB in `scope` at the daemon on `path`, merging every
+    /// `period_ms`.
+    fn command(path: &Path, scope: &str, mib: usize, period_ms: u64) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["scope-client", "--period-ms", &period_ms.to_string()])
+            .args(["--mib", &mib.to_string()])
+            .env("PAGEONE_SOCKET", path)
+            .env("PAGEONE_SCOPE", scope);
+        cmd
+    }
     /// A client whose pages hold only `distinct` contents (many pages per content).
     fn start_repetitive(path: &Path, scope: &str, mib: usize, distinct: usize) -> Self {
-        Self::spawn(
-            Command::new(BIN)
-                .args(["scope-client", "--period-ms", "50", "--mib"])
-                .arg(mib.to_string())
-                .args(["--distinct", &distinct.to_string()])
-                .env("PAGEONE_SOCKET", path)
-                .env("PAGEONE_SCOPE", scope),
-        )
+        Self::spawn(Self::command(path, scope, mib, 50).args(["--distinct", &distinct.to_string()]))
     }
     /// A client whose writer thread keeps writing every 8th page.
     fn start_writing(path: &Path, scope: &str, mib: usize) -> Self {
-        Self::spawn(
-            Command::new(BIN)
-                .args(["scope-client", "--writer", "--period-ms", "50", "--mib"])
-                .arg(mib.to_string())
-                .env("PAGEONE_SOCKET", path)
-                .env("PAGEONE_SCOPE", scope),
-        )
+        Self::spawn(Self::command(path, scope, mib, 50).arg("--writer"))
     }
     /// A client whose merge period is `period_ms`.
     fn start_at_period(path: &Path, scope: &str, mib: usize, period_ms: u64) -> Self {
-        Self::spawn(
-            Command::new(BIN)
-                .args([
-                    "scope-client",
-                    "--period-ms",
-                    &period_ms.to_string(),
-                    "--mib",
-                ])
-                .arg(mib.to_string())
-                .env("PAGEONE_SOCKET", path)
-                .env("PAGEONE_SCOPE", scope),
-        )
+        Self::spawn(&mut Self::command(path, scope, mib, period_ms))
     }
     /// With `defer`, the client registers its memory only when told `GO`.
     fn start_with(path: &Path, scope: &str, mib: usize, defer: bool) -> Self {
-        Self::spawn(
-            Command::new(BIN)
-                .args(["scope-client", "--period-ms", "50", "--mib"])
-                .arg(mib.to_string())
-                .args(if defer { &["--defer"][..] } else { &[] })
-                .env("PAGEONE_SOCKET", path)
-                .env("PAGEONE_SCOPE", scope),
-        )
+        Self::spawn(Self::command(path, scope, mib, 50).args(if defer {
+            &["--defer"][..]
+        } else {
+            &[]
+        }))
     }
     fn spawn(cmd: &mut Command) -> Self {
         let mut child = cmd
@@ -349,13 +332,7 @@ fn zero_pages_inside_merged_runs_keep_them_whole_across_processes() {
     let zeros = pages / 8;
     let mut clients: Vec<Client> = (0..2)
         .map(|_| {
-            Client::spawn(
-                Command::new(BIN)
-                    .args(["scope-client", "--period-ms", "50", "--zero-every", "8"])
-                    .args(["--mib", &mib.to_string()])
-                    .env("PAGEONE_SOCKET", &path)
-                    .env("PAGEONE_SCOPE", "holes"),
-            )
+            Client::spawn(Client::command(&path, "holes", mib, 50).args(["--zero-every", "8"]))
         })
         .collect();
     wait_for("every page of both clients merged", 60, || {

@@ -780,12 +780,7 @@ fn tidy_up(sh: &Shared, many: bool, worked: bool, period: u64) {
 /// (`State::offers_aside`). Without it an engine whose memory went to the kernel's KSM, or that
 /// stopped classifying, kept those copies allocated in the store.
 fn fetch_offers_for_forgotten(sh: &Shared) {
-    let remote = lock(&sh.state)
-        .store
-        .remote
-        .clone()
-        .filter(|r| r.offers_may_wait());
-    let Some(remote) = remote else {
+    let Some(remote) = live_link(sh).filter(|r| r.offers_may_wait()) else {
         return;
     };
     let Some((_, offers)) = remote.lookup(&[]) else {
@@ -796,7 +791,7 @@ fn fetch_offers_for_forgotten(sh: &Shared) {
         .store
         .remote
         .as_ref()
-        .is_some_and(|r| std::sync::Arc::ptr_eq(r, &remote));
+        .is_some_and(|r| Arc::ptr_eq(r, &remote));
     if !same {
         // (Another daemon's store since: these slots are held there, not here.)
         return;

@@ -54,6 +54,20 @@ impl FirstSightings {
         });
     }
 
+    /// Drops the entries whose page (address, epoch) `gone` says went; returns their hashes
+    /// (for the daemon to forget).
+    pub(crate) fn drop_gone(&mut self, mut gone: impl FnMut(usize, u8) -> bool) -> Vec<u128> {
+        let mut dropped = Vec::new();
+        self.retain(|h, addr, epoch| {
+            let went = gone(addr, epoch);
+            if went {
+                dropped.push(h);
+            }
+            !went
+        });
+        dropped
+    }
+
     pub(crate) fn contains(&self, h: u128) -> bool {
         self.0.contains_key(&HashKey::new(h))
     }
@@ -107,14 +121,7 @@ fn still_waiting(regions: &BTreeMap<usize, RegionState>, addr: usize, epoch: u8)
 /// daemon, if any, that this process no longer has them: else it keeps its notes of them, and
 /// offers this process, held for it, every copy another process makes of them.
 pub(crate) fn forget_range(st: &mut State, range: std::ops::Range<usize>) {
-    let mut gone = Vec::new();
-    st.unstable.retain(|h, addr, _| {
-        let keep = !range.contains(&addr);
-        if !keep {
-            gone.push(h);
-        }
-        keep
-    });
+    let gone = st.unstable.drop_gone(|addr, _| range.contains(&addr));
     if let Some(r) = &st.store.remote {
         r.forget(gone);
     }
@@ -140,14 +147,7 @@ pub(crate) fn sweep_first_sightings(st: &mut State) {
         store,
         ..
     } = st;
-    let mut gone = Vec::new();
-    unstable.retain(|h, addr, epoch| {
-        let live = still_waiting(regions, addr, epoch).is_some();
-        if !live {
-            gone.push(h);
-        }
-        live
-    });
+    let gone = unstable.drop_gone(|addr, epoch| still_waiting(regions, addr, epoch).is_none());
     if unstable.capacity() > 2 * unstable.len() + SWEEP_MIN_STALE {
         unstable.shrink_to_fit();
     }
