@@ -139,13 +139,15 @@ pub fn mapping_moved(from: Range<usize>, to: Range<usize>) {
         return;
     }
     let mut t = lock(&TABLE);
+    // Advice at `to` already: the kernel reported the move, or a part of it (a move of several
+    // mappings is reported one by one, and the engine may apply some before this report). What
+    // it moved stays beside the rest, and the kernel's flags then settle `to`.
+    let reported = holds(&t, &to);
     if holds(&t, &from) {
-        move_advice(&mut t, from, to);
-        return;
+        move_advice(&mut t, from, to.clone(), reported);
     }
-    let advised = holds(&t, &to);
     drop(t);
-    if advised {
+    if reported {
         refresh(to);
     }
 }
@@ -176,19 +178,21 @@ pub(crate) fn moved_by_kernel_later(
     }
     let mut t = lock(&TABLE);
     if holds(&t, &from) {
-        move_advice(&mut t, from, to.clone());
+        move_advice(&mut t, from, to.clone(), false);
     }
     if holds(&t, &to) {
         later.push(to);
     }
 }
 
-/// Moves the table's advice at `from` to `to`, dropping what it held at `to`.
-fn move_advice(t: &mut Table, from: Range<usize>, to: Range<usize>) {
+/// Moves the table's advice at `from` to `to`, dropping what it held at `to` unless `keep`.
+fn move_advice(t: &mut Table, from: Range<usize>, to: Range<usize>, keep: bool) {
     for set in &mut t.sets {
         let moved: Vec<Range<usize>> = set.within(from.clone()).collect();
         set.remove(from.clone());
-        set.remove(to.clone());
+        if !keep {
+            set.remove(to.clone());
+        }
         for r in moved {
             set.add(shifted(r, &from, &to));
         }
@@ -411,6 +415,44 @@ mod tests {
             // SAFETY: the test's own mapping, which nothing refers to.
             unsafe { sys::munmap(b as *mut u8, grown) }.unwrap();
         }
+    }
+
+    /// A move of two mappings the kernel reports one by one, the embedder's report of the whole
+    /// move coming between the two: each part's advice lands where it went (the embedder's
+    /// report once dropped the part the kernel had moved already).
+    #[test]
+    fn a_move_reported_in_parts_around_the_embedders_report_keeps_every_parts_advice() {
+        let _one = own_mappings();
+        let (half, len) = (2 * 4096, 4 * 4096);
+        let a = sys::mmap_anonymous(len).unwrap() as usize;
+        let b = sys::mmap_anonymous(len).unwrap() as usize;
+        // SAFETY: the test's own mapping, which nothing refers to.
+        unsafe { sys::madvise(a as *mut u8, len, libc::MADV_DONTFORK) }.unwrap();
+        advised(a..a + len, libc::MADV_DONTFORK);
+        for part in [0, half] {
+            // SAFETY: a part of the test's own mapping moves onto its place in the other.
+            let moved = unsafe {
+                libc::mremap(
+                    (a + part) as *mut libc::c_void,
+                    half,
+                    half,
+                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                    (b + part) as *mut libc::c_void,
+                )
+            };
+            assert_eq!(moved as usize, b + part);
+        }
+        moved_by_kernel(a..a + half, b..b + half);
+        mapping_moved(a..a + len, b..b + len);
+        moved_by_kernel(a + half..a + len, b + half..b + len);
+        assert_eq!(in_table(a..a + len), (false, false));
+        let t = lock(&TABLE);
+        let fork: Vec<_> = t.sets[1].within(b..b + len).collect();
+        assert_eq!(fork, vec![b..b + len]);
+        drop(t);
+        mapping_gone(b..b + len);
+        // SAFETY: the test's own mapping, which nothing refers to.
+        unsafe { sys::munmap(b as *mut u8, len) }.unwrap();
     }
 
     /// A move the kernel reports from memory with no advice, to where the table holds advice

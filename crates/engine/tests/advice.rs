@@ -175,9 +175,9 @@ fn stale_advice_of_memory_mapped_again_unseen_is_not_carried() {
     let (base, len) = (halves_unregistered(n), 2 * n * PAGE);
     advise(base, len, libc::MADV_DONTDUMP);
     advise(base, len, libc::MADV_DONTFORK);
-    // SAFETY: the test's own mapping; unmapped and mapped again with raw calls, unreported.
-    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
-    // SAFETY: the range was just unmapped; a fresh private anonymous mapping takes its place.
+    // SAFETY: the test's own mapping, which nothing refers to, is replaced by a fresh private
+    // anonymous mapping with a raw call, unreported. (In one call, as a program's `free` and
+    // `malloc` would in two: between two, another test's thread may map the range.)
     unsafe { sys::mmap_anonymous_fixed(base as *mut u8, len, libc::PROT_READ | libc::PROT_WRITE) }
         .unwrap();
     fill_halves(base, n);
