@@ -27,7 +27,7 @@ fn only_the_chunk_merging_single_pages_goes_to_ksm_and_the_runs_stay_merged() {
         return;
     };
     let mut r = e.alloc_region(2 * CHUNK * PAGE).unwrap();
-    let before = KsmRunning::sharing();
+    let before = KsmRunning::merging_here();
     for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
         fill(p, content(i));
     }
@@ -49,10 +49,14 @@ fn only_the_chunk_merging_single_pages_goes_to_ksm_and_the_runs_stay_merged() {
     );
     let pairs = (CHUNK / 4) as u64;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while KsmRunning::sharing() - before < pairs && Instant::now() < deadline {
+    while KsmRunning::merged_since(before) < 2 * pairs && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(KsmRunning::sharing() - before >= pairs, "{:?}", e.stats());
+    assert!(
+        KsmRunning::merged_since(before) >= 2 * pairs,
+        "{:?}",
+        e.stats()
+    );
     for (i, p) in r.as_slice().chunks(PAGE).enumerate() {
         assert!(check(p, content(i)), "page {i}");
     }
@@ -120,7 +124,7 @@ fn a_chunk_left_holding_copies_no_other_page_maps_follows_its_twins_to_ksm() {
         e.alloc_region(CHUNK * PAGE).unwrap(),
         e.alloc_region(CHUNK * PAGE).unwrap(),
     ];
-    let before = KsmRunning::sharing();
+    let before = KsmRunning::merging_here();
     for (n, r) in regions.iter_mut().enumerate() {
         for (j, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
             fill(p, content(n, j));
@@ -130,10 +134,14 @@ fn a_chunk_left_holding_copies_no_other_page_maps_follows_its_twins_to_ksm() {
     assert_eq!((s.regions_to_ksm, s.pages_shared), (2, 0), "{s:?}");
     let pairs = CHUNK as u64;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while KsmRunning::sharing() - before < pairs && Instant::now() < deadline {
+    while KsmRunning::merged_since(before) < 2 * pairs && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(KsmRunning::sharing() - before >= pairs, "{:?}", e.stats());
+    assert!(
+        KsmRunning::merged_since(before) >= 2 * pairs,
+        "{:?}",
+        e.stats()
+    );
     for (n, r) in regions.iter().enumerate() {
         for (j, p) in r.as_slice().chunks(PAGE).enumerate() {
             assert!(check(p, content(n, j)), "region {n} page {j}");
@@ -160,7 +168,7 @@ fn chunks_whose_duplicates_went_to_ksm_follow_them() {
     let regions: Vec<&mut [u8]> = (0..4)
         .map(|k| common::filled(n, |j| content(k, j)))
         .collect();
-    let before = KsmRunning::sharing();
+    let before = KsmRunning::merging_here();
     for r in &regions {
         e.merge(r.as_ptr().cast_mut(), n * PAGE).unwrap();
     }
@@ -170,13 +178,17 @@ fn chunks_whose_duplicates_went_to_ksm_follow_them() {
         let (first, rest) = mergeable_bytes(r.as_ptr() as usize, n * PAGE);
         assert_eq!(first + rest, n * PAGE, "not all marked for KSM: {s:?}");
     }
-    // KSM merges the three duplicates of every content.
-    let sharing = 3 * n as u64;
+    // KSM merges the four copies of every content.
+    let merging = 4 * n as u64;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while KsmRunning::sharing() - before < sharing && Instant::now() < deadline {
+    while KsmRunning::merged_since(before) < merging && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(KsmRunning::sharing() - before >= sharing, "{:?}", e.stats());
+    assert!(
+        KsmRunning::merged_since(before) >= merging,
+        "{:?}",
+        e.stats()
+    );
     for (k, r) in regions.iter().enumerate() {
         for (j, p) in r.chunks(PAGE).enumerate() {
             assert!(check(p, content(k, j)), "region {k} page {j}");

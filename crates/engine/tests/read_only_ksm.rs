@@ -15,7 +15,7 @@ fn read_only_memory_is_handed_to_the_kernels_ksm_where_it_runs() {
     };
     let e = small_engine(true);
     let n = 2048;
-    let before = KsmRunning::sharing();
+    let before = KsmRunning::merging_here();
     let r = halves(&e, n);
     make_read_only(&r);
     let s = wait_for(&e, |s| s.regions_to_ksm > 0);
@@ -23,13 +23,13 @@ fn read_only_memory_is_handed_to_the_kernels_ksm_where_it_runs() {
     assert_eq!(s.pages_sharing, 0, "pageone merged read-only pages: {s:?}");
     // Every page has a twin in the other half: KSM merges the n pairs.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while KsmRunning::sharing() - before < n as u64 && Instant::now() < deadline {
+    while KsmRunning::merged_since(before) < 2 * n as u64 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(
-        KsmRunning::sharing() - before >= n as u64,
-        "KSM merged {} of {n} pairs: {:?}",
-        KsmRunning::sharing() - before,
+        KsmRunning::merged_since(before) >= 2 * n as u64,
+        "KSM merged {} of the {n} pairs' pages: {:?}",
+        KsmRunning::merged_since(before),
         e.stats()
     );
     for (i, page) in r.as_slice().chunks(PAGE).enumerate() {

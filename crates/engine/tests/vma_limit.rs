@@ -503,7 +503,7 @@ fn a_region_merging_a_mapping_per_page_beyond_the_budget_is_handed_to_the_kernel
     let margin = limit - sys::map_count().unwrap() - 1000;
     e.reconfigure(|c| c.vma_margin = margin).unwrap();
     let content = |i: usize| content(n, i);
-    let before = KsmRunning::sharing();
+    let before = KsmRunning::merging_here();
     for (i, p) in r.as_mut_slice().chunks_mut(PAGE).enumerate() {
         fill(p, content(i));
     }
@@ -543,13 +543,13 @@ fn a_region_merging_a_mapping_per_page_beyond_the_budget_is_handed_to_the_kernel
     // writer keeps changing: every 16th page's pair).
     let pairs = (n / 2 - n / 16) as u64;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while KsmRunning::sharing() - before < pairs && std::time::Instant::now() < deadline {
+    while KsmRunning::merged_since(before) < 2 * pairs && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(
-        KsmRunning::sharing() - before >= pairs,
-        "KSM merged {} of {pairs} pairs: {:?}",
-        KsmRunning::sharing() - before,
+        KsmRunning::merged_since(before) >= 2 * pairs,
+        "KSM merged {} of the {pairs} pairs' pages: {:?}",
+        KsmRunning::merged_since(before),
         e.stats()
     );
     std::thread::sleep(Duration::from_millis(200));

@@ -100,9 +100,16 @@ impl KsmRunning {
         Some(guard)
     }
 
-    pub fn sharing() -> u64 {
-        let v = std::fs::read_to_string(format!("{KSM}/pages_sharing")).unwrap();
+    /// The pages of this process that map a page KSM merged (both of a merged pair count):
+    /// other processes' merges (a QEMU guest's, say) neither add to it nor take from it.
+    pub fn merging_here() -> u64 {
+        let v = std::fs::read_to_string("/proc/self/ksm_merging_pages").unwrap();
         v.trim().parse().unwrap()
+    }
+
+    /// `merging_here()` less `before` (none if pages merged before came apart since).
+    pub fn merged_since(before: u64) -> u64 {
+        Self::merging_here().saturating_sub(before)
     }
 }
 
