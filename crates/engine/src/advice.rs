@@ -303,6 +303,18 @@ impl Advice {
         self.give(addr, addr, len, true);
     }
 
+    /// The places inside `(s, e)` where the advice changes, in address order: where memory
+    /// given it may be split into mappings.
+    pub(crate) fn cuts(&self, s: usize, e: usize) -> Vec<usize> {
+        let mut cuts: Vec<usize> = (self.parts.iter())
+            .flat_map(|(r, _)| [r.start, r.end])
+            .filter(|&a| s < a && a < e)
+            .collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        cuts
+    }
+
     /// As [`give_copies`](Self::give_copies), for anonymous memory the engine mapped at `addr`
     /// (or at `to`, to be moved there): every kind of advice.
     pub(crate) fn give_anonymous(&self, to: usize, addr: usize, len: usize) {
@@ -415,6 +427,26 @@ mod tests {
             // SAFETY: the test's own mapping, which nothing refers to.
             unsafe { sys::munmap(b as *mut u8, grown) }.unwrap();
         }
+    }
+
+    /// The places where advice over a range changes: the ends of its parts inside the range,
+    /// once each, in order.
+    #[test]
+    fn advice_is_cut_where_its_parts_end_inside_the_range() {
+        let advice = Advice {
+            parts: vec![
+                (0x3000..0x9000, 0),
+                (0x1000..0x5000, 1),
+                (0x9000..0xa000, 2),
+            ],
+        };
+        assert_eq!(advice.cuts(0x2000, 0x9000), vec![0x3000, 0x5000]);
+        assert_eq!(
+            advice.cuts(0x0, 0x10000),
+            vec![0x1000, 0x3000, 0x5000, 0x9000, 0xa000]
+        );
+        assert_eq!(advice.cuts(0x5000, 0x9000), Vec::<usize>::new());
+        assert_eq!(Advice::default().cuts(0, 0x1000), Vec::<usize>::new());
     }
 
     /// A move of two mappings the kernel reports one by one, the embedder's report of the whole

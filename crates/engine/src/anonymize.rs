@@ -111,8 +111,10 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
         return false;
     };
     let len = e - s;
-    // The program's advice, read before writers are held off (see `advice`).
+    // The program's advice, read before writers are held off (see `advice`), and where it
+    // changes (allocating: not while they are).
     let advice = crate::advice::over(s..e);
+    let cuts = advice.cuts(s, e);
     // Registered for write-protection through the store mappings' context, which kernels before
     // 6.17 dropped when the main context unregistered the range: register again if so.
     let protected = u2.writeprotect(s, len, true).is_ok()
@@ -139,22 +141,13 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
                     || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
             // Advised as the memory it replaces.
             advice.give_anonymous(tmp as usize, s, len);
-            // Moving it over the store mapping unmaps that: the engine's own change.
-            let change = Change::Unmap { start: s, end: e };
-            lock(&sh.changes).expect(change);
-            // SAFETY: `tmp` is a whole mapping of ours; the destination holds exactly the bytes
-            // just copied and belongs to the registered region.
-            let moved = copied && unsafe { sys::mremap_fixed(tmp, len, s as *mut u8) }.is_ok();
-            // A report was read before the call returned (the kernel waits for that), and the
-            // fault thread records what it reads before it lets go of the log: an announcement
-            // still there now had no report (the range was not registered, or not moved), and
-            // must not swallow a later one.
-            lock(&sh.changes).unexpect(change);
-            if !moved {
+            if copied {
+                move_over(sh, tmp as usize, s..e, &cuts)
+            } else {
                 // SAFETY: `tmp` is ours and nothing refers to it.
                 let _ = unsafe { sys::munmap(tmp, len) };
+                false
             }
-            moved
         }
         Err(_) => false,
     };
@@ -164,6 +157,37 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
     // Writers blocked on the old mapping retry their fault in the new one.
     let _ = u2.wake(s, len);
     ok
+}
+
+/// Moves the copy at `tmp` over `to` part by part, between the places `cuts` where the advice
+/// given to it changes: each part is one mapping. (Advice given part by part splits the copy into
+/// several mappings, and kernels before 6.17 move only one mapping a call; they refuse only after
+/// unmapping the destination, whose bytes were then lost with the copy.) Returns whether every
+/// part moved; the parts of the copy not moved are unmapped.
+fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> bool {
+    let ends = cuts.iter().copied().chain(std::iter::once(to.end));
+    let mut at = to.start;
+    for end in ends {
+        // Moving it over the store mapping unmaps that: the engine's own change.
+        let change = Change::Unmap { start: at, end };
+        lock(&sh.changes).expect(change);
+        let from = tmp + (at - to.start);
+        // SAFETY: `[from, from + (end - at))` is one whole mapping of ours (see above); the
+        // destination holds exactly the bytes just copied and belongs to the registered region.
+        let moved = unsafe { sys::mremap_fixed(from as *mut u8, end - at, at as *mut u8) };
+        // A report was read before the call returned (the kernel waits for that), and the
+        // fault thread records what it reads before it lets go of the log: an announcement
+        // still there now had no report (the range was not registered, or not moved), and
+        // must not swallow a later one.
+        lock(&sh.changes).unexpect(change);
+        if moved.is_err() {
+            // SAFETY: the rest of the copy is ours and nothing refers to it.
+            let _ = unsafe { sys::munmap(from as *mut u8, to.end - at) };
+            return false;
+        }
+        at = end;
+    }
+    true
 }
 
 #[cfg(test)]
