@@ -27,6 +27,9 @@ command -v qemu-system-x86_64 >/dev/null 2>&1 || need_pkgs+=(qemu-system-x86)
 ls /boot/vmlinuz-* >/dev/null 2>&1 || need_pkgs+=(linux-image-amd64)
 [ -x /bin/busybox ] && file -L /bin/busybox 2>/dev/null | grep -q static || need_pkgs+=(busybox-static)
 command -v cpio >/dev/null 2>&1 || need_pkgs+=(cpio)
+# The older-kernel test: Debian's 6.12 kernel fetched from the archive, its index checked with gpgv.
+command -v gpgv >/dev/null 2>&1 || need_pkgs+=(gpgv)
+[ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need_pkgs+=(debian-archive-keyring)
 command -v file >/dev/null 2>&1 || need_pkgs+=(file)
 # `pageone-bench ppr` replays its allocator trace under Debian's jemalloc and mimalloc (LD_PRELOAD).
 [ -f /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || need_pkgs+=(libjemalloc2)
@@ -66,6 +69,9 @@ cargo test --workspace --release --locked
 step "unmodified QEMU guests under pageone run, next to KSM"
 cargo build --release --locked -p pageone -p pageone-preload -p pageone-ffi
 python3 tests/qemu/run.py
+
+step "an older kernel: the engine's tests and the randomized model on Linux 6.12, a TCG guest"
+python3 tests/older-kernel/run.py
 
 step "libvirt: two guests booted with virsh, QEMU under contrib/pageone-qemu-wrapper"
 python3 tests/libvirt/run.py
