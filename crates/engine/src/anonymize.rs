@@ -8,6 +8,7 @@
 //! store mappings side by side are made anonymous together, a span at a time.
 
 use std::ops::Range;
+use std::sync::Mutex;
 
 use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
@@ -124,7 +125,8 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
         let _ = u2.writeprotect(s, len, false);
         return false;
     }
-    let ok = match sys::mmap_anonymous(len) {
+    // How far the copy was moved over the span: `e` once all of it was.
+    let moved_to = match sys::mmap_anonymous(len) {
         Ok(tmp) => {
             // Filled in one call first: 1.5 times faster than a fault per page during the copy
             // (64 MiB: 35 ms against 45-57). Best effort: the copy faults what is not.
@@ -146,25 +148,74 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
             } else {
                 // SAFETY: `tmp` is ours and nothing refers to it.
                 let _ = unsafe { sys::munmap(tmp, len) };
-                false
+                s
             }
         }
-        Err(_) => false,
+        Err(_) => s,
     };
-    if !ok {
-        let _ = u2.writeprotect(s, len, false);
+    if moved_to < e {
+        // Writers let go over the store mappings left, from where the move stopped: the kernel
+        // stops at the first mapping in the range this context does not hold, which the parts
+        // moved (anonymous memory now) would be.
+        let _ = u2.writeprotect(moved_to, e - moved_to, false);
     }
     // Writers blocked on the old mapping retry their fault in the new one.
     let _ = u2.wake(s, len);
-    ok
+    moved_to == e
+}
+
+/// A failure a test asked for (`Engine::fail_a_copys_move_after`). (Taken only by the engine's
+/// moves and the test's request, never by a program thread that could write a span held still.)
+static FAIL: Mutex<Option<Failure>> = Mutex::new(None);
+
+/// The part moves inside `within` to let through before one fails, and whether that one unmaps
+/// its destination first (as Linux 6.8 to 6.16 may).
+struct Failure {
+    after: usize,
+    within: Range<usize>,
+    unmapping: bool,
+}
+
+pub(crate) fn fail_a_move_after(after: usize, within: Range<usize>, unmapping: bool) {
+    *lock(&FAIL) = Some(Failure {
+        after,
+        within,
+        unmapping,
+    });
+}
+
+/// Whether the failure a test asked for has not happened yet.
+pub(crate) fn failure_pending() -> bool {
+    lock(&FAIL).is_some()
+}
+
+/// Whether the move of the part `[at, end)` is the one a test asked to fail (then it is unmapped
+/// first if asked).
+fn move_fails_here(at: usize, end: usize) -> bool {
+    let mut fail = lock(&FAIL);
+    let Some(f) = fail.as_mut().filter(|f| f.within.contains(&at)) else {
+        return false;
+    };
+    if f.after > 0 {
+        f.after -= 1;
+        return false;
+    }
+    if f.unmapping {
+        // SAFETY: the part's bytes are in the copy; this is what the kernel does before it
+        // refuses.
+        let _ = unsafe { sys::munmap(at as *mut u8, end - at) };
+    }
+    *fail = None;
+    true
 }
 
 /// Moves the copy at `tmp` over `to` part by part, between the places `cuts` where the advice
 /// given to it changes: each part is one mapping. (Advice given part by part splits the copy into
 /// several mappings, and kernels before 6.17 move only one mapping a call; they refuse only after
-/// unmapping the destination, whose bytes were then lost with the copy.) Returns whether every
-/// part moved; the parts of the copy not moved are unmapped.
-fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> bool {
+/// unmapping the destination, whose bytes were then lost with the copy.) Returns how far it
+/// moved (`to.end` once all of it was); the parts of the copy not moved are unmapped. (A part
+/// moved stays moved: it is anonymous memory holding the bytes of the pages it replaced.)
+fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> usize {
     let ends = cuts.iter().copied().chain(std::iter::once(to.end));
     let mut at = to.start;
     for end in ends {
@@ -172,9 +223,21 @@ fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> bool 
         let change = Change::Unmap { start: at, end };
         lock(&sh.changes).expect(change);
         let from = tmp + (at - to.start);
-        // SAFETY: `[from, from + (end - at))` is one whole mapping of ours (see above); the
-        // destination holds exactly the bytes just copied and belongs to the registered region.
-        let moved = unsafe { sys::mremap_fixed(from as *mut u8, end - at, at as *mut u8) };
+        let mut moved = if move_fails_here(at, end) {
+            Err(std::io::Error::from_raw_os_error(libc::ENOMEM))
+        } else {
+            // SAFETY: `[from, from + (end - at))` is one whole mapping of ours (see above); the
+            // destination holds exactly the bytes just copied and belongs to the registered
+            // region.
+            unsafe { sys::mremap_fixed(from as *mut u8, end - at, at as *mut u8) }
+        };
+        if moved.is_err() && sys::is_unmapped(at) {
+            // Linux 6.8 to 6.16 look at the mapping count again after unmapping the
+            // destination, and may refuse then: the pages' bytes are the copy's alone, and it
+            // goes into the hole once more (unmapping nothing, it needs no mapping to spare).
+            // SAFETY: as above; the destination is a hole of the registered region.
+            moved = unsafe { sys::mremap_fixed(from as *mut u8, end - at, at as *mut u8) };
+        }
         // A report was read before the call returned (the kernel waits for that), and the
         // fault thread records what it reads before it lets go of the log: an announcement
         // still there now had no report (the range was not registered, or not moved), and
@@ -183,11 +246,11 @@ fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> bool 
         if moved.is_err() {
             // SAFETY: the rest of the copy is ours and nothing refers to it.
             let _ = unsafe { sys::munmap(from as *mut u8, to.end - at) };
-            return false;
+            return at;
         }
         at = end;
     }
-    true
+    at
 }
 
 #[cfg(test)]

@@ -511,6 +511,30 @@ impl Engine {
         }
     }
 
+    /// For tests: when store mappings in `[addr, addr+len)` are made anonymous again, the move of
+    /// the copy's part after `parts` parts moved there fails, as a kernel short of memory would
+    /// fail it, after unmapping its destination if `unmapping` (as Linux 6.8 to 6.16 may); once,
+    /// in the whole process. [`copy_move_failure_pending`] says whether it has not happened yet.
+    ///
+    /// [`copy_move_failure_pending`]: Self::copy_move_failure_pending
+    #[doc(hidden)]
+    pub fn fail_a_copys_move_after(
+        &self,
+        parts: usize,
+        addr: *mut u8,
+        len: usize,
+        unmapping: bool,
+    ) {
+        let a = addr as usize;
+        crate::anonymize::fail_a_move_after(parts, a..a.saturating_add(len), unmapping);
+    }
+
+    /// For tests: see [`fail_a_copys_move_after`](Self::fail_a_copys_move_after).
+    #[doc(hidden)]
+    pub fn copy_move_failure_pending(&self) -> bool {
+        crate::anonymize::failure_pending()
+    }
+
     /// For tests: the moves of store mappings by the program that the engine counted (a held
     /// copy is reused only with none between two reads of the mappings: see the `held` module).
     #[doc(hidden)]

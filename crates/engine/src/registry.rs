@@ -422,8 +422,11 @@ fn unregister_range(uffd: &sys::Uffd, start: usize, len: usize) {
 fn break_cow(addr: usize) {
     // SAFETY: addr is a page of a private mapping the engine made; populating it writable copies
     // the page in the kernel, atomically with respect to concurrent writers.
-    if unsafe { sys::madvise(addr as *mut u8, PAGE, libc::MADV_POPULATE_WRITE) }.is_ok() {
-        return;
+    match unsafe { sys::madvise(addr as *mut u8, PAGE, libc::MADV_POPULATE_WRITE) } {
+        // Before Linux 5.14 the advice is unknown; any other refusal (nothing mapped there, say)
+        // leaves the page as it is: a write to memory that is not there would kill the program.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+        _ => return,
     }
     // Before Linux 5.14: a compare-and-swap of a word with itself is a write (an atomic add of
     // zero is not: compilers may turn it into a load), and it cannot lose a concurrent store.

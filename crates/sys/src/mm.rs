@@ -247,7 +247,9 @@ pub unsafe fn mmap_anonymous_fixed(addr: *mut u8, len: usize, prot: libc::c_int)
 }
 
 /// Moves the mapping `[old, old+len)` (one whole VMA) to `new`, replacing whatever was mapped
-/// there, in one step: no other thread can observe `new` unmapped.
+/// there, in one step: no other thread can observe `new` unmapped. (Except where it fails on
+/// Linux 6.8 to 6.16, which can refuse after unmapping `new`, when the mapping count reached the
+/// limit meanwhile: see [`is_unmapped`].)
 ///
 /// # Safety
 /// Both ranges' contents change place: no reference into either may be live, and the caller must
@@ -289,6 +291,19 @@ unsafe fn mremap_fixed_with(
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// The page size the engine works in.
+const PAGE: usize = 4096;
+
+/// Whether nothing is mapped at the page of `addr` (`mincore` refuses an unmapped page with
+/// `ENOMEM`). Allocates nothing.
+pub fn is_unmapped(addr: usize) -> bool {
+    let mut resident = 0u8;
+    let page = addr & !(PAGE - 1);
+    // SAFETY: `mincore` only reads the page tables and writes one byte into `resident`.
+    let r = unsafe { libc::mincore(page as *mut libc::c_void, PAGE, &mut resident) };
+    r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOMEM)
 }
 
 /// Unmaps `[addr, addr+len)`.
