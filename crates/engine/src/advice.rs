@@ -27,14 +27,20 @@
 //! kernel's flags, except huge-page advice over merged pages, which mappings of the store do not
 //! carry: the table's stands there.
 //!
+//! The kernel's reports are applied up to a period after they were read, and the memory they
+//! name may have been mapped again and advised meanwhile by another thread: they apply only where
+//! the embedder reported nothing since they were read (see [`clock`]).
+//!
 //! Not carried: advice given with a raw system call the embedder does not see (a raw
 //! `MADV_DOFORK` leaves the engine giving `MADV_DONTFORK`), and the old place's advice after a
 //! move with `MREMAP_DONTUNMAP` that the embedder does not see (taken along; the kernel leaves
 //! it at both places).
 
+use std::collections::VecDeque;
 use std::ops::Range;
-// std's atomics: a process-wide static hint (loom models the lock-free index, not the engine).
-use std::sync::atomic::{AtomicBool, Ordering};
+// std's atomics: a process-wide static hint and clock (loom models the lock-free index, not the
+// engine).
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use pageone_sync::lock;
@@ -89,6 +95,48 @@ const KINDS: [Kind; 4] = [
 struct Table {
     /// A set per kind of [`KINDS`].
     sets: [RangeSet; KINDS.len()],
+    /// The ranges the embedder reported lately, each with the [`clock`] after its report, the
+    /// newest last: a report of the kernel's read before then does not apply there (see
+    /// [`untouched`]).
+    touched: VecDeque<(Range<usize>, u64)>,
+}
+
+/// The most reports of the embedder's kept in [`Table::touched`]: past it, the oldest go (a
+/// kernel's report applied after that many newer may then undo one: advice, never contents).
+const TOUCHED: usize = 1024;
+
+/// Counts the embedder's reports: the kernel's reports are applied a period late, and memory
+/// unmapped or moved away may be mapped again and advised by then (by another thread of the
+/// program), which they must not undo.
+static CLOCK: AtomicU64 = AtomicU64::new(0);
+
+/// The clock now: read by the fault thread before it reads the kernel's reports, the changes
+/// read then apply to advice reported before (see [`Table::touched`]). Lock-free. (SeqCst,
+/// pairing with the `fetch_add` of [`touch`]: a report of the embedder's after the kernel's
+/// event was read, which the kernel's locks order after that read, counts past it.)
+pub(crate) fn clock() -> u64 {
+    CLOCK.load(Ordering::SeqCst)
+}
+
+/// Notes a report of the embedder's over `range` (see [`Table::touched`]).
+fn touch(t: &mut Table, range: Range<usize>) {
+    // SeqCst: see `clock`.
+    let at = CLOCK.fetch_add(1, Ordering::SeqCst) + 1;
+    if t.touched.len() == TOUCHED {
+        t.touched.pop_front();
+    }
+    t.touched.push_back((range, at));
+}
+
+/// The parts of `range` the embedder reported nothing over since the clock read `since`.
+/// (Reports before then are kept for others: each engine of the process applies its own.)
+fn untouched(t: &Table, range: Range<usize>, since: u64) -> Vec<Range<usize>> {
+    let mut left = RangeSet::new();
+    left.add(range.clone());
+    for (r, _) in t.touched.iter().filter(|&&(_, at)| at > since) {
+        left.remove(r.clone());
+    }
+    left.within(range).collect()
 }
 
 #[allow(clippy::declare_interior_mutable_const)] // The initialiser of the table below.
@@ -96,6 +144,7 @@ const EMPTY: RangeSet = RangeSet::new();
 
 static TABLE: Mutex<Table> = Mutex::new(Table {
     sets: [EMPTY; KINDS.len()],
+    touched: VecDeque::new(),
 });
 
 /// Whether any advice was ever reported: until then, unmapping costs no lock. (Relaxed: a
@@ -110,6 +159,9 @@ pub fn advised(range: Range<usize>, advice: i32) {
         ANY.store(true, Ordering::Relaxed);
     }
     let mut t = lock(&TABLE);
+    if KINDS.iter().any(|k| advice == k.on || advice == k.off) {
+        touch(&mut t, range.clone());
+    }
     for (k, set) in KINDS.iter().zip(&mut t.sets) {
         if advice == k.on {
             set.add(range.clone());
@@ -126,7 +178,21 @@ pub fn mapping_gone(range: Range<usize>) {
         return;
     }
     let mut t = lock(&TABLE);
+    touch(&mut t, range.clone());
     t.sets.iter_mut().for_each(|set| set.remove(range.clone()));
+}
+
+/// The kernel reported that the program unmapped registered memory, in a report read when the
+/// clock read `since`: its advice is gone, but where the embedder reported something since
+/// (memory mapped there again, and advised).
+pub(crate) fn unmapped_by_kernel(range: Range<usize>, since: u64) {
+    if !ANY.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut t = lock(&TABLE);
+    for part in untouched(&t, range, since) {
+        t.sets.iter_mut().for_each(|set| set.remove(part.clone()));
+    }
 }
 
 /// The program moved the memory at `from` to `to` (`mremap`; `to` as long as the memory is
@@ -139,12 +205,14 @@ pub fn mapping_moved(from: Range<usize>, to: Range<usize>) {
         return;
     }
     let mut t = lock(&TABLE);
+    touch(&mut t, from.clone());
+    touch(&mut t, to.clone());
     // Advice at `to` already: the kernel reported the move, or a part of it (a move of several
     // mappings is reported one by one, and the engine may apply some before this report). What
     // it moved stays beside the rest, and the kernel's flags then settle `to`.
     let reported = holds(&t, &to);
     if holds(&t, &from) {
-        move_advice(&mut t, from, to.clone(), reported);
+        move_advice(&mut t, from, to.clone());
     }
     drop(t);
     if reported {
@@ -160,39 +228,58 @@ pub fn mapping_moved(from: Range<usize>, to: Range<usize>) {
 #[cfg(test)]
 pub(crate) fn moved_by_kernel(from: Range<usize>, to: Range<usize>) {
     let mut later = Vec::new();
-    moved_by_kernel_later(from, to, &mut later);
+    moved_by_kernel_later(from, to, clock(), &mut later);
     refresh_all(&later);
 }
 
-/// As `moved_by_kernel`, with the check against the kernel's flags put off: the range to check
-/// is added to `later`, for one read of the kernel's flags after all the moves reported
-/// together ([`refresh_all`]). (A move of many mappings is reported one by one: a read of
-/// `/proc/self/smaps` for each, each of them long with many merged pages, took minutes.)
+/// As `moved_by_kernel`, for a report read when the clock read `since`, and with the check
+/// against the kernel's flags put off: the range to check is added to `later`, for one read of
+/// the kernel's flags after all the moves reported together ([`refresh_all`]). (A move of many
+/// mappings is reported one by one: a read of `/proc/self/smaps` for each, each of them long
+/// with many merged pages, took minutes.) Where the embedder reported something since (its
+/// report of the same move, or memory mapped at `from` again and advised), nothing moves.
 pub(crate) fn moved_by_kernel_later(
     from: Range<usize>,
     to: Range<usize>,
+    since: u64,
     later: &mut Vec<Range<usize>>,
 ) {
     if !ANY.load(Ordering::Relaxed) {
         return;
     }
     let mut t = lock(&TABLE);
-    if holds(&t, &from) {
-        move_advice(&mut t, from, to.clone(), false);
+    let (parts, there) = (
+        untouched(&t, from.clone(), since),
+        untouched(&t, to.clone(), since),
+    );
+    for set in &mut t.sets {
+        let moved: Vec<Range<usize>> = parts.iter().flat_map(|p| set.within(p.clone())).collect();
+        if moved.is_empty() {
+            // (What `to` holds of this kind went there by the embedder's report, or is checked
+            // below.)
+            continue;
+        }
+        parts.iter().for_each(|p| set.remove(p.clone()));
+        there.iter().for_each(|p| set.remove(p.clone()));
+        for r in moved.into_iter().map(|r| shifted(r, &from, &to)) {
+            for p in &there {
+                let (s, e) = (r.start.max(p.start), r.end.min(p.end));
+                if s < e {
+                    set.add(s..e);
+                }
+            }
+        }
     }
     if holds(&t, &to) {
         later.push(to);
     }
 }
 
-/// Moves the table's advice at `from` to `to`, dropping what it held at `to` unless `keep`.
-fn move_advice(t: &mut Table, from: Range<usize>, to: Range<usize>, keep: bool) {
+/// Moves the table's advice at `from` to `to`, beside what it holds there.
+fn move_advice(t: &mut Table, from: Range<usize>, to: Range<usize>) {
     for set in &mut t.sets {
         let moved: Vec<Range<usize>> = set.within(from.clone()).collect();
         set.remove(from.clone());
-        if !keep {
-            set.remove(to.clone());
-        }
         for r in moved {
             set.add(shifted(r, &from, &to));
         }
@@ -485,6 +572,43 @@ mod tests {
         mapping_gone(b..b + len);
         // SAFETY: the test's own mapping, which nothing refers to.
         unsafe { sys::munmap(b as *mut u8, len) }.unwrap();
+    }
+
+    /// The kernel's report of a move applied after the embedder's, and after memory with other
+    /// advice was mapped at the old place (by another thread of the program): the new memory
+    /// keeps its advice, and the moved memory keeps the huge-page advice the embedder's report
+    /// moved (both were lost once; the second made 64 pages of a move come back without huge
+    /// pages on Linux 6.12). An unmapping reported late leaves the new memory's advice too.
+    #[test]
+    fn the_kernels_late_reports_leave_advice_reported_since() {
+        let (a, b) = (range(7), range(8));
+        let half = a.start + 32 * 4096;
+        advised(a.clone(), libc::MADV_HUGEPAGE);
+        // The kernel's report of the move of the first half is read.
+        let read = clock();
+        mapping_moved(a.clone(), b.clone());
+        advised(a.start..half, libc::MADV_DONTDUMP);
+        let mut later = Vec::new();
+        moved_by_kernel_later(
+            a.start..half,
+            b.start..b.start + (half - a.start),
+            read,
+            &mut later,
+        );
+        let t = lock(&TABLE);
+        let huge: Vec<_> = t.sets[2].within(b.clone()).collect();
+        let dump: Vec<_> = t.sets[0].within(a.clone()).collect();
+        let first_half = a.start..half;
+        assert_eq!((huge, dump), (vec![b.clone()], vec![first_half]));
+        drop(t);
+        // And the report of its unmapping, read before it was mapped again and advised.
+        let read = clock();
+        advised(a.start..half, libc::MADV_DONTFORK);
+        unmapped_by_kernel(a.clone(), read);
+        assert_eq!(in_table(a.clone()), (true, true));
+        unmapped_by_kernel(a.clone(), clock());
+        assert_eq!(in_table(a.clone()), (false, false));
+        mapping_gone(b);
     }
 
     /// A move the kernel reports from memory with no advice, to where the table holds advice

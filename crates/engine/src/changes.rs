@@ -114,6 +114,8 @@ pub(crate) enum Own {
 
 /// Changes taken from the log to be applied (see [`ChangeLog::take`]), oldest first.
 pub(crate) struct Taken {
+    /// The advice clock before the first of them was read (see `advice::clock`).
+    pub(crate) since: u64,
     pending: Vec<Change>,
     /// To be given back to the log once applied ([`ChangeLog::give_back`]).
     pub(crate) spill: Option<SpillBuffer<Change>>,
@@ -155,6 +157,10 @@ pub(crate) struct ChangeLog {
     /// Moves of store mappings the program made (`mremap`), ever: the check of held copies
     /// reads the process's mappings, which such a move may tear (see the `held` module).
     store_moves: u64,
+    /// The advice clock before the reports being read now were read, and before the first
+    /// change recorded since the last take was (see `advice::clock`).
+    reading_since: u64,
+    since: Option<u64>,
 }
 
 impl ChangeLog {
@@ -168,7 +174,14 @@ impl ChangeLog {
             own: Vec::with_capacity(OWN_ROOM),
             unfilled: Unfilled::default(),
             store_moves: 0,
+            reading_since: 0,
+            since: None,
         }
+    }
+
+    /// The fault thread is about to read reports, with the advice clock at `clock`.
+    pub(crate) fn reading(&mut self, clock: u64) {
+        self.reading_since = clock;
     }
 
     /// Counts a move of store mappings the program made (see `store_moves`).
@@ -193,6 +206,7 @@ impl ChangeLog {
         if let Some(i) = self.own.iter().position(|&(o, _)| o == c) {
             return Some(self.own.swap_remove(i).1);
         }
+        self.since.get_or_insert(self.reading_since);
         // (Changes stay in order: room, spill, overflow; each fills only once the one before is
         // full, and a take empties them all.)
         if self.pending.len() < self.pending.capacity() || self.pending.is_empty() {
@@ -240,6 +254,7 @@ impl ChangeLog {
             _ => None,
         };
         Taken {
+            since: self.since.take().unwrap_or(self.reading_since),
             pending: std::mem::replace(&mut self.pending, room),
             spill,
             overflow: std::mem::take(&mut self.overflow),

@@ -111,6 +111,8 @@ impl Waiter {
 /// records the changes and (with `answer`) answers the faults; returns how many it read.
 fn read_some(sh: &Shared, uffd: &sys::Uffd, answer: bool) -> usize {
     let mut log = lock(&sh.changes);
+    // The changes read apply to the program's advice reported before now (see `advice`).
+    log.reading(crate::advice::clock());
     let mut faults = [0usize; READ_AT_ONCE];
     let mut msgs = [UffdMsg::default(); READ_AT_ONCE];
     let read = uffd.read_events(&mut msgs).unwrap_or(0);

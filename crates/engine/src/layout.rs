@@ -236,14 +236,15 @@ pub(crate) fn apply_changes(sh: &Shared, st: &mut State) {
         match c {
             Change::Unmap { start, end } => {
                 // The program's advice went with the mapping (see `advice`).
-                crate::advice::mapping_gone(start..end);
+                crate::advice::unmapped_by_kernel(start..end, changes.since);
                 for piece in cut(st, start..end) {
                     forget_pages(st, &piece);
                 }
             }
             Change::Remap { from, to, len } => {
                 // The program's advice went with the memory (see `advice`).
-                crate::advice::moved_by_kernel_later(from..from + len, to..to + len, &mut moved_to);
+                let (old, new) = (from..from + len, to..to + len);
+                crate::advice::moved_by_kernel_later(old, new, changes.since, &mut moved_to);
                 moved(st, from, to, len);
             }
             Change::Remove { start, end } => dropped(st, start..end),
