@@ -223,12 +223,10 @@ poweroff -f
 # Tests that run on the host only: one judges how much time passes between two of its own looks,
 # which an emulated guest stretches; the others failed in one guest run of several and were not
 # examined yet: the whole process's memory against a fixed share of what merged (80 of 96 MiB),
-# a zeroed page's neighbours merging into one mapping, and the injected refusal after unmapping
-# (three pages of the refused part without their advice).
+# and a zeroed page's neighbours merging into one mapping.
 TIMED = ["read_only_pages_wait_refused_at_no_cost_and_merge_once_writable",
          "memory_is_really_saved_by_pss",
-         "zero_pages_released_before_their_neighbours_merge_join_the_run",
-         "a_move_refused_after_unmapping_its_destination_loses_nothing"]
+         "zero_pages_released_before_their_neighbours_merge_join_the_run"]
 
 
 def test_args(args):

@@ -14,6 +14,7 @@ use pageone_sync::lock;
 use pageone_sys::{self as sys, uapi::*};
 
 use crate::access::PAGE;
+use crate::advice::Advice;
 use crate::changes::Change;
 use crate::state::{Shared, State};
 use crate::store::is_private_store_mapping;
@@ -125,6 +126,8 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
         let _ = u2.writeprotect(s, len, false);
         return false;
     }
+    // Pages of the span lost to a refusal after unmapping (see `into_the_hole`).
+    let mut lost = 0;
     // How far the copy was moved over the span: `e` once all of it was.
     let moved_to = match sys::mmap_anonymous(len) {
         Ok(tmp) => {
@@ -144,7 +147,12 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
             // Advised as the memory it replaces.
             advice.give_anonymous(tmp as usize, s, len);
             if copied {
-                move_over(sh, tmp as usize, s..e, &cuts)
+                let copy = Copy {
+                    tmp: tmp as usize,
+                    prot,
+                    advice: &advice,
+                };
+                move_over(sh, &copy, s..e, &cuts, &mut lost)
             } else {
                 // SAFETY: `tmp` is ours and nothing refers to it.
                 let _ = unsafe { sys::munmap(tmp, len) };
@@ -161,27 +169,54 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
     }
     // Writers blocked on the old mapping retry their fault in the new one.
     let _ = u2.wake(s, len);
+    if lost > 0 {
+        tracing::error!(
+            pages = lost,
+            at = format_args!("{s:#x}"),
+            "pages of merged memory were lost: the kernel refused to move their copy after \
+             unmapping them, and another thread mapped memory in their place meanwhile"
+        );
+    }
     moved_to == e
+}
+
+/// A span's copy, in a fresh anonymous mapping at `tmp`, with what the memory it replaces had.
+struct Copy<'a> {
+    tmp: usize,
+    prot: libc::c_int,
+    advice: &'a Advice,
 }
 
 /// A failure a test asked for (`Engine::fail_a_copys_move_after`). (Taken only by the engine's
 /// moves and the test's request, never by a program thread that could write a span held still.)
 static FAIL: Mutex<Option<Failure>> = Mutex::new(None);
 
-/// The part moves inside `within` to let through before one fails, and whether that one unmaps
-/// its destination first (as Linux 6.8 to 6.16 may).
+/// The part moves inside `within` to let through before one fails, and how that one fails.
 struct Failure {
     after: usize,
     within: Range<usize>,
-    unmapping: bool,
+    how: MoveFailure,
 }
 
-pub(crate) fn fail_a_move_after(after: usize, within: Range<usize>, unmapping: bool) {
-    *lock(&FAIL) = Some(Failure {
-        after,
-        within,
-        unmapping,
-    });
+/// How the move of a copy's part a test asks to fail fails (`Engine::fail_a_copys_move_after`).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoveFailure {
+    /// Refused, the destination left as it was.
+    Refused,
+    /// Refused after unmapping the destination (as Linux 6.8 to 6.16 may).
+    AfterUnmapping,
+    /// As `AfterUnmapping`, with another thread's mapping of `pages` pages (each holding
+    /// [`SQUATTER`] in every word) made at the end of the hole before the engine goes on.
+    AfterUnmappingTaken { pages: usize },
+}
+
+/// What each word of a mapping made in a hole by [`MoveFailure::AfterUnmappingTaken`] holds.
+#[doc(hidden)]
+pub const SQUATTER: u64 = 0x5351_5541_5454_4552;
+
+pub(crate) fn fail_a_move_after(after: usize, within: Range<usize>, how: MoveFailure) {
+    *lock(&FAIL) = Some(Failure { after, within, how });
 }
 
 /// Whether the failure a test asked for has not happened yet.
@@ -200,13 +235,27 @@ fn move_fails_here(at: usize, end: usize) -> bool {
         f.after -= 1;
         return false;
     }
-    if f.unmapping {
+    if f.how != MoveFailure::Refused {
         // SAFETY: the part's bytes are in the copy; this is what the kernel does before it
         // refuses.
         let _ = unsafe { sys::munmap(at as *mut u8, end - at) };
     }
+    if let MoveFailure::AfterUnmappingTaken { pages } = f.how {
+        squat(end - pages * PAGE..end);
+    }
     *fail = None;
     true
+}
+
+/// Maps `r`, a hole, as another thread of the program would, filled with [`SQUATTER`].
+fn squat(r: Range<usize>) {
+    if sys::mmap_anonymous_where_free(r.start, r.end - r.start, RW).is_err() {
+        return;
+    }
+    for w in (r).step_by(8) {
+        // SAFETY: a word of the mapping just made, which nothing else refers to yet.
+        unsafe { (w as *mut u64).write_volatile(SQUATTER) };
+    }
 }
 
 /// Moves the copy at `tmp` over `to` part by part, between the places `cuts` where the advice
@@ -215,14 +264,20 @@ fn move_fails_here(at: usize, end: usize) -> bool {
 /// unmapping the destination, whose bytes were then lost with the copy.) Returns how far it
 /// moved (`to.end` once all of it was); the parts of the copy not moved are unmapped. (A part
 /// moved stays moved: it is anonymous memory holding the bytes of the pages it replaced.)
-fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> usize {
+fn move_over(
+    sh: &Shared,
+    copy: &Copy,
+    to: Range<usize>,
+    cuts: &[usize],
+    lost: &mut usize,
+) -> usize {
     let ends = cuts.iter().copied().chain(std::iter::once(to.end));
     let mut at = to.start;
     for end in ends {
         // Moving it over the store mapping unmaps that: the engine's own change.
         let change = Change::Unmap { start: at, end };
         lock(&sh.changes).expect(change);
-        let from = tmp + (at - to.start);
+        let from = copy.tmp + (at - to.start);
         let mut moved = if move_fails_here(at, end) {
             Err(std::io::Error::from_raw_os_error(libc::ENOMEM))
         } else {
@@ -232,11 +287,10 @@ fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> usize
             unsafe { sys::mremap_fixed(from as *mut u8, end - at, at as *mut u8) }
         };
         if moved.is_err() && sys::is_unmapped(at) {
-            // Linux 6.8 to 6.16 look at the mapping count again after unmapping the
-            // destination, and may refuse then: the pages' bytes are the copy's alone, and it
-            // goes into the hole once more (unmapping nothing, it needs no mapping to spare).
-            // SAFETY: as above; the destination is a hole of the registered region.
-            moved = unsafe { sys::mremap_fixed(from as *mut u8, end - at, at as *mut u8) };
+            // Linux 6.8 to 6.16 may refuse after unmapping the destination (short of memory):
+            // the pages' bytes are the copy's alone, and go into the hole.
+            *lost += into_the_hole(copy, from, at..end);
+            moved = Ok(());
         }
         // A report was read before the call returned (the kernel waits for that), and the
         // fault thread records what it reads before it lets go of the log: an announcement
@@ -252,6 +306,62 @@ fn move_over(sh: &Shared, tmp: usize, to: Range<usize>, cuts: &[usize]) -> usize
     }
     at
 }
+
+/// Puts the copy's part at `from` into the hole `part` that a move refused after unmapping it
+/// left, and returns how many of its pages were lost. The hole is address space the kernel may
+/// give another thread of the program meanwhile, whose mapping there must not be replaced: so
+/// each page goes into a mapping made only where nothing is mapped (`MAP_FIXED_NOREPLACE`), the
+/// whole part's at once, else page by page. A page another thread took is lost (its place is
+/// that thread's memory now). The bytes are copied, not moved: a move of the copy's part over
+/// that mapping could be refused after unmapping it, as the first was.
+fn into_the_hole(copy: &Copy, from: usize, part: Range<usize>) -> usize {
+    let len = part.end - part.start;
+    if copy.prot & libc::PROT_READ == 0 {
+        // Readable to be copied. SAFETY: the copy is ours alone.
+        unsafe { sys::raw_mprotect(from as *mut libc::c_void, len, libc::PROT_READ) };
+    }
+    let lost = if sys::mmap_anonymous_where_free(part.start, len, RW).is_ok() {
+        if fill_claim(copy, from, part.clone()) {
+            0
+        } else {
+            len / PAGE
+        }
+    } else {
+        (part.clone())
+            .step_by(PAGE)
+            .filter(|&p| {
+                let claimed = sys::mmap_anonymous_where_free(p, PAGE, RW).is_ok();
+                !(claimed && fill_claim(copy, from + (p - part.start), p..p + PAGE))
+            })
+            .count()
+    };
+    // SAFETY: the copy's part is ours, and nothing refers to it.
+    let _ = unsafe { sys::munmap(from as *mut u8, len) };
+    lost
+}
+
+/// Copies the copy's bytes at `src` into `r`, a mapping just made in a hole, and gives it the
+/// copy's advice and protection. False if they could not be read: `r` is unmapped again (no
+/// page is better than a wrong one).
+fn fill_claim(copy: &Copy, src: usize, r: Range<usize>) -> bool {
+    let len = r.end - r.start;
+    // SAFETY: `r` is a writable mapping of ours just made, which nothing refers to yet.
+    let copied = unsafe { sys::read_own_memory(r.start as *mut u8, &[(src, len)]) };
+    if copied.ok() != Some(len) {
+        // SAFETY: as above.
+        let _ = unsafe { sys::munmap(r.start as *mut u8, len) };
+        return false;
+    }
+    copy.advice.give_anonymous(r.start, r.start, len);
+    if copy.prot != RW {
+        // SAFETY: as above.
+        unsafe { sys::raw_mprotect(r.start as *mut libc::c_void, len, copy.prot) };
+    }
+    true
+}
+
+/// Read and write: the protection of a fresh copy.
+const RW: libc::c_int = libc::PROT_READ | libc::PROT_WRITE;
 
 #[cfg(test)]
 mod tests {

@@ -513,8 +513,9 @@ impl Engine {
 
     /// For tests: when store mappings in `[addr, addr+len)` are made anonymous again, the move of
     /// the copy's part after `parts` parts moved there fails, as a kernel short of memory would
-    /// fail it, after unmapping its destination if `unmapping` (as Linux 6.8 to 6.16 may); once,
-    /// in the whole process. [`copy_move_failure_pending`] says whether it has not happened yet.
+    /// fail it, `how` it is asked to (after unmapping its destination, as Linux 6.8 to 6.16 may);
+    /// once, in the whole process. [`copy_move_failure_pending`] says whether it has not happened
+    /// yet.
     ///
     /// [`copy_move_failure_pending`]: Self::copy_move_failure_pending
     #[doc(hidden)]
@@ -523,10 +524,10 @@ impl Engine {
         parts: usize,
         addr: *mut u8,
         len: usize,
-        unmapping: bool,
+        how: crate::MoveFailure,
     ) {
         let a = addr as usize;
-        crate::anonymize::fail_a_move_after(parts, a..a.saturating_add(len), unmapping);
+        crate::anonymize::fail_a_move_after(parts, a..a.saturating_add(len), how);
     }
 
     /// For tests: see [`fail_a_copys_move_after`](Self::fail_a_copys_move_after).

@@ -131,6 +131,7 @@ mod watch;
 mod zero_holes;
 
 pub use advice::{advised, mapping_gone, mapping_moved};
+pub use anonymize::{MoveFailure, SQUATTER};
 pub use apart::{is_kept_apart, keep_apart, spawn as spawn_apart, EngineThread, KeptApart};
 pub use config::{Builder, Config, WatchMode};
 pub use dropping::DropAdvice;

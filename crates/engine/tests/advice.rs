@@ -10,63 +10,10 @@ use pageone_engine::{DropAdvice, Engine};
 use pageone_sys as sys;
 
 mod common;
-use common::{check, fill, small_engine, wait_for, PAGE};
-
-/// Pages of `[base, base + pages * PAGE)` not in a mapping whose `VmFlags` hold `flag`.
-fn pages_without(flag: &str, base: usize, pages: usize) -> Vec<usize> {
-    let flagged = sys::self_mappings_flagged(flag).unwrap();
-    (0..pages)
-        .filter(|i| !flagged.iter().any(|m| m.contains(&(base + i * PAGE))))
-        .collect()
-}
-
-/// Mappings of a store among those of `[base, base + len)`: merged pages.
-fn store_mappings(base: usize, len: usize) -> usize {
-    let maps = sys::self_mappings_in(base, base + len).unwrap();
-    maps.iter()
-        .filter(|m| pageone_engine::is_store_mapping(m))
-        .count()
-}
-
-/// Maps `2 * n` pages of two identical halves (page `i` holds `i % n + 1`).
-fn halves_unregistered(n: usize) -> usize {
-    let base = sys::mmap_anonymous(2 * n * PAGE).unwrap() as usize;
-    fill_halves(base, n);
-    base
-}
-
-/// Fills the `2 * n` pages at `base` as two identical halves (page `i` holds `i % n + 1`).
-fn fill_halves(base: usize, n: usize) {
-    for i in 0..2 * n {
-        // SAFETY: a page of the test's own mapping, which nothing else refers to yet.
-        let page = unsafe { std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE) };
-        fill(page, (i % n) as u64 + 1);
-    }
-}
-
-/// Unmaps the test's mapping, as a program under the shim does: the engine told, then the
-/// kernel's call.
-fn unmap(base: usize, len: usize) {
-    pageone_engine::mapping_gone(base..base + len);
-    // SAFETY: the test's own mapping, which nothing refers to any more.
-    unsafe { sys::munmap(base as *mut u8, len) }.unwrap();
-}
-
-/// Advises `[base, base + len)` as a program under the shim does: the kernel's call, then the
-/// engine told.
-fn advise(base: usize, len: usize, advice: i32) {
-    // SAFETY: advice that changes no contents, on the test's own mapping.
-    unsafe { sys::madvise(base as *mut u8, len, advice) }.unwrap();
-    pageone_engine::advised(base..base + len, advice);
-}
-
-fn holds(base: usize, i: usize, c: u64) -> bool {
-    // SAFETY: a page of the test's mapping, read while no thread writes it.
-    check(
-        unsafe { std::slice::from_raw_parts((base + i * PAGE) as *const u8, PAGE) },
-        c,
-    )
-}
+use common::{
+    advise, fill, fill_halves, halves_unregistered, holds, pages_without, small_engine,
+    store_mappings, unmap, wait_for, PAGE,
+};
 
 /// Every page of the range is in mappings that are neither dumped nor inherited.
 fn assert_advised(base: usize, pages: usize, when: &str) {
@@ -163,84 +110,6 @@ fn advice_taken_back_is_not_carried_and_part_advice_stays_in_its_part() {
     assert_eq!(pages_without("dd", base, 2 * n).len(), 2 * n);
     e.unregister(base as *mut u8, len).unwrap();
     assert_eq!(pages_without("dc", base, 2 * n), inherited);
-    unmap(base, len);
-}
-
-/// Merged memory advised in parts is made anonymous again part by part; when the move of a part
-/// fails (as a kernel short of memory fails it), nothing is lost and no writer is held: a
-/// writer of a page after the failed part goes on, every page keeps its bytes, and it all ends
-/// anonymous memory with the advice of its part (the span tried again mapping by mapping).
-#[test]
-fn a_failed_move_of_a_part_of_a_copy_loses_nothing_and_holds_no_writer() {
-    failed_move_of_a_part_loses_nothing(false);
-}
-
-/// The same where the kernel unmapped the part's destination before it refused (Linux 6.8 to
-/// 6.16 may, when the mapping count reached the limit meanwhile): the copy goes into the hole.
-#[test]
-fn a_move_refused_after_unmapping_its_destination_loses_nothing() {
-    failed_move_of_a_part_loses_nothing(true);
-}
-
-fn failed_move_of_a_part_loses_nothing(unmapping: bool) {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    // One at a time: the failure asked for is the process's.
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
-    use std::sync::Arc;
-    let e = small_engine(false);
-    let n = 64;
-    let (base, len) = (halves_unregistered(n), 2 * n * PAGE);
-    e.merge(base as *mut u8, len).unwrap();
-    advise(base + 16 * PAGE, 32 * PAGE, libc::MADV_DONTFORK);
-    let s = wait_for(&e, |s| s.pages_sharing >= n as u64);
-    assert_eq!(s.pages_sharing, n as u64, "{s:?}");
-    assert!(store_mappings(base, len) > 0);
-    // A writer of page 100's last word (zero in every page's contents), in the second half.
-    let (stop, written) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let word = base + 101 * PAGE - 8;
-    let writer = {
-        let (stop, written) = (stop.clone(), written.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                let v = written.load(Ordering::Relaxed) + 1;
-                // SAFETY: a word of the test's mapping only this thread writes until joined,
-                // which happens before the mapping is unmapped.
-                unsafe { (word as *mut u64).write_volatile(v) };
-                written.store(v, Ordering::Relaxed);
-            }
-        })
-    };
-    // The span's first part ([0, 16)) moves; the second's move fails.
-    e.fail_a_copys_move_after(1, base as *mut u8, len, unmapping);
-    e.unregister(base as *mut u8, len).unwrap();
-    assert!(!e.copy_move_failure_pending(), "no move failed");
-    let before = written.load(Ordering::Relaxed);
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    assert!(
-        written.load(Ordering::Relaxed) > before,
-        "the writer is held after the failed move"
-    );
-    stop.store(true, Ordering::Relaxed);
-    writer.join().unwrap();
-    assert_eq!(store_mappings(base, len), 0, "store mappings left");
-    let inherited: Vec<usize> = (0..16).chain(48..2 * n).collect();
-    assert_eq!(pages_without("dc", base, 2 * n), inherited);
-    // SAFETY: the writer was joined; nothing else writes the mapping.
-    let last = unsafe { (word as *const u64).read_volatile() };
-    assert_eq!(
-        last,
-        written.load(Ordering::Relaxed),
-        "the last write was lost"
-    );
-    // SAFETY: as above.
-    unsafe { (word as *mut u64).write_volatile(0) };
-    for i in 0..2 * n {
-        assert!(holds(base, i, (i % n) as u64 + 1), "page {i}");
-    }
     unmap(base, len);
 }
 

@@ -203,6 +203,22 @@ pub fn mmap_private_where_free(
     Ok(())
 }
 
+/// Maps `len` bytes of fresh private anonymous memory with protection `prot` at `addr`, only if
+/// nothing is mapped anywhere in `[addr, addr+len)` (`EEXIST` otherwise).
+pub fn mmap_anonymous_where_free(addr: usize, len: usize, prot: libc::c_int) -> io::Result<()> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    let flags = flags | libc::MAP_FIXED_NOREPLACE;
+    // SAFETY: `MAP_FIXED_NOREPLACE` never replaces a mapping.
+    let p = unsafe { mmap_at(addr as *mut u8, len, prot, flags, -1, 0) }?;
+    if p as usize != addr {
+        // A kernel before 4.17 takes the flag for a hint and maps elsewhere.
+        // SAFETY: the mapping just made, which nothing refers to.
+        unsafe { raw_munmap(p.cast(), len) };
+        return Err(io::Error::from_raw_os_error(libc::EEXIST));
+    }
+    Ok(())
+}
+
 /// Replaces `[addr, addr+len)` by a private (copy-on-write) read/write mapping of `fd` at `offset`.
 ///
 /// # Safety

@@ -178,3 +178,61 @@ pub fn halves(e: &pageone_engine::Engine, n: usize) -> pageone_engine::Region<'_
     }
     r
 }
+
+// Memory advised and moved (the advice and failed-move tests).
+
+/// Pages of `[base, base + pages * PAGE)` not in a mapping whose `VmFlags` hold `flag`.
+pub fn pages_without(flag: &str, base: usize, pages: usize) -> Vec<usize> {
+    let flagged = pageone_sys::self_mappings_flagged(flag).unwrap();
+    (0..pages)
+        .filter(|i| !flagged.iter().any(|m| m.contains(&(base + i * PAGE))))
+        .collect()
+}
+
+/// Mappings of a store among those of `[base, base + len)`: merged pages.
+pub fn store_mappings(base: usize, len: usize) -> usize {
+    let maps = pageone_sys::self_mappings_in(base, base + len).unwrap();
+    maps.iter()
+        .filter(|m| pageone_engine::is_store_mapping(m))
+        .count()
+}
+
+/// Maps `2 * n` pages of two identical halves (page `i` holds `i % n + 1`).
+pub fn halves_unregistered(n: usize) -> usize {
+    let base = pageone_sys::mmap_anonymous(2 * n * PAGE).unwrap() as usize;
+    fill_halves(base, n);
+    base
+}
+
+/// Fills the `2 * n` pages at `base` as two identical halves (page `i` holds `i % n + 1`).
+pub fn fill_halves(base: usize, n: usize) {
+    for i in 0..2 * n {
+        // SAFETY: a page of the test's own mapping, which nothing else refers to yet.
+        let page = unsafe { std::slice::from_raw_parts_mut((base + i * PAGE) as *mut u8, PAGE) };
+        fill(page, (i % n) as u64 + 1);
+    }
+}
+
+/// Unmaps the test's mapping, as a program under the shim does: the engine told, then the
+/// kernel's call.
+pub fn unmap(base: usize, len: usize) {
+    pageone_engine::mapping_gone(base..base + len);
+    // SAFETY: the test's own mapping, which nothing refers to any more.
+    unsafe { pageone_sys::munmap(base as *mut u8, len) }.unwrap();
+}
+
+/// Advises `[base, base + len)` as a program under the shim does: the kernel's call, then the
+/// engine told.
+pub fn advise(base: usize, len: usize, advice: i32) {
+    // SAFETY: advice that changes no contents, on the test's own mapping.
+    unsafe { pageone_sys::madvise(base as *mut u8, len, advice) }.unwrap();
+    pageone_engine::advised(base..base + len, advice);
+}
+
+pub fn holds(base: usize, i: usize, c: u64) -> bool {
+    // SAFETY: a page of the test's mapping, read while no thread writes it.
+    check(
+        unsafe { std::slice::from_raw_parts((base + i * PAGE) as *const u8, PAGE) },
+        c,
+    )
+}
