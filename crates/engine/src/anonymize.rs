@@ -8,6 +8,8 @@
 //! store mappings side by side are made anonymous together, a span at a time.
 
 use std::ops::Range;
+// std's atomic: a process-wide flag for tests (loom models the lock-free index, not the engine).
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use pageone_sync::lock;
@@ -191,6 +193,10 @@ struct Copy<'a> {
 /// moves and the test's request, never by a program thread that could write a span held still.)
 static FAIL: Mutex<Option<Failure>> = Mutex::new(None);
 
+/// Whether a test ever asked for a failure: until then, no move takes the lock. (Relaxed: the
+/// test asks before it unregisters, which hands the range to the engine through locks.)
+static ASKED: AtomicBool = AtomicBool::new(false);
+
 /// The part moves inside `within` to let through before one fails, and how that one fails.
 struct Failure {
     after: usize,
@@ -209,7 +215,12 @@ pub enum MoveFailure {
     /// As `AfterUnmapping`, with another thread's mapping of `pages` pages (each holding
     /// [`SQUATTER`] in every word) made at the end of the hole before the engine goes on.
     AfterUnmappingTaken { pages: usize },
+    /// As `AfterUnmapping`, and the move into the hole refused too, before unmapping anything.
+    AfterUnmappingTwice,
 }
+
+/// Whether the next move into a hole is to be refused (`MoveFailure::AfterUnmappingTwice`).
+static REFUSE_INTO_THE_HOLE: AtomicBool = AtomicBool::new(false);
 
 /// What each word of a mapping made in a hole by [`MoveFailure::AfterUnmappingTaken`] holds.
 #[doc(hidden)]
@@ -217,6 +228,7 @@ pub const SQUATTER: u64 = 0x5351_5541_5454_4552;
 
 pub(crate) fn fail_a_move_after(after: usize, within: Range<usize>, how: MoveFailure) {
     *lock(&FAIL) = Some(Failure { after, within, how });
+    ASKED.store(true, Ordering::Relaxed);
 }
 
 /// Whether the failure a test asked for has not happened yet.
@@ -227,6 +239,9 @@ pub(crate) fn failure_pending() -> bool {
 /// Whether the move of the part `[at, end)` is the one a test asked to fail (then it is unmapped
 /// first if asked).
 fn move_fails_here(at: usize, end: usize) -> bool {
+    if !ASKED.load(Ordering::Relaxed) {
+        return false;
+    }
     let mut fail = lock(&FAIL);
     let Some(f) = fail.as_mut().filter(|f| f.within.contains(&at)) else {
         return false;
@@ -240,8 +255,10 @@ fn move_fails_here(at: usize, end: usize) -> bool {
         // refuses.
         let _ = unsafe { sys::munmap(at as *mut u8, end - at) };
     }
-    if let MoveFailure::AfterUnmappingTaken { pages } = f.how {
-        squat(end - pages * PAGE..end);
+    match f.how {
+        MoveFailure::AfterUnmappingTaken { pages } => squat(end - pages * PAGE..end),
+        MoveFailure::AfterUnmappingTwice => REFUSE_INTO_THE_HOLE.store(true, Ordering::Relaxed),
+        _ => {}
     }
     *fail = None;
     true
@@ -310,45 +327,54 @@ fn move_over(
 /// Puts the copy's part at `from` into the hole `part` that a move refused after unmapping it
 /// left, and returns how many of its pages were lost. The hole is address space the kernel may
 /// give another thread of the program meanwhile, whose mapping there must not be replaced: so
-/// each page goes into a mapping made only where nothing is mapped (`MAP_FIXED_NOREPLACE`), the
-/// whole part's at once, else page by page. A page another thread took is lost (its place is
-/// that thread's memory now). The bytes are copied, not moved: a move of the copy's part over
-/// that mapping could be refused after unmapping it, as the first was.
+/// the part goes there whole where nothing is mapped, else page by page around what is (see
+/// [`put`]). A page another thread took is lost: its place is that thread's memory now.
 fn into_the_hole(copy: &Copy, from: usize, part: Range<usize>) -> usize {
-    let len = part.end - part.start;
-    if copy.prot & libc::PROT_READ == 0 {
-        // Readable to be copied. SAFETY: the copy is ours alone.
-        unsafe { sys::raw_mprotect(from as *mut libc::c_void, len, libc::PROT_READ) };
-    }
-    let lost = if sys::mmap_anonymous_where_free(part.start, len, RW).is_ok() {
-        if fill_claim(copy, from, part.clone()) {
-            0
-        } else {
-            len / PAGE
-        }
+    let lost = if put(copy, from, part.clone()) {
+        0
     } else {
         (part.clone())
             .step_by(PAGE)
-            .filter(|&p| {
-                let claimed = sys::mmap_anonymous_where_free(p, PAGE, RW).is_ok();
-                !(claimed && fill_claim(copy, from + (p - part.start), p..p + PAGE))
-            })
+            .filter(|&p| !put(copy, from + (p - part.start), p..p + PAGE))
             .count()
     };
-    // SAFETY: the copy's part is ours, and nothing refers to it.
-    let _ = unsafe { sys::munmap(from as *mut u8, len) };
+    // What is left of the copy's part (pages not put), ours alone.
+    // SAFETY: nothing refers to it.
+    let _ = unsafe { sys::munmap(from as *mut u8, part.end - part.start) };
     lost
 }
 
-/// Copies the copy's bytes at `src` into `r`, a mapping just made in a hole, and gives it the
-/// copy's advice and protection. False if they could not be read: `r` is unmapped again (no
-/// page is better than a wrong one).
-fn fill_claim(copy: &Copy, src: usize, r: Range<usize>) -> bool {
+/// Puts the copy's bytes at `src` into `r`, part of a hole, if nothing is mapped anywhere in it:
+/// `r` is claimed first with an inaccessible mapping made only where nothing is
+/// (`MAP_FIXED_NOREPLACE`), and the bytes move over the claim in one step. Where that move is
+/// refused with the claim still in place, they are copied into it. False (the bytes stay at
+/// `src`) if `r` could not be claimed, or the claim went with a refused move.
+fn put(copy: &Copy, src: usize, r: Range<usize>) -> bool {
     let len = r.end - r.start;
-    // SAFETY: `r` is a writable mapping of ours just made, which nothing refers to yet.
-    let copied = unsafe { sys::read_own_memory(r.start as *mut u8, &[(src, len)]) };
-    if copied.ok() != Some(len) {
-        // SAFETY: as above.
+    if sys::mmap_anonymous_where_free(r.start, len, libc::PROT_NONE).is_err() {
+        return false;
+    }
+    // (Refused as a test asked, the claim left in place.)
+    let refused = REFUSE_INTO_THE_HOLE.swap(false, Ordering::Relaxed);
+    // SAFETY: `[src, src + len)` lies in one mapping of ours (the copy's part), the destination
+    // is the claim just made, which nothing refers to.
+    if !refused && unsafe { sys::mremap_fixed(src as *mut u8, len, r.start as *mut u8) }.is_ok() {
+        return true;
+    }
+    if !is_claim(&r) {
+        return false;
+    }
+    if copy.prot & libc::PROT_READ == 0 {
+        // Readable to be copied. SAFETY: the copy is ours alone.
+        unsafe { sys::raw_mprotect(src as *mut libc::c_void, len, libc::PROT_READ) };
+    }
+    // SAFETY: the claim is ours; inaccessible until now, nothing refers to it.
+    let writable = unsafe { sys::raw_mprotect(r.start as *mut libc::c_void, len, RW) } == 0;
+    // SAFETY: as above, now writable.
+    let copied = writable
+        && unsafe { sys::read_own_memory(r.start as *mut u8, &[(src, len)]) }.ok() == Some(len);
+    if !copied {
+        // No page is better than a wrong one. SAFETY: as above.
         let _ = unsafe { sys::munmap(r.start as *mut u8, len) };
         return false;
     }
@@ -358,6 +384,15 @@ fn fill_claim(copy: &Copy, src: usize, r: Range<usize>) -> bool {
         unsafe { sys::raw_mprotect(r.start as *mut libc::c_void, len, copy.prot) };
     }
     true
+}
+
+/// Whether `r` is exactly one inaccessible anonymous mapping: the claim [`put`] made, left in
+/// place by a refused move.
+fn is_claim(r: &Range<usize>) -> bool {
+    sys::self_mappings_in(r.start, r.end).is_ok_and(|maps| {
+        matches!(maps.as_slice(), [m] if m.start == r.start && m.end == r.end
+            && m.inode == 0 && m.perms.starts_with("---"))
+    })
 }
 
 /// Read and write: the protection of a fresh copy.

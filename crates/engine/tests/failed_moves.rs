@@ -37,6 +37,13 @@ fn a_hole_left_by_a_refused_move_is_filled_around_another_threads_mapping() {
     failed_move_of_a_part_loses_nothing(MoveFailure::AfterUnmappingTaken { pages: 3 });
 }
 
+/// The same where the move into the hole is refused too, before unmapping anything: the bytes
+/// are copied into the hole.
+#[test]
+fn a_hole_whose_move_is_refused_again_takes_the_bytes_copied() {
+    failed_move_of_a_part_loses_nothing(MoveFailure::AfterUnmappingTwice);
+}
+
 /// Page `i` of `base` holds the other thread's bytes in every word.
 fn squatted(base: usize, i: usize) -> bool {
     (0..PAGE / 8).all(|w| {
