@@ -143,7 +143,7 @@ pub(crate) fn anonymize(sh: &Shared, s: usize, e: usize, prot: libc::c_int) -> b
             let copied = unsafe { sys::read_own_memory(tmp, &[(s, len)]) }.ok() == Some(len);
             // With the protection the program gave the pages.
             let copied = copied
-                && (prot == libc::PROT_READ | libc::PROT_WRITE
+                && (prot == RW
                     // SAFETY: `tmp` is ours alone.
                     || unsafe { sys::raw_mprotect(tmp.cast(), len, prot) } == 0);
             // Advised as the memory it replaces.

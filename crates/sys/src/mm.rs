@@ -191,25 +191,29 @@ pub fn mmap_private_where_free(
     offset: u64,
     prot: libc::c_int,
 ) -> io::Result<()> {
-    let flags = libc::MAP_PRIVATE | libc::MAP_FIXED_NOREPLACE;
-    // SAFETY: `MAP_FIXED_NOREPLACE` never replaces a mapping.
-    let p = unsafe { mmap_at(addr as *mut u8, len, prot, flags, fd, offset) }?;
-    if p as usize != addr {
-        // A kernel before 4.17 takes the flag for a hint and maps elsewhere.
-        // SAFETY: the mapping just made, which nothing refers to.
-        unsafe { raw_munmap(p.cast(), len) };
-        return Err(io::Error::from_raw_os_error(libc::EEXIST));
-    }
-    Ok(())
+    mmap_where_free(addr, len, prot, libc::MAP_PRIVATE, fd, offset)
 }
 
 /// Maps `len` bytes of fresh private anonymous memory with protection `prot` at `addr`, only if
 /// nothing is mapped anywhere in `[addr, addr+len)` (`EEXIST` otherwise).
 pub fn mmap_anonymous_where_free(addr: usize, len: usize, prot: libc::c_int) -> io::Result<()> {
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    mmap_where_free(addr, len, prot, flags, -1, 0)
+}
+
+/// A mapping at `addr` (`mmap(2)`'s other arguments, `MAP_FIXED_NOREPLACE` added), only if
+/// nothing is mapped anywhere in `[addr, addr+len)` (`EEXIST` otherwise).
+fn mmap_where_free(
+    addr: usize,
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: RawFd,
+    offset: u64,
+) -> io::Result<()> {
     let flags = flags | libc::MAP_FIXED_NOREPLACE;
     // SAFETY: `MAP_FIXED_NOREPLACE` never replaces a mapping.
-    let p = unsafe { mmap_at(addr as *mut u8, len, prot, flags, -1, 0) }?;
+    let p = unsafe { mmap_at(addr as *mut u8, len, prot, flags, fd, offset) }?;
     if p as usize != addr {
         // A kernel before 4.17 takes the flag for a hint and maps elsewhere.
         // SAFETY: the mapping just made, which nothing refers to.
